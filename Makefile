@@ -1,0 +1,47 @@
+# joader's everyday commands. Every target creates and uses its own .venv, so a fresh clone needs
+# only python3.11 (or python3 >= 3.11) and make.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.joader-installed
+DEMO_DIR ?= demo-data
+DEMO_ITEMS ?= 1200
+
+.PHONY: venv test test-fast demo bench bench-full lint proto clean
+
+# torch is installed first, pinned, because a bare `torch` requirement on a machine without it
+# pulls the newest CUDA build (gigabytes); the project's own range then admits it (DESIGN.md).
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test,bench,dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# pytest exits 5 when it collects no test: that is a failure here, not a silent pass.
+test: venv
+	@$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+test-fast: venv
+	$(PY) -m pytest -q -x tests/unit
+
+demo: venv
+	$(PY) -m joader.demo --data $(DEMO_DIR) --items $(DEMO_ITEMS)
+
+bench: venv
+	$(PY) bench/sampler.py --quick
+
+bench-full: venv
+	$(PY) bench/sampler.py
+
+lint: venv
+	$(VENV)/bin/ruff check joader server client tests bench
+
+proto: venv
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. joader/proto/joader.proto
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,24 @@
+"""joader: share data preparation between concurrent deep-learning training jobs on one host.
+
+The core (`joader.sampling`, `joader.cache`, `joader.sources`) is pure Python over numpy and
+pyroaring. `joader.server` is the daemon, `joaderd`; `joader.client` holds `JoaderDataset`, the
+client a training script uses in place of its ImageFolder. `JoaderDataset` is imported lazily so
+that `import joader` does not pull in torch or grpc.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from joader.errors import JoaderError
+
+__all__ = ["JoaderDataset", "JoaderError", "__version__"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "JoaderDataset":
+        from joader.client.dataset import JoaderDataset
+
+        return JoaderDataset
+    raise AttributeError(f"module 'joader' has no attribute {name!r}")

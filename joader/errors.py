@@ -1,0 +1,87 @@
+"""The exception types of joader, and the one table that maps them to gRPC status codes.
+
+Every error a user can cause derives from `JoaderError` and carries a message that names the
+problem and the fix. The table is kept here, as status-code *names*, so that the core does not
+import grpc; the server and the client translate with `grpc.StatusCode[name]`.
+"""
+
+from __future__ import annotations
+
+
+class JoaderError(Exception):
+    """Base class of every error joader raises on purpose."""
+
+    status_code: str = "INTERNAL"
+
+
+class InvalidArgumentError(JoaderError, ValueError):
+    """A request or an argument is malformed: bad sizes, indices out of range, empty dataset."""
+
+    status_code = "INVALID_ARGUMENT"
+
+
+class UnknownSourceError(JoaderError, KeyError):
+    """A source name the server does not serve."""
+
+    status_code = "NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownJobError(JoaderError, KeyError):
+    """A job id that is not registered (never was, was removed, or its lease expired)."""
+
+    status_code = "NOT_FOUND"
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateJobError(JoaderError, ValueError):
+    """A job id that is already registered."""
+
+    status_code = "ALREADY_EXISTS"
+
+
+class DecodeError(JoaderError):
+    """A file of a source could not be read or decoded (truncated, corrupt, not an image)."""
+
+    status_code = "DATA_LOSS"
+
+
+class CacheSpaceError(JoaderError, OSError):
+    """The shared-memory arena cannot be allocated (too little /dev/shm)."""
+
+    status_code = "RESOURCE_EXHAUSTED"
+
+
+# One table, both directions. The client picks the class from the `joader-error` trailing
+# metadata the server attaches, and falls back to the status code alone.
+ERROR_CLASSES: dict[str, type[JoaderError]] = {
+    cls.__name__: cls
+    for cls in (
+        JoaderError,
+        InvalidArgumentError,
+        UnknownSourceError,
+        UnknownJobError,
+        DuplicateJobError,
+        DecodeError,
+        CacheSpaceError,
+    )
+}
+
+
+def status_code_name(error: JoaderError) -> str:
+    """The gRPC status-code name for `error`."""
+    return type(error).status_code
+
+
+def error_from_status(class_name: str | None, code_name: str, message: str) -> JoaderError:
+    """Rebuild the error a server raised from its class name (if known) or its status code."""
+    if class_name in ERROR_CLASSES:
+        return ERROR_CLASSES[class_name](message)
+    for cls in ERROR_CLASSES.values():
+        if cls is not JoaderError and cls.status_code == code_name:
+            return cls(message)
+    return JoaderError(message)

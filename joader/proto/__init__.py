@@ -1,0 +1,1 @@
+"""Generated gRPC and protobuf modules for joader.proto (regenerate with `make proto`)."""
