@@ -1,0 +1,91 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AttachRequest(_message.Message):
+    __slots__ = ("source", "indices", "name", "batch_size", "heartbeat")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    indices: bytes
+    name: str
+    batch_size: int
+    heartbeat: bool
+    def __init__(self, source: _Optional[str] = ..., indices: _Optional[bytes] = ..., name: _Optional[str] = ..., batch_size: _Optional[int] = ..., heartbeat: _Optional[bool] = ...) -> None: ...
+
+class AttachResponse(_message.Message):
+    __slots__ = ("job_id", "source", "classes", "num_source_items", "num_items", "image_size", "item_nbytes", "arena_path", "lease_s")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SOURCE_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ITEM_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    source: str
+    classes: _containers.RepeatedScalarFieldContainer[str]
+    num_source_items: int
+    num_items: int
+    image_size: int
+    item_nbytes: int
+    arena_path: str
+    lease_s: float
+    def __init__(self, job_id: _Optional[str] = ..., source: _Optional[str] = ..., classes: _Optional[_Iterable[str]] = ..., num_source_items: _Optional[int] = ..., num_items: _Optional[int] = ..., image_size: _Optional[int] = ..., item_nbytes: _Optional[int] = ..., arena_path: _Optional[str] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class NextRequest(_message.Message):
+    __slots__ = ("job_id", "token", "max_items", "acks")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    ACKS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    token: int
+    max_items: int
+    acks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., token: _Optional[int] = ..., max_items: _Optional[int] = ..., acks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FailedItem(_message.Message):
+    __slots__ = ("item_id", "path", "reason")
+    ITEM_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    item_id: int
+    path: str
+    reason: str
+    def __init__(self, item_id: _Optional[int] = ..., path: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class NextResponse(_message.Message):
+    __slots__ = ("epoch", "end_of_epoch", "item_ids", "labels", "offsets", "failed")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    END_OF_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ITEM_IDS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    end_of_epoch: bool
+    item_ids: _containers.RepeatedScalarFieldContainer[int]
+    labels: _containers.RepeatedScalarFieldContainer[int]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    failed: _containers.RepeatedCompositeFieldContainer[FailedItem]
+    def __init__(self, epoch: _Optional[int] = ..., end_of_epoch: _Optional[bool] = ..., item_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., failed: _Optional[_Iterable[_Union[FailedItem, _Mapping]]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...
