@@ -1,0 +1,157 @@
+"""The interface every sampler implements, and the bookkeeping they share.
+
+A sampler hands items to jobs round by round. Each registered job has a *dataset* D (a set of
+item ids) and, inside its current epoch, a *remaining set* R of the items it has not received
+yet. `sample(job_ids)` runs one round: every listed job receives exactly one item drawn from its
+R; jobs not listed sit the round out and keep R intact. When a participant's R is empty at the
+start of a round, a new epoch begins: R = D again.
+
+Epoch numbering: `epoch(job)` is the number of epochs the job has *started*, and an epoch starts
+when the job receives its first item of it. So it is 0 after `add_job` (R = D, nothing received
+yet), 1 from the first pick on, 2 from the first pick after the whole dataset was received, and
+so on. `reset_epoch(job)` abandons the current epoch (R = D); the next pick starts a new epoch.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Iterable, Sequence
+
+from pyroaring import AbstractBitMap, BitMap, FrozenBitMap
+
+from joader.errors import DuplicateJobError, InvalidArgumentError, UnknownJobError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Sampler"]
+
+
+class Sampler(abc.ABC):
+    """A round-by-round sampler over per-job datasets (see the module docstring).
+
+    Subclasses keep each job's remaining set; this base class keeps the datasets, the epoch
+    counters and the argument checks, so both samplers fail the same way on bad input.
+    """
+
+    def __init__(self) -> None:
+        self._datasets: dict[str, FrozenBitMap] = {}
+        self._epochs: dict[str, int] = {}
+        # Jobs whose next received item starts a new epoch without a refill in `sample` (just
+        # added, or reset): their R is already D.
+        self._pending_start: set[str] = set()
+
+    # ----------------------------------------------------------------------------- queries
+    def jobs(self) -> list[str]:
+        """The registered job ids, in registration order."""
+        return list(self._datasets)
+
+    def dataset(self, job_id: str) -> FrozenBitMap:
+        """The job's dataset D, as an immutable bitmap (safe to keep; it never changes)."""
+        return self._datasets[self._known(job_id, "dataset")]
+
+    def epoch(self, job_id: str) -> int:
+        """Number of epochs the job has started: 0 before its first item, then 1, 2, ..."""
+        return self._epochs[self._known(job_id, "epoch")]
+
+    @abc.abstractmethod
+    def remaining(self, job_id: str) -> FrozenBitMap:
+        """A frozen snapshot of the items left in the job's current epoch (a copy: later rounds
+        do not change it, and it cannot be used to change the sampler)."""
+
+    @abc.abstractmethod
+    def num_remaining(self, job_id: str) -> int:
+        """len(remaining(job_id)) without the copy."""
+
+    @abc.abstractmethod
+    def needs(self, job_id: str, item: int) -> bool:
+        """Whether `item` is in the job's remaining set (it will receive it this epoch)."""
+
+    # ----------------------------------------------------------------------------- changes
+    @abc.abstractmethod
+    def add_job(self, job_id: str, dataset: AbstractBitMap | Iterable[int]) -> None:
+        """Register a job; its first epoch covers `dataset` (copied, so later changes to the
+        caller's bitmap do not leak in)."""
+
+    @abc.abstractmethod
+    def remove_job(self, job_id: str) -> None:
+        """Forget a job, in the middle of its epoch or not."""
+
+    @abc.abstractmethod
+    def reset_epoch(self, job_id: str) -> None:
+        """Abandon the job's current epoch: R = D, and its next item starts a new epoch."""
+
+    @abc.abstractmethod
+    def sample(self, job_ids: Sequence[str]) -> dict[str, int]:
+        """Run one round: each listed job receives one item of its remaining set.
+
+        Returns {job_id: item}. Jobs not listed sit out. An empty list returns {}.
+        """
+
+    # ----------------------------------------------------------------------------- helpers
+    def _known(self, job_id: str, action: str) -> str:
+        if job_id not in self._datasets:
+            raise UnknownJobError(
+                f"{action}: unknown job {job_id!r}; it was never added or was already removed "
+                f"(registered jobs: {sorted(self._datasets)!r}). Call add_job({job_id!r}, ...) "
+                "first."
+            )
+        return job_id
+
+    def _register(self, job_id: str, dataset: AbstractBitMap | Iterable[int]) -> FrozenBitMap:
+        """Check and record a new job's dataset; returns the frozen copy."""
+        if not isinstance(job_id, str) or not job_id:
+            raise InvalidArgumentError(
+                f"add_job: job id must be a non-empty string, got {job_id!r}"
+            )
+        if job_id in self._datasets:
+            raise DuplicateJobError(
+                f"add_job: job {job_id!r} is already registered; remove_job({job_id!r}) first, "
+                "or pick another id"
+            )
+        frozen = FrozenBitMap(dataset)
+        if not frozen:
+            raise InvalidArgumentError(
+                f"add_job: job {job_id!r} has an empty dataset; give it at least one item id"
+            )
+        self._datasets[job_id] = frozen
+        self._epochs[job_id] = 0
+        self._pending_start.add(job_id)
+        logger.debug("job %s added with %d items", job_id, len(frozen))
+        return frozen
+
+    def _unregister(self, job_id: str) -> None:
+        del self._datasets[job_id]
+        del self._epochs[job_id]
+        self._pending_start.discard(job_id)
+        logger.debug("job %s removed", job_id)
+
+    def _bad_participants(self, job_ids: Sequence[str]) -> InvalidArgumentError | UnknownJobError:
+        """The error to raise for a participant list that failed the fast path."""
+        seen: set[str] = set()
+        for job_id in job_ids:
+            if job_id not in self._datasets:
+                return UnknownJobError(
+                    f"sample: unknown job {job_id!r} in the participant list; it was never "
+                    f"added or was removed (registered jobs: {sorted(self._datasets)!r})"
+                )
+            if job_id in seen:
+                return InvalidArgumentError(
+                    f"sample: job {job_id!r} is listed twice; a job receives one item per "
+                    "round, so list each participant once"
+                )
+            seen.add(job_id)
+        return InvalidArgumentError(f"sample: bad participant list {list(job_ids)!r}")
+
+    def _start_pending(self, job_ids: Sequence[str]) -> None:
+        """Count a new epoch for participants whose epoch starts with this round's item."""
+        pending = self._pending_start
+        for job_id in job_ids:
+            if job_id in pending:
+                pending.discard(job_id)
+                self._epochs[job_id] += 1
+
+
+def copy_bitmap(bitmap: AbstractBitMap) -> BitMap:
+    """A mutable copy; `BitMap() | b` is about 7x faster than `BitMap(b)` in pyroaring 1.x."""
+    return BitMap() | bitmap

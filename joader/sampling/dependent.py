@@ -1,0 +1,253 @@
+"""DSA, the dependent sampling algorithm (Xie et al., NeurIPS 2022, sec. 3.1), on the chain tree.
+
+One round with participants P (the others sit out and keep R intact) walks the chain of
+`joader.sampling.chain` from the root. At node k, with the participants P_k still undecided
+(P_1 = P), draw ONE uniform u in [0, 1) for the node. A job j in P_k *selects* the vertex iff
+
+    u < |I_k| / |R'_j|,   R'_j = R_j \\ (I_1 ∪ ... ∪ I_{k-1})   (j's remaining set seen at node k)
+
+All selectors receive the same item, drawn uniformly from I_k. If j_k participates and did not
+select, it draws uniformly from its leaf L_k. The other non-selectors go on to node k+1.
+
+Because u is shared, the selections are nested: if a job with |R'| = a selects, so does every job
+with |R'| <= a; and P(job i selects | job i-1 selected) = |R'_{i-1}| / |R'_i|, the paper's chain
+probabilities. Correctness does not depend on the chain order being up to date (it goes stale as
+jobs consume items at different rates); only the amount of sharing does.
+
+Claim: in every round, a participant j receives each x in R_j with probability 1/|R_j|, given
+everything that happened before the round. Proof by induction over the nodes on j's path
+(j = j_m, nodes k = 1..m): suppose j reaches node k with probability |R'_j(k)| / |R_j|, where
+R'_j(k) = I_k ⊔ ... ⊔ I_m ⊔ L_m. For k = 1 this is 1. The u of node k is drawn afresh, so j
+selects with probability |R'_j(k)|/|R_j| * |I_k|/|R'_j(k)| = |I_k|/|R_j| and then gets each
+x in I_k with probability 1/|I_k|, i.e. 1/|R_j| each. Otherwise (probability
+(|R'_j(k)| - |I_k|)/|R_j|): if k = m it draws from L_m, |L_m| = |R'_j(m)| - |I_m|, so each leaf
+item has probability 1/|R_j|; if k < m it reaches node k+1 with probability |R'_j(k+1)|/|R_j|,
+the induction hypothesis. The sets I_1..I_m, L_m partition R_j, so every x in R_j gets exactly
+1/|R_j|. (A job never reaches a node with R'_j empty: R'_j(k+1) empty means R'_j(k) = I_k and
+j selected there with probability 1.) The item leaves R_j, so the job's picks within an epoch are
+a uniformly random permutation of D_j whatever the other jobs and the sit-outs do, as long as the
+participant lists do not depend on future draws. The tree is updated only after the whole round,
+so that an item moved to a deeper vertex cannot be drawn twice by the same round's walk.
+
+Two jobs share a round with probability P(both select I_1) = |R_1 ∩ R_2| / max(|R_1|, |R_2|),
+the Theorem 1 bound for their current sets, whatever the chain order. For n jobs, the selectors
+of node k share one item; the expected number of distinct items in a round is
+sum_k P(someone selects I_k) + sum_k P(j_k takes its leaf); with identical datasets it is 1.
+
+Incremental update, after item x went to the set G of jobs (O(n) bitmap adds and removes):
+- x from L_k (G = {j_k}): remove x from L_k and R_{j_k}. No other vertex changes: I_m for m <= k
+  never held x (it is in the leaf), and I_m, L_m for m != k do not depend on x ∈ R_{j_k}.
+- x from I_k: remove x from I_k and from R_j for j in G. H = {j_k..j_n} \\ G still need x; vertices
+  above k never held it. Let m* = 1 + the deepest chain position in G: the suffix {j_m*..j_n} is
+  the first one inside H, so x moves to I_m* (if m* <= n), and into L_m for every m in [k, m*)
+  with j_m in H. A unit test checks this against `build_chain` after random rounds.
+
+Epochs: a participant whose R is empty at the start of a round gets R = D (a new epoch); this,
+add_job, remove_job and reset_epoch rebuild the chain in the ascending size order.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from pyroaring import AbstractBitMap, BitMap, FrozenBitMap
+
+from joader.sampling.base import Sampler, copy_bitmap
+from joader.sampling.chain import build_chain
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ChainNode", "DependentSampler"]
+
+
+@dataclass(frozen=True)
+class ChainNode:
+    """A snapshot of one node of the chain: its job, its vertex I_k and its job's leaf L_k."""
+
+    job_id: str
+    vertex: FrozenBitMap
+    leaf: FrozenBitMap
+
+
+class DependentSampler(Sampler):
+    """DSA over the chain tree: correlated per-job epochs that share as many rounds as possible.
+
+    `seed` (or `rng`, a `random.Random`) fixes every draw: the same seed and the same calls give
+    the same picks.
+    """
+
+    def __init__(self, seed: int | None = None, *, rng: random.Random | None = None) -> None:
+        super().__init__()
+        self._rng = rng if rng is not None else random.Random(seed)
+        self._remaining: dict[str, BitMap] = {}
+        # The chain, by position: job ids, their remaining sets and sizes, vertices and leaves
+        # with their sizes kept as ints, so a round never calls len() on a bitmap.
+        self._order: list[str] = []
+        self._pos: dict[str, int] = {}
+        self._rsets: list[BitMap] = []
+        self._rsizes: list[int] = []
+        self._inner: list[BitMap] = []
+        self._isizes: list[int] = []
+        self._leaves: list[BitMap] = []
+        self._lsizes: list[int] = []
+
+    # ----------------------------------------------------------------------------- queries
+    def remaining(self, job_id: str) -> FrozenBitMap:
+        return FrozenBitMap(self._remaining[self._known(job_id, "remaining")])
+
+    def num_remaining(self, job_id: str) -> int:
+        return self._rsizes[self._pos[self._known(job_id, "num_remaining")]]
+
+    def needs(self, job_id: str, item: int) -> bool:
+        return item in self._remaining[self._known(job_id, "needs")]
+
+    def tree(self) -> list[ChainNode]:
+        """A frozen snapshot of the chain, root first (for tests, status pages, debugging)."""
+        return [
+            ChainNode(job_id, FrozenBitMap(vertex), FrozenBitMap(leaf))
+            for job_id, vertex, leaf in zip(self._order, self._inner, self._leaves, strict=True)
+        ]
+
+    # ----------------------------------------------------------------------------- changes
+    def add_job(self, job_id: str, dataset: AbstractBitMap | Iterable[int]) -> None:
+        frozen = self._register(job_id, dataset)
+        self._remaining[job_id] = copy_bitmap(frozen)
+        self._rebuild()
+
+    def remove_job(self, job_id: str) -> None:
+        self._known(job_id, "remove_job")
+        self._unregister(job_id)
+        del self._remaining[job_id]
+        self._rebuild()
+
+    def reset_epoch(self, job_id: str) -> None:
+        self._known(job_id, "reset_epoch")
+        self._remaining[job_id] = copy_bitmap(self._datasets[job_id])
+        self._pending_start.add(job_id)
+        logger.debug("job %s: epoch reset", job_id)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        remaining = self._remaining
+        order = sorted(remaining, key=lambda job_id: (len(remaining[job_id]), job_id))
+        self._order = order
+        self._pos = {job_id: k for k, job_id in enumerate(order)}
+        self._rsets = [remaining[job_id] for job_id in order]
+        self._rsizes = [len(r) for r in self._rsets]
+        self._inner, self._leaves = build_chain(self._rsets)
+        self._isizes = [len(b) for b in self._inner]
+        self._lsizes = [len(b) for b in self._leaves]
+
+    def _refill(self, positions: list[int]) -> None:
+        """Start a new epoch (R = D) for the jobs at these chain positions, then rebuild."""
+        for p in positions:
+            job_id = self._order[p]
+            self._remaining[job_id] = copy_bitmap(self._datasets[job_id])
+            self._epochs[job_id] += 1
+            logger.debug("job %s: epoch %d starts", job_id, self._epochs[job_id])
+        self._rebuild()
+
+    # ----------------------------------------------------------------------------- a round
+    def sample(self, job_ids: Sequence[str]) -> dict[str, int]:
+        if not job_ids:
+            return {}
+        pos = self._pos
+        try:
+            active = [pos[job_id] for job_id in job_ids]
+        except (KeyError, TypeError):
+            raise self._bad_participants(job_ids) from None
+        if len(set(active)) != len(active):
+            raise self._bad_participants(job_ids)
+        if self._pending_start:
+            self._start_pending(job_ids)
+        rsizes = self._rsizes
+        empty = [p for p in active if not rsizes[p]]
+        if empty:
+            self._refill(empty)
+            pos = self._pos
+            rsizes = self._rsizes
+            active = [pos[job_id] for job_id in job_ids]
+        active.sort()
+
+        order = self._order
+        inner = self._inner
+        isizes = self._isizes
+        leaves = self._leaves
+        lsizes = self._lsizes
+        rand = self._rng.random
+        picks: dict[str, int] = {}
+        # (node, item, selector positions); None for a leaf draw. Applied after the walk.
+        deliveries: list[tuple[int, int, list[int] | None]] = []
+        consumed = 0  # |I_1| + ... + |I_{k-1}|: R'_j = R_j minus these, for every j at node k
+        k = 0
+        while active:
+            size = isizes[k]
+            if size:
+                u = rand()
+                selected = []
+                rest = []
+                for p in active:
+                    if u * (rsizes[p] - consumed) < size:
+                        selected.append(p)
+                    else:
+                        rest.append(p)
+                if selected:
+                    index = int(rand() * size)
+                    item = inner[k][index if index < size else size - 1]
+                    for p in selected:
+                        picks[order[p]] = item
+                    deliveries.append((k, item, selected))
+                    active = rest
+                    if not rest:
+                        break
+                consumed += size
+            if active[0] == k:  # j_k takes part and did not select I_k: its leaf
+                size = lsizes[k]
+                index = int(rand() * size)
+                item = leaves[k][index if index < size else size - 1]
+                picks[order[k]] = item
+                deliveries.append((k, item, None))
+                del active[0]
+            k += 1
+
+        self._apply(deliveries)
+        return picks
+
+    def _apply(self, deliveries: list[tuple[int, int, list[int] | None]]) -> None:
+        """The incremental update of the module docstring, for each delivery of the round."""
+        rsets = self._rsets
+        rsizes = self._rsizes
+        inner = self._inner
+        isizes = self._isizes
+        leaves = self._leaves
+        lsizes = self._lsizes
+        n = len(rsets)
+        for k, item, selected in deliveries:
+            if selected is None:
+                leaves[k].remove(item)
+                lsizes[k] -= 1
+                rsets[k].remove(item)
+                rsizes[k] -= 1
+                continue
+            inner[k].remove(item)
+            isizes[k] -= 1
+            for p in selected:
+                rsets[p].remove(item)
+                rsizes[p] -= 1
+            deepest = selected[-1]  # positions are visited in ascending order
+            if deepest > k:
+                chosen = set(selected)
+                for m in range(k + 1, deepest):
+                    if m not in chosen:
+                        leaves[m].add(item)
+                        lsizes[m] += 1
+            # j_k is in H when it did not select: it keeps needing the item, in its leaf
+            if selected[0] != k:
+                leaves[k].add(item)
+                lsizes[k] += 1
+            if deepest + 1 < n:
+                inner[deepest + 1].add(item)
+                isizes[deepest + 1] += 1
