@@ -1,0 +1,424 @@
+"""The shared-memory arena: one file under /dev/shm, cut into equal slots of prepared samples.
+
+The server creates and owns the arena (`Arena.create`) and is the only one that unlinks it;
+decode workers map it read-write; clients map it read-only (`ArenaReader`). Three traps shape
+this module (DESIGN.md, sec. 4):
+
+- tmpfs does not reserve pages on `ftruncate`, and writing past what /dev/shm holds kills the
+  writer with SIGBUS. So the file is allocated with `os.posix_fallocate`, and ENOSPC becomes a
+  `CacheSpaceError` at start, naming the free space and the fix.
+- `multiprocessing.shared_memory` registers segments with the resource tracker, which unlinks the
+  server's segment when a client exits. So everything here is a plain file plus `mmap`.
+- A crashed server leaves its segment behind. Names carry the owner's uid and pid
+  (`joader-<uid>-<pid>-<token>`), and the owner holds an `flock` on the file for as long as the
+  arena is open. A restart removes (`remove_stale_arenas`) this user's segments that are
+  unlocked *and* whose pid is gone. The lock is what proves death: it is released by the kernel
+  when the owner dies, even when pids are reused or the owner lives in another pid namespace
+  (two containers sharing /dev/shm). The pid check closes the short window between a new
+  server's create and its lock.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import re
+import secrets
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+import numpy as np
+
+from joader.errors import CacheSpaceError, InvalidArgumentError, JoaderError
+
+__all__ = [
+    "DEFAULT_SHM_DIR",
+    "Arena",
+    "ArenaReader",
+    "SlotAllocator",
+    "arena_name_pattern",
+    "format_size",
+    "parse_size",
+    "remove_stale_arenas",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SHM_DIR = "/dev/shm"
+_NAME_PREFIX = "joader"
+# Names this process created: with the lock test these let a server that restarts with the same
+# pid (pid 1 in a container) recognise its previous incarnation's segments.
+_created_here: set[str] = set()
+
+
+def arena_name_pattern(uid: int | None = None) -> re.Pattern[str]:
+    """The names of arenas owned by `uid` (default: this process's uid); group 1 is the pid."""
+    uid = os.getuid() if uid is None else uid
+    return re.compile(rf"^{_NAME_PREFIX}-{uid}-(\d+)-[0-9a-f]+$")
+
+
+class Arena:
+    """A shared-memory file of `num_slots` slots of `slot_bytes` each, mapped read-write."""
+
+    def __init__(
+        self, path: Path, capacity_bytes: int, slot_bytes: int, mm: mmap.mmap, lock_fd: int
+    ) -> None:
+        # Use `Arena.create`; this only wraps an already allocated, mapped file.
+        self.path = path
+        self.name = path.name
+        self.capacity_bytes = capacity_bytes
+        self.slot_bytes = slot_bytes
+        self.num_slots = capacity_bytes // slot_bytes
+        self.size_bytes = self.num_slots * slot_bytes  # never above capacity_bytes
+        self._mmap: mmap.mmap | None = mm
+        self._lock_fd: int | None = lock_fd  # holds the flock that marks the arena as alive
+        self._unlinked = False
+
+    @classmethod
+    def create(
+        cls,
+        capacity_bytes: int,
+        slot_bytes: int,
+        *,
+        shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR,
+    ) -> Arena:
+        """Create, fully allocate and map a new arena. Raises CacheSpaceError if it does not fit."""
+        if slot_bytes <= 0:
+            raise InvalidArgumentError(f"slot_bytes must be positive, got {slot_bytes}")
+        if capacity_bytes < slot_bytes:
+            raise InvalidArgumentError(
+                f"cache capacity {format_size(capacity_bytes)} is smaller than one prepared "
+                f"sample ({format_size(slot_bytes)}); raise --cache-size to at least a few "
+                "hundred samples"
+            )
+        size_bytes = (capacity_bytes // slot_bytes) * slot_bytes
+        name = f"{_NAME_PREFIX}-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}"
+        path = Path(shm_dir) / name
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except FileNotFoundError:
+            raise CacheSpaceError(
+                f"cannot create the cache arena: {shm_dir} does not exist; joader needs a tmpfs "
+                "such as /dev/shm (Linux)"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:
+                os.posix_fallocate(fd, 0, size_bytes)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EFBIG):
+                    raise _space_error(shm_dir, size_bytes) from None
+                raise
+            mm = mmap.mmap(
+                fd, size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(path)
+            raise
+        _created_here.add(name)
+        logger.info(
+            "created cache arena %s: %s in %d slots",
+            path,
+            format_size(size_bytes),
+            size_bytes // slot_bytes,
+        )
+        return cls(path, capacity_bytes, slot_bytes, mm, fd)
+
+    @property
+    def buffer(self) -> mmap.mmap:
+        """The read-write mapping (raises once closed)."""
+        if self._mmap is None:
+            raise JoaderError(f"cache arena {self.name} is closed")
+        return self._mmap
+
+    def slot_offset(self, slot: int) -> int:
+        if not 0 <= slot < self.num_slots:
+            raise InvalidArgumentError(f"slot {slot} out of range 0..{self.num_slots - 1}")
+        return slot * self.slot_bytes
+
+    def slot_array(self, slot: int, shape: tuple[int, ...]) -> np.ndarray:
+        """A writable uint8 numpy view of the start of `slot`, shaped `shape`."""
+        nbytes = int(np.prod(shape))
+        if nbytes > self.slot_bytes:
+            raise InvalidArgumentError(
+                f"shape {shape} needs {nbytes} bytes, slots hold {self.slot_bytes}"
+            )
+        return np.frombuffer(self.buffer, np.uint8, nbytes, self.slot_offset(slot)).reshape(shape)
+
+    def close(self) -> None:
+        """Unmap and drop the lock (idempotent). Live numpy views keep the mapping until freed."""
+        mm, self._mmap = self._mmap, None
+        if mm is not None:
+            _close_mmap(mm, self.name)
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def unlink(self) -> None:
+        """Remove the file (idempotent). Existing mappings, also clients', stay valid."""
+        if not self._unlinked:
+            self._unlinked = True
+            _unlink_quietly(self.path)
+            logger.info("removed cache arena %s", self.path)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+        self.unlink()
+
+    def __repr__(self) -> str:
+        return (
+            f"Arena({str(self.path)!r}, num_slots={self.num_slots}, slot_bytes={self.slot_bytes})"
+        )
+
+
+class SlotAllocator:
+    """A free list of slot indices 0..num_slots-1. Pure; the server holds the only one."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 0:
+            raise InvalidArgumentError(f"num_slots must be >= 0, got {num_slots}")
+        self.num_slots = num_slots
+        # Popping from the end hands out low slots first, which keeps a lightly used arena's
+        # touched pages together.
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._is_free = bytearray(b"\x01") * num_slots
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int | None:
+        """A free slot, or None when all are in use (the caller evicts or waits)."""
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._is_free[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise InvalidArgumentError(f"slot {slot} out of range 0..{self.num_slots - 1}")
+        if self._is_free[slot]:
+            raise InvalidArgumentError(f"slot {slot} released twice")
+        self._is_free[slot] = 1
+        self._free.append(slot)
+
+
+class ArenaReader:
+    """A client's read-only mapping of the server's arena, by name (or absolute path).
+
+    Plain `open` + `mmap(PROT_READ)`: nothing is registered with Python's resource tracker, so a
+    client exiting never removes the server's segment.
+    """
+
+    def __init__(self, name: str, *, shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR) -> None:
+        self.path = Path(name) if os.sep in name else Path(shm_dir) / name
+        self.name = self.path.name
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise JoaderError(
+                f"the server's cache arena {self.path} does not exist: joaderd has exited or "
+                "restarted; reconnect to the running server"
+            ) from None
+        try:
+            self.size_bytes = os.fstat(fd).st_size
+            self._mmap: mmap.mmap | None = mmap.mmap(
+                fd, self.size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ
+            )
+        finally:
+            os.close(fd)
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """A zero-copy read-only view; copy out of it before acknowledging the item."""
+        self._check_range(offset, nbytes)
+        return memoryview(self._buffer())[offset : offset + nbytes]
+
+    def array(
+        self, offset: int, shape: tuple[int, ...], dtype: np.dtype | type = np.uint8
+    ) -> np.ndarray:
+        """A zero-copy, read-only numpy view."""
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape))
+        self._check_range(offset, count * dtype.itemsize)
+        return np.frombuffer(self._buffer(), dtype, count, offset).reshape(shape)
+
+    def copy_into(self, offset: int, out: np.ndarray) -> np.ndarray:
+        """Copy `out.nbytes` bytes starting at `offset` into the contiguous array `out`."""
+        if not out.flags.c_contiguous:
+            raise InvalidArgumentError("copy_into needs a C-contiguous output array")
+        src = self.array(offset, (out.nbytes,), np.uint8)
+        out.reshape(-1).view(np.uint8)[:] = src
+        return out
+
+    def close(self) -> None:
+        mm, self._mmap = self._mmap, None
+        if mm is not None:
+            _close_mmap(mm, self.name)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _buffer(self) -> mmap.mmap:
+        if self._mmap is None:
+            raise JoaderError(f"arena reader for {self.name} is closed")
+        return self._mmap
+
+    def _check_range(self, offset: int, nbytes: int) -> None:
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size_bytes:
+            raise InvalidArgumentError(
+                f"range [{offset}, {offset + nbytes}) outside the arena of {self.size_bytes} bytes; "
+                "the descriptor does not belong to this arena (server restarted?)"
+            )
+
+
+def remove_stale_arenas(shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR) -> list[str]:
+    """Remove this user's arenas whose server is gone; return the removed names.
+
+    Candidates are files named `joader-<my uid>-<pid>-*` and owned by this uid. One is stale when
+    nobody holds its lock and its pid is not alive (or is this process, which did not create it).
+    Live servers' segments and other users' files are never touched.
+    """
+    pattern = arena_name_pattern()
+    uid = os.getuid()
+    removed = []
+    try:
+        entries = list(os.scandir(shm_dir))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        match = pattern.match(entry.name)
+        if match is None or entry.name in _created_here:
+            continue
+        pid = int(match.group(1))
+        if pid != os.getpid() and _pid_alive(pid):
+            continue
+        try:
+            if (
+                not entry.is_file(follow_symlinks=False)
+                or entry.stat(follow_symlinks=False).st_uid != uid
+            ):
+                continue
+            if _remove_if_unlocked(entry.path):
+                removed.append(entry.name)
+                logger.warning("removed stale cache arena %s left by a dead server", entry.path)
+        except FileNotFoundError:
+            continue  # another server removed it first
+    return removed
+
+
+def _remove_if_unlocked(path: str) -> bool:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its server is alive (maybe in another pid namespace)
+        os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes in a size such as "2GiB", "512MB", "100M" or "1000".
+
+    "KiB/MiB/GiB" are binary, "kB/MB/GB" decimal. A bare "K/M/G" is binary, as in Docker's
+    `--shm-size` and most tools that take memory sizes.
+    """
+    if isinstance(text, int):
+        if text < 0:
+            raise InvalidArgumentError(f"size must be >= 0 bytes, got {text}")
+        return text
+    match = _SIZE_RE.match(text)
+    if match is None:
+        raise InvalidArgumentError(
+            f"cannot read the size {text!r}; write a number of bytes with an optional unit, "
+            "for example 2GiB, 512MB, 100M or 1000000"
+        )
+    number, prefix, binary, byte_suffix = match.groups()
+    prefix = prefix.lower()
+    if binary and not prefix:
+        raise InvalidArgumentError(
+            f"cannot read the size {text!r}: 'i' needs a unit such as KiB or GiB"
+        )
+    decimal = bool(prefix) and bool(byte_suffix) and not binary
+    base = 1000 if decimal else 1024
+    value = float(number) * base ** _POWERS[prefix]
+    return int(value)
+
+
+def format_size(num_bytes: int) -> str:
+    """A short human form, binary units: 2.0 GiB."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _space_error(shm_dir: str | os.PathLike[str], size_bytes: int) -> CacheSpaceError:
+    try:
+        st = os.statvfs(shm_dir)
+        free = format_size(st.f_bavail * st.f_frsize)
+        total = format_size(st.f_blocks * st.f_frsize)
+        space = f"{free} free of {total}"
+    except OSError:
+        space = "free space unknown"
+    return CacheSpaceError(
+        f"cannot allocate a {format_size(size_bytes)} cache arena in {shm_dir} ({space}); "
+        f"lower --cache-size, free space in {shm_dir}, or in Docker raise --shm-size"
+    )
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _close_mmap(mm: mmap.mmap, name: str) -> None:
+    try:
+        mm.close()
+    except BufferError:
+        # Views (numpy arrays, memoryviews) still point into it; the mapping goes when they do.
+        logger.debug("arena %s: mapping still has live views; it is released with them", name)
