@@ -1,0 +1,19 @@
+"""joader's client side: `JoaderDataset`, the lease keeper, the channel helpers and the CLI.
+
+Installed as `joader.client`. It talks to joaderd over gRPC and reads pixels from the server's
+shared-memory arena; it never imports the server.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["JoaderDataset"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "JoaderDataset":
+        from joader.client.dataset import JoaderDataset
+
+        return JoaderDataset
+    raise AttributeError(f"module 'joader.client' has no attribute {name!r}")

@@ -289,14 +289,16 @@ class Registry:
         """Acknowledges `acks`, then takes up to `max_items` ready items of the token's epoch.
 
         Waits up to `next_wait_s` for the first ready item; returns an empty, not-ended batch if
-        none arrives (the client asks again).
+        none arrives (the client asks again). `max_items == 0` only acknowledges.
         """
-        if max_items < 1:
-            raise InvalidArgumentError(f"job {job_id!r}: max_items must be >= 1, got {max_items}")
+        if max_items < 0:
+            raise InvalidArgumentError(f"job {job_id!r}: max_items must be >= 0, got {max_items}")
         with self._cond:
             job = self._job(job_id)
             job.last_seen_s = self._clock()
             self._acknowledge(job, acks)
+            if max_items == 0:  # acknowledge only
+                return Batch(job.tokens.get(token, 0), False, [], [], [], [])
             epoch = self._claim(job, token)
             started = self._clock()
             deadline = started + self.config.next_wait_s
@@ -350,6 +352,11 @@ class Registry:
             job.job_id, epoch, job.num_items - job.handed[epoch],
         )
         job.abandoned.add(epoch)
+        # The pass that read this epoch is over, so copies it never acknowledged are not in use.
+        for key, count in job.outstanding.items():
+            for _ in range(count):
+                self._release(key)
+        job.outstanding.clear()
         kept: deque[_Entry] = deque()
         for entry in job.queue:
             if entry.epoch == epoch:

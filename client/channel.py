@@ -1,0 +1,88 @@
+"""Per-process gRPC channels to joaderd, and the translation of its errors.
+
+A DataLoader forks its workers; a process forked while a gRPC channel is live can crash. So a
+channel is created lazily in the process that uses it, remembered with that process's pid, and
+never carried across a fork: a child sees the parent's pid on the cached channel and makes its own.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import grpc
+
+from joader.errors import JoaderError, error_from_status
+from joader.proto import joader_pb2_grpc
+
+ERROR_METADATA_KEY = "joader-error"
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+_lock = threading.Lock()
+_channels: dict[str, tuple[int, grpc.Channel, joader_pb2_grpc.JoaderStub]] = {}
+
+
+def get_stub(address: str) -> joader_pb2_grpc.JoaderStub:
+    """The stub for `address` in this process, creating its channel on first use."""
+    pid = os.getpid()
+    with _lock:
+        cached = _channels.get(address)
+        if cached is not None and cached[0] == pid:
+            return cached[2]
+        channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        stub = joader_pb2_grpc.JoaderStub(channel)
+        _channels[address] = (pid, channel, stub)
+        return stub
+
+
+def close_channels() -> None:
+    """Closes this process's channels (a no-op for channels inherited through fork)."""
+    pid = os.getpid()
+    with _lock:
+        for address, (owner, channel, _stub) in list(_channels.items()):
+            if owner == pid:
+                channel.close()
+            del _channels[address]
+
+
+def translate(error: grpc.RpcError, address: str) -> Exception:
+    """The exception to raise for a failed call: a `JoaderError` subclass or `ConnectionError`."""
+    code: grpc.StatusCode = error.code()  # type: ignore[attr-defined]
+    details: str = error.details() or ""  # type: ignore[attr-defined]
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return ConnectionError(
+            f"no joaderd is answering at {address} ({details}). Start one with "
+            "`joaderd --source NAME=PATH`, or point JOADER_ADDRESS (or address=) at the one running."
+        )
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return TimeoutError(f"joaderd at {address} did not answer in time ({details})")
+    class_name = None
+    for key, value in error.trailing_metadata() or ():  # type: ignore[attr-defined]
+        if key == ERROR_METADATA_KEY:
+            class_name = value
+    if class_name is None and code not in _JOADER_CODES:
+        return JoaderError(f"joaderd at {address} failed: {code.name}: {details}")
+    return error_from_status(class_name, code.name, details)
+
+
+_JOADER_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+def call(address: str, method: str, request: Any, timeout_s: float | None = None) -> Any:
+    """Calls a unary method by name, raising translated errors."""
+    stub = get_stub(address)
+    try:
+        return getattr(stub, method)(request, timeout=timeout_s)
+    except grpc.RpcError as error:
+        raise translate(error, address) from None

@@ -1,0 +1,105 @@
+"""The `joader` command: `status`, `make-demo-data` and `verify`.
+
+    joader status [--json] [--address ADDRESS]
+    joader make-demo-data DIR --items N [--classes K] [--seed S]
+    joader verify --job a=0:600 --job b=300:1300 ...   (see `joader verify --help`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from joader.address import resolve_address
+from joader.errors import JoaderError
+
+
+def fetch_status(address: str | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
+    """joaderd's status snapshot as a dict (the schema of `joader status --json`)."""
+    from joader.client.channel import call
+    from joader.proto import joader_pb2
+
+    resolved = resolve_address(address)
+    response = call(resolved, "Status", joader_pb2.StatusRequest(), timeout_s=timeout_s)
+    return json.loads(response.json)
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """A human-readable table of a status snapshot."""
+    lines = [f"joaderd at {status.get('address', '?')} (pid {status.get('pid', '?')}), "
+             f"up {status['uptime_s']:.0f} s, {status.get('num_workers', '?')} decode workers"]
+    lines.append("")
+    lines.append(f"{'SOURCE':<16} {'ITEMS':>9} {'CLASSES':>8} {'SIZE':>6} {'JOBS':>5}  ROOT")
+    for s in status["sources"]:
+        lines.append(f"{s['name']:<16} {s['num_items']:>9} {s['num_classes']:>8} "
+                     f"{s['image_size']:>6} {s['num_jobs']:>5}  {s['root']}")
+    lines.append("")
+    if status["jobs"]:
+        lines.append(f"{'JOB':<28} {'SOURCE':<12} {'ITEMS':>8} {'EPOCH':>6} {'DELIVERED':>10} {'WAIT_S':>8}")
+        for j in status["jobs"]:
+            lines.append(f"{j['name'][:28]:<28} {j['source'][:12]:<12} {j['num_items']:>8} "
+                         f"{j['epoch']:>6} {j['items_delivered']:>10} {j['wait_s']:>8.1f}")
+    else:
+        lines.append("no jobs")
+    c = status["cache"]
+    lines.append("")
+    lines.append(
+        f"cache: {_bytes(c['used_bytes'])} of {_bytes(c['capacity_bytes'])} used, {c['items']} items "
+        f"({c['pinned']} pinned); hits {c['hits']}, misses {c['misses']}, evictions {c['evictions']}"
+    )
+    sharing = status.get("sharing_factor")
+    lines.append(
+        f"items decoded {status['items_decoded']}, delivered {status['items_delivered']}, "
+        f"failed {status['items_failed']}; sharing factor "
+        + (f"{sharing:.2f}" if sharing is not None else "n/a (nothing decoded yet)")
+    )
+    for f in status.get("failed", [])[:10]:
+        lines.append(f"  failed: {f['source']}/{f['path']}: {f['reason']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="joader", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_status = sub.add_parser("status", help="show joaderd's sources, jobs and cache")
+    p_status.add_argument("--json", action="store_true", help="print the snapshot as JSON")
+    p_status.add_argument("--address", help="joaderd's address (default: $JOADER_ADDRESS or the per-user socket)")
+    p_demo = sub.add_parser("make-demo-data", help="write an ImageNet-like folder of JPEGs")
+    p_demo.add_argument("dir")
+    p_demo.add_argument("--items", type=int, required=True)
+    p_demo.add_argument("--classes", type=int, default=10)
+    p_demo.add_argument("--seed", type=int, default=0)
+    sub.add_parser("verify", help="simulate a job mix and test the sampler's guarantees", add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    try:
+        if args.command == "verify":
+            from joader.verify import main as verify_main
+
+            return verify_main(rest)
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.command == "status":
+            status = fetch_status(args.address)
+            print(json.dumps(status, indent=2) if args.json else format_status(status))
+            return 0
+        from joader.sources.demo import make_demo_data
+
+        make_demo_data(args.dir, args.items, num_classes=args.classes, seed=args.seed, progress=True)
+        return 0
+    except (JoaderError, ConnectionError, TimeoutError) as error:
+        print(f"joader: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""`JoaderDataset`: what a training script uses in place of its ImageFolder.
+
+The dataset holds no sampling logic: like a FUSE mount, the data simply looks local. Each
+`iter()` is one epoch of this job, in the order joaderd's dependent sampler chose, with every
+index exactly once, also when a DataLoader spreads the epoch over worker processes (the workers
+of one pass share a token, so they read one epoch between them).
+
+Pixels are copied out of joaderd's shared-memory arena, mapped read-only; the copy is
+acknowledged in the next request, which lets the server reuse the slot. The job itself is
+registered, and its lease held, by a small child process (`joader.client.keeper`), so this process
+creates gRPC channels only where it reads, lazily, after any fork.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import secrets
+import select
+import subprocess
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from pyroaring import BitMap
+from torch.utils.data import IterableDataset, get_worker_info
+
+from joader.address import resolve_address
+from joader.cache.arena import ArenaReader
+from joader.client.channel import call
+from joader.errors import DecodeError, ERROR_CLASSES, InvalidArgumentError, JoaderError
+from joader.proto import joader_pb2
+
+logger = logging.getLogger(__name__)
+
+_TOKEN_MASK = (1 << 63) - 1
+
+
+def to_bitmap(indices: Any) -> BitMap | None:
+    """A BitMap of `indices` (range, iterable of ints, numpy array, BitMap); None means all."""
+    if indices is None:
+        return None
+    if isinstance(indices, BitMap):
+        return BitMap(indices)
+    if isinstance(indices, range):
+        if indices.step == 1 and indices.start >= 0:
+            return BitMap(indices)
+        indices = list(indices)
+    array = np.asarray(indices if isinstance(indices, np.ndarray) else list(indices))
+    if array.size == 0:
+        raise InvalidArgumentError("indices is empty: pass at least one item index of the source")
+    if not np.issubdtype(array.dtype, np.integer):
+        raise InvalidArgumentError(f"indices must be integers, got {array.dtype}")
+    if array.min() < 0 or array.max() > np.iinfo(np.uint32).max:
+        raise InvalidArgumentError(
+            f"indices must be in 0..{np.iinfo(np.uint32).max}, got {array.min()}..{array.max()}"
+        )
+    return BitMap(array.astype(np.uint32, copy=False))
+
+
+class JoaderDataset(IterableDataset):
+    """Samples of a joaderd source, prepared once and shared with every job that needs them.
+
+    Args:
+        source: the source's name on the server (`joaderd --source NAME=PATH`).
+        indices: the items of the source this job trains on (range, ints, numpy array or
+            pyroaring BitMap); None for all of them.
+        transform: applied in this process to each uint8 CHW tensor (the per-job stage).
+        return_index: yield `(index, image, label)` instead of `(image, label)`.
+        address: joaderd's address; default `$JOADER_ADDRESS`, else the per-user socket.
+        name: a name for this job in `joader status`.
+        batch_size: items per request; match the DataLoader's batch size.
+        on_error: "skip" (default) skips files that fail to decode, logging them (the server
+            counts them in its status); "raise" raises `DecodeError` naming the file.
+        timeout_s: raise `TimeoutError` if no item arrives for this long.
+    """
+
+    def __init__(
+        self,
+        source: str,
+        indices: Any = None,
+        transform: Callable[[torch.Tensor], Any] | None = None,
+        return_index: bool = False,
+        *,
+        address: str | None = None,
+        name: str | None = None,
+        batch_size: int = 64,
+        on_error: str = "skip",
+        timeout_s: float = 300.0,
+    ) -> None:
+        super().__init__()
+        if on_error not in ("skip", "raise"):
+            raise InvalidArgumentError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
+        if batch_size < 1:
+            raise InvalidArgumentError(f"batch_size must be >= 1, got {batch_size}")
+        self.source = source
+        self.transform = transform
+        self.return_index = return_index
+        self.on_error = on_error
+        self.batch_size = batch_size
+        self.timeout_s = timeout_s
+        self.address = resolve_address(address)
+        bitmap = to_bitmap(indices)
+        registration = {
+            "address": self.address,
+            "source": source,
+            "indices": base64.b64encode(bitmap.serialize() if bitmap is not None else b"").decode(),
+            "name": name or f"{os.path.basename(sys.argv[0] or 'python')}-{os.getpid()}",
+            "batch_size": batch_size,
+        }
+        self._keeper, info = _start_keeper(registration, timeout_s=60.0)
+        self._finalizer = weakref.finalize(self, _stop_keeper, self._keeper, os.getpid())
+        self.job_id: str = info["job_id"]
+        self.classes: list[str] = list(info["classes"])
+        self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
+        self.image_size: int = int(info["image_size"])
+        self._num_items = int(info["num_items"])
+        self._item_nbytes = int(info["item_nbytes"])
+        self._arena_path: str = info["arena_path"]
+        self._reader: tuple[int, ArenaReader] | None = None
+        self._passes = 0
+        self._warned: set[int] = set()
+
+    def __len__(self) -> int:
+        return self._num_items
+
+    def close(self) -> None:
+        """Ends this job on the server now (otherwise: when the dataset is collected or the
+        process exits)."""
+        self._finalizer()
+
+    def __enter__(self) -> JoaderDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Only for the spawn start method: the lease stays with the process that created it.
+        state = dict(self.__dict__)
+        state["_keeper"] = None
+        state["_finalizer"] = None
+        state["_reader"] = None
+        return state
+
+    def __iter__(self) -> Iterator[Any]:
+        worker = get_worker_info()
+        if worker is None:
+            token = secrets.randbits(63)
+        else:
+            # Every worker of one DataLoader pass has the same base seed; persistent workers
+            # reuse it, so the pass count tells their passes apart.
+            token = hash((worker.seed - worker.id, self._passes)) & _TOKEN_MASK
+        self._passes += 1
+        return self._items(token)
+
+    def _arena(self) -> ArenaReader:
+        pid = os.getpid()
+        if self._reader is None or self._reader[0] != pid:
+            self._reader = (pid, ArenaReader(self._arena_path))
+        return self._reader[1]
+
+    def _items(self, token: int) -> Iterator[Any]:
+        arena = self._arena()
+        shape = (3, self.image_size, self.image_size)
+        nbytes = self._item_nbytes
+        acks: list[int] = []
+        request = joader_pb2.NextRequest(job_id=self.job_id, token=token, max_items=self.batch_size)
+        idle_s = 0.0
+        try:
+            while True:
+                del request.acks[:]
+                request.acks.extend(acks)
+                response = call(self.address, "Next", request, timeout_s=self.timeout_s + 30)
+                acks = []
+                for failed in response.failed:
+                    self._report_failure(failed)
+                count = len(response.item_ids)
+                if count:
+                    idle_s = 0.0
+                    batch = np.empty((count, *shape), dtype=np.uint8)
+                    for i, offset in enumerate(response.offsets):
+                        arena.copy_into(offset, nbytes, batch[i])
+                    acks = list(response.item_ids)
+                    images = torch.from_numpy(batch)
+                    labels = response.labels
+                    for i, index in enumerate(response.item_ids):
+                        image: Any = images[i]
+                        if self.transform is not None:
+                            image = self.transform(image)
+                        if self.return_index:
+                            yield index, image, labels[i]
+                        else:
+                            yield image, labels[i]
+                elif not response.end_of_epoch:
+                    idle_s += 1.0  # the server waited about a second for a ready item
+                    if idle_s > self.timeout_s:
+                        raise TimeoutError(
+                            f"job {self.job_id}: no item from joaderd for {self.timeout_s:g} s; "
+                            "see `joader status` (is the cache too small, or a decode worker stuck?)"
+                        )
+                if response.end_of_epoch:
+                    self._acknowledge(request, acks)
+                    acks = []
+                    return
+        finally:
+            if acks:  # the loop broke out early: let the server reuse those slots now
+                try:
+                    self._acknowledge(request, acks)
+                except (JoaderError, ConnectionError, TimeoutError):
+                    pass
+
+    def _acknowledge(self, request: joader_pb2.NextRequest, acks: list[int]) -> None:
+        if acks:
+            del request.acks[:]
+            request.acks.extend(acks)
+            request.max_items = 0  # acknowledge only
+            call(self.address, "Next", request, timeout_s=self.timeout_s)
+
+    def _report_failure(self, failed: joader_pb2.FailedItem) -> None:
+        if self.on_error == "raise":
+            raise DecodeError(
+                f"job {self.job_id}: item {failed.item_id} ({failed.path}) of source "
+                f"{self.source!r} could not be decoded: {failed.reason}. Fix or remove the file, "
+                "or pass on_error='skip' to train without it."
+            )
+        if failed.item_id not in self._warned:
+            self._warned.add(failed.item_id)
+            logger.warning(
+                "job %s: skipping item %d (%s): %s", self.job_id, failed.item_id, failed.path, failed.reason
+            )
+
+
+def _start_keeper(registration: dict[str, Any], timeout_s: float) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    keeper = subprocess.Popen(
+        [sys.executable, "-m", "joader.client.keeper"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert keeper.stdin is not None and keeper.stdout is not None
+    keeper.stdin.write(json.dumps(registration) + "\n")
+    keeper.stdin.flush()
+    ready, _, _ = select.select([keeper.stdout], [], [], timeout_s)
+    line = keeper.stdout.readline() if ready else ""
+    if not line:
+        _stop_keeper(keeper, os.getpid())
+        raise ConnectionError(
+            f"joader could not register with joaderd at {registration['address']} within "
+            f"{timeout_s:g} s. Start one with `joaderd --source NAME=PATH`, or set JOADER_ADDRESS."
+        )
+    reply = json.loads(line)
+    if reply.get("ok"):
+        return keeper, reply
+    _stop_keeper(keeper, os.getpid())
+    kind, message = reply.get("kind", "JoaderError"), reply.get("message", "unknown error")
+    if kind == "ConnectionError":
+        raise ConnectionError(message)
+    if kind == "TimeoutError":
+        raise TimeoutError(message)
+    raise ERROR_CLASSES.get(kind, JoaderError)(message)
+
+
+def _stop_keeper(keeper: subprocess.Popen[str], owner_pid: int) -> None:
+    if os.getpid() != owner_pid:  # a forked copy of the dataset: the lease is the parent's
+        return
+    try:
+        if keeper.stdin is not None:
+            keeper.stdin.close()
+        keeper.wait(timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        keeper.kill()
+        keeper.wait()
+    if keeper.stdout is not None:
+        keeper.stdout.close()
+
