@@ -341,7 +341,7 @@ def _remove_if_unlocked(path: str) -> bool:
         os.close(fd)
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgtp])(i)?)?(b)?\s*$", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 
 
@@ -362,11 +362,7 @@ def parse_size(text: str | int) -> int:
             "for example 2GiB, 512MB, 100M or 1000000"
         )
     number, prefix, binary, byte_suffix = match.groups()
-    prefix = prefix.lower()
-    if binary and not prefix:
-        raise InvalidArgumentError(
-            f"cannot read the size {text!r}: 'i' needs a unit such as KiB or GiB"
-        )
+    prefix = (prefix or "").lower()
     decimal = bool(prefix) and bool(byte_suffix) and not binary
     base = 1000 if decimal else 1024
     value = float(number) * base ** _POWERS[prefix]

@@ -1,0 +1,169 @@
+"""The shared-memory arena: allocation, the ENOSPC path, reading, stale removal, sizes."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from joader.cache import arena as arena_module
+from joader.cache.arena import (
+    Arena,
+    ArenaReader,
+    SlotAllocator,
+    format_size,
+    parse_size,
+    remove_stale_arenas,
+)
+from joader.errors import CacheSpaceError, InvalidArgumentError, JoaderError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_create_and_unlink_in_dev_shm_leaves_nothing() -> None:
+    with Arena.create(10_000, 1_000) as arena:
+        assert arena.path.parent == Path("/dev/shm")
+        assert arena.name.startswith(f"joader-{os.getuid()}-{os.getpid()}-")
+        assert arena.path.stat().st_mode & 0o777 == 0o600
+        assert arena.path.stat().st_size == 10_000 and arena.num_slots == 10
+        assert arena.slot_offset(3) == 3_000
+    assert not arena.path.exists()
+    arena.close()  # idempotent
+    arena.unlink()
+
+
+def test_size_rounds_down_to_whole_slots(tmp_path: Path) -> None:
+    with Arena.create(10_500, 1_000, shm_dir=tmp_path) as arena:
+        assert arena.num_slots == 10 and arena.size_bytes == 10_000
+        assert arena.path.stat().st_size == 10_000
+        with pytest.raises(InvalidArgumentError):
+            arena.slot_offset(10)
+
+
+def test_capacity_below_one_slot_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="--cache-size"):
+        Arena.create(100, 1_000, shm_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_enospc_is_a_clear_error_and_leaves_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_space(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(arena_module.os, "posix_fallocate", no_space)
+    with pytest.raises(CacheSpaceError) as info:
+        Arena.create(2 << 30, 1 << 20, shm_dir=tmp_path)
+    message = str(info.value)
+    assert "2.0 GiB" in message and "free of" in message
+    assert "--cache-size" in message and "--shm-size" in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_reader_sees_writer_bytes_read_only(tmp_path: Path) -> None:
+    with Arena.create(4 * 48, 48, shm_dir=tmp_path) as arena:
+        view = arena.slot_array(2, (3, 4, 4))
+        view[...] = np.arange(48, dtype=np.uint8).reshape(3, 4, 4)
+        del view
+        with ArenaReader(arena.name, shm_dir=tmp_path) as reader:
+            out = np.empty((3, 4, 4), np.uint8)
+            reader.copy_into(arena.slot_offset(2), out)
+            assert (out.ravel() == np.arange(48)).all()
+            assert bytes(reader.view(96, 4)) == bytes([0, 1, 2, 3])
+            arr = reader.array(96, (3, 4, 4))
+            assert not arr.flags.writeable
+            with pytest.raises((TypeError, ValueError)):
+                arr[0, 0, 0] = 1
+            del arr
+            with pytest.raises(InvalidArgumentError, match="outside the arena"):
+                reader.view(4 * 48 - 2, 4)
+
+
+def test_reader_of_missing_arena_says_server_is_gone(tmp_path: Path) -> None:
+    with pytest.raises(JoaderError, match="restarted"):
+        ArenaReader("joader-0-1-dead", shm_dir=tmp_path)
+
+
+def test_remove_stale_arenas_only_removes_dead_owners(tmp_path: Path) -> None:
+    uid = os.getuid()
+    dead = tmp_path / f"joader-{uid}-{_dead_pid()}-abcd"
+    alive_pid = tmp_path / f"joader-{uid}-{os.getppid()}-abcd"  # a live pid, not locked
+    other_user = tmp_path / f"joader-{uid + 1}-{_dead_pid()}-abcd"
+    unrelated = tmp_path / "something-else"
+    for path in (dead, alive_pid, other_user, unrelated):
+        path.write_bytes(b"x")
+    with Arena.create(1_000, 100, shm_dir=tmp_path) as live:
+        removed = remove_stale_arenas(tmp_path)
+        assert removed == [dead.name]
+        assert live.path.exists() and alive_pid.exists() and other_user.exists()
+    assert not dead.exists()
+
+
+def test_remove_stale_arenas_keeps_a_locked_segment_with_a_dead_pid(tmp_path: Path) -> None:
+    # A live server in another pid namespace: its pid means nothing here, its lock does.
+    import fcntl
+
+    path = tmp_path / f"joader-{os.getuid()}-{_dead_pid()}-beef"
+    path.write_bytes(b"x")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        assert remove_stale_arenas(tmp_path) == []
+    finally:
+        os.close(fd)
+    assert remove_stale_arenas(tmp_path) == [path.name]
+
+
+def test_slot_allocator() -> None:
+    slots = SlotAllocator(3)
+    got = [slots.allocate() for _ in range(3)]
+    assert sorted(got) == [0, 1, 2] and slots.allocate() is None and slots.num_free == 0
+    slots.release(1)
+    assert slots.num_free == 1 and slots.allocate() == 1
+    slots.release(2)
+    with pytest.raises(InvalidArgumentError, match="twice"):
+        slots.release(2)
+    with pytest.raises(InvalidArgumentError):
+        slots.release(3)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("1000", 1000),
+        ("2GiB", 2 << 30),
+        ("2gib", 2 << 30),
+        ("512MB", 512_000_000),
+        ("100M", 100 << 20),
+        ("1.5 GiB", 3 << 29),
+        ("64k", 65536),
+        ("10kB", 10_000),
+        ("7B", 7),
+        (123, 123),
+    ],
+)
+def test_parse_size(text: str | int, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "12 apples", "-5", "1i", "1.2.3G"])
+def test_parse_size_errors_show_examples(text: str) -> None:
+    with pytest.raises(InvalidArgumentError, match="2GiB"):
+        parse_size(text)
+
+
+def test_format_size() -> None:
+    assert format_size(512) == "512 B"
+    assert format_size(3 << 29) == "1.5 GiB"
