@@ -52,7 +52,7 @@ def test_order_equals_torchvision_make_dataset(tmp_path: Path) -> None:
         "dog/b.jpg", "dog/a.PNG", "dog/sub/c.jpeg", "dog/sub-x/d.jpg", "dog/sub/deeper/e.jpg",
         "cat/z.webp", "cat/Y.bmp", "bird/x.tif", "bird/.hidden.jpg",
     )  # fmt: skip
-    classes, class_to_idx = torchvision_folder.find_classes(str(tmp_path))
+    _classes, class_to_idx = torchvision_folder.find_classes(str(tmp_path))
     expected = torchvision_folder.make_dataset(
         str(tmp_path), class_to_idx, torchvision_folder.IMG_EXTENSIONS
     )

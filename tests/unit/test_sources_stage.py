@@ -32,7 +32,7 @@ def _reference(path: Path, size: int) -> np.ndarray:
     else:
         new_w, new_h = int(size * w / h), size
     resized = rgb.resize((new_w, new_h), Image.Resampling.BILINEAR)
-    left, top = int(round((new_w - size) / 2.0)), int(round((new_h - size) / 2.0))
+    left, top = round((new_w - size) / 2.0), round((new_h - size) / 2.0)
     crop = resized.crop((left, top, left + size, top + size))
     return np.asarray(crop).transpose(2, 0, 1)
 
