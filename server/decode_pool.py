@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import multiprocess
 import numpy as np
@@ -99,7 +99,14 @@ class DecodePool:
         for index in range(num_workers):
             worker = ctx.Process(
                 target=_worker_main,
-                args=(self._tasks, self._results, arena_path, slot_bytes, self._sources, parent_pid),
+                args=(
+                    self._tasks,
+                    self._results,
+                    arena_path,
+                    slot_bytes,
+                    self._sources,
+                    parent_pid,
+                ),
                 name=f"joader-decode-{index}",
                 daemon=True,  # if the parent exits without close(), multiprocess terminates them
             )
@@ -124,7 +131,9 @@ class DecodePool:
                 f"decode pool: item id {item_id} out of range 0..{num_items - 1}"
             )
         if not 0 <= slot < self.num_slots:
-            raise InvalidArgumentError(f"decode pool: slot {slot} out of range 0..{self.num_slots - 1}")
+            raise InvalidArgumentError(
+                f"decode pool: slot {slot} out of range 0..{self.num_slots - 1}"
+            )
         with self._lock:
             self._in_flight += 1
         self._tasks.put((task_id, source_index, item_id, slot))
@@ -172,7 +181,7 @@ class DecodePool:
         self._workers.clear()
         logger.info("decode pool: stopped")
 
-    def __enter__(self) -> DecodePool:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
