@@ -208,7 +208,10 @@ def wilson_interval(successes: int, trials: int, alpha: float) -> tuple[float, f
     denom = 1 + z * z / trials
     centre = (p + z * z / (2 * trials)) / denom
     half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # at 0 or n successes the exact end is 0 or 1; the formula leaves a rounding residue
+    low = 0.0 if successes == 0 else max(0.0, centre - half)
+    high = 1.0 if successes == trials else min(1.0, centre + half)
+    return low, high
 
 
 def martingale_z(successes: int, probabilities_sum: float, variance_sum: float) -> float:
