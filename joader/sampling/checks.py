@@ -72,6 +72,8 @@ class EpochRecorder:
 
     def complete_epochs(self, job_id: str) -> list[list[int]]:
         """The job's epochs that ran to their end (not the current one, not abandoned ones)."""
+        if job_id not in self.datasets:  # never received anything
+            return []
         dataset_size = len(self.datasets[job_id])
         return [
             items
@@ -85,6 +87,8 @@ class EpochRecorder:
         Every epoch must be free of repeats and inside the dataset; every epoch except the
         job's last one must be complete unless it was abandoned.
         """
+        if job_id not in self.datasets:
+            return []
         dataset = self.datasets[job_id]
         epochs = sorted(self.streams.get(job_id, {}).items())
         problems = []
