@@ -115,7 +115,7 @@ def test_workers_exit_when_the_parent_dies(listing: SourceListing, tmp_path: Pat
 
     def middle(arena_path: str, slot_bytes: int) -> None:
         pool = DecodePool(2, arena_path, slot_bytes, [spec])
-        pid_file.write_text(" ".join(str(w.pid) for w in pool._workers))
+        pid_file.write_text(" ".join(map(str, pool.worker_pids)))
         os.kill(os.getpid(), 9)
 
     with Arena.create(2 * item_nbytes(SIZE), item_nbytes(SIZE)) as arena:
@@ -138,3 +138,59 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _fifo_source(listing: SourceListing, tmp_path: Path) -> SourceSpec:
+    """The demo listing plus a FIFO posing as an image: opening it blocks a worker for good."""
+    os.mkfifo(tmp_path / "stuck.jpg")
+    os.symlink(listing.root, tmp_path / "demo")
+    return SourceSpec(str(tmp_path), ("stuck.jpg", *(f"demo/{p}" for p in listing.paths)), SIZE)
+
+
+def _wait_busy(pool: DecodePool, task_id: int) -> int:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for index in range(pool.num_workers):
+            if pool._current[index] == task_id:
+                return index
+        time.sleep(0.01)
+    raise AssertionError(f"no worker took task {task_id}")
+
+
+def test_a_dead_workers_task_fails_and_the_others_go_on(
+    listing: SourceListing, tmp_path: Path
+) -> None:
+    before = _children()
+    spec = _fifo_source(listing, tmp_path)
+    with (
+        Arena.create(4 * item_nbytes(SIZE), item_nbytes(SIZE)) as arena,
+        DecodePool(2, str(arena.path), arena.slot_bytes, [spec]) as pool,
+    ):
+        pool.submit(100, 0, 0, 0)  # the FIFO
+        index = _wait_busy(pool, 100)
+        os.kill(pool.worker_pids[index], 9)
+        pool.submit(101, 0, 1, 1)
+        results = _collect(pool, 2)
+        assert not results[100].ok and "worker died" in results[100].error
+        assert "stuck.jpg" in results[100].error
+        assert results[101].ok
+        assert pool.workers_alive() == 1 and pool.in_flight == 0
+    assert _children() - before == set()
+
+
+def test_with_no_worker_left_pending_tasks_fail(listing: SourceListing, tmp_path: Path) -> None:
+    spec = _fifo_source(listing, tmp_path)
+    with (
+        Arena.create(4 * item_nbytes(SIZE), item_nbytes(SIZE)) as arena,
+        DecodePool(1, str(arena.path), arena.slot_bytes, [spec]) as pool,
+    ):
+        pool.submit(7, 0, 0, 0)
+        _wait_busy(pool, 7)
+        pool.submit(8, 0, 1, 1)  # queued behind it
+        os.kill(pool.worker_pids[0], 9)
+        results = _collect(pool, 2)
+        assert "worker died" in results[7].error
+        assert "no decode worker is left" in results[8].error
+        start = time.monotonic()
+        assert pool.get_result(timeout_s=0.2) is None
+        assert time.monotonic() - start >= 0.1  # does not spin
