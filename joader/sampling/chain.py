@@ -31,6 +31,18 @@ L_2 ...) for job 3, so jobs 1 and 3 receive them in the same round only by chanc
 the chain is the whole tree and reaches the Theorem 1 bound. For nested datasets (each job's
 set contains the smaller ones', the usual case of tuning runs on subsets), every shared subset is
 a suffix and nothing is lost.
+
+The order among jobs of equal size (ties by job id) matters too. Measured with `joader verify`
+(100 epochs, equal sizes of 50): jobs a = b = 0:50 and c = 25:75 are ordered (a, b, c), so
+{a, b} is a prefix and a, b share 52% of rounds instead of 100% (each shares 50% with c, its
+bound); rename them so that the identical pair comes last, (c, d, a) with c = d = 0:50 and
+a = 25:75, and c, d share 100% and each 50% with a: every pairwise bound is met.
+
+The n-job sharing rate: in a round, the selectors of one vertex share one item, so the number
+of distinct items a round prepares is the number of vertices selected by someone plus the number
+of leaf draws (formula in joader.sampling.dependent). It is 1 for identical datasets; for 32 jobs
+on random 80%-overlapping subsets it is about 28 of 32 (bench/sampler.py), because the
+intersection of a long suffix of random subsets is nearly empty.
 """
 
 from __future__ import annotations
