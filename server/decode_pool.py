@@ -278,6 +278,8 @@ class _ResultChannel:
     def __init__(self, ctx: Any) -> None:
         self._reader, self._writer = ctx.Pipe(duplex=False)
         self._big_write_lock = ctx.Lock()
+        # The parent's consumer thread and close() both read: a frame must not be split.
+        self._read_lock = threading.Lock()
 
     def put(self, item: object) -> None:
         data = pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
@@ -288,9 +290,11 @@ class _ResultChannel:
                 self._writer.send_bytes(data)
 
     def get(self, timeout: float | None) -> Any:
-        if not self._reader.poll(timeout):
-            raise queue.Empty
-        return pickle.loads(self._reader.recv_bytes())
+        with self._read_lock:
+            if not self._reader.poll(timeout):
+                raise queue.Empty
+            data = self._reader.recv_bytes()
+        return pickle.loads(data)
 
     def get_nowait(self) -> Any:
         return self.get(0)
@@ -304,9 +308,10 @@ class _ResultChannel:
         self._writer.close()
 
     def close(self) -> None:
-        for end in (self._reader, self._writer):
-            if not end.closed:
-                end.close()
+        with self._read_lock:  # waits out a reader's poll; the workers' exit ends it by EOF
+            for end in (self._reader, self._writer):
+                if not end.closed:
+                    end.close()
 
 
 @dataclass(frozen=True)
