@@ -185,7 +185,7 @@ class JoaderDataset(IterableDataset):
                     idle_s = 0.0
                     batch = np.empty((count, *shape), dtype=np.uint8)
                     for i, offset in enumerate(response.offsets):
-                        arena.copy_into(offset, nbytes, batch[i])
+                        arena.copy_into(offset, batch[i])
                     acks = list(response.item_ids)
                     images = torch.from_numpy(batch)
                     labels = response.labels

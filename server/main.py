@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(config: ServerConfig, ready: threading.Event | None = None) -> int:
-    """Serves until SIGTERM/SIGINT (or until `stop_event` style shutdown); returns an exit code."""
+    """Serves until SIGTERM or SIGINT; returns the exit code. `ready` is set once it answers."""
     address = resolve_address(config.listen)
     sock = socket_path(address)
     if sock is not None:
@@ -102,7 +102,10 @@ def run(config: ServerConfig, ready: threading.Event | None = None) -> int:
         )
         if ready is not None:
             ready.set()
-        stop.wait()
+        # A signal may land on any thread; the main thread only notices it between bytecodes,
+        # so it waits in short slices rather than blocking in one uninterruptible acquire.
+        while not stop.wait(0.2):
+            pass
         logger.info("joaderd stopping")
         return 0
     finally:

@@ -3,9 +3,10 @@
 This is plain logic behind one lock (a `threading.Condition`); the gRPC servicer is a thin adapter
 over it. Three kinds of threads call in:
 
-- the scheduler thread (`run_scheduler`) runs DSA rounds for every job whose lookahead queue has
-  room (a full queue sits the round out, so a slow job never holds back a fast one) and hands
-  decodes to the pool in order of need (the round in which an item was first picked);
+- the scheduler thread (`run_scheduler`) runs a DSA round whenever some job's lookahead queue is
+  below its capacity, with every job whose queue is below its limit (twice the capacity); a job
+  at its limit sits the round out, so a slow job never holds back a fast one. It hands decodes to
+  the pool in order of need (the round in which an item was first picked);
 - the results thread (`run_results`) files finished decodes into the cache;
 - gRPC threads call `attach`, `next_items`, `touch`, `remove_job` and `status`.
 
@@ -277,9 +278,10 @@ class Registry:
         return job
 
     def _resize_queues(self) -> None:
-        # Queued items are pinned; keep all queues together within half the cache so that a job
-        # that stops reading can never pin the whole cache and stall the others.
-        share = max(1, self._num_slots // (2 * max(1, len(self._jobs))))
+        # Queued items are pinned; keep all queues together (at their limit, twice their
+        # capacity) within half the cache, so that a job that stops reading can never pin the
+        # whole cache and stall the others.
+        share = max(1, self._num_slots // (4 * max(1, len(self._jobs))))
         for job in self._jobs.values():
             job.queue_capacity = max(1, min(self.config.lookahead_batches * job.batch_size, share))
 
@@ -431,12 +433,18 @@ class Registry:
                     self._cond.wait(0.25)
 
     def _run_round(self, source: Source) -> bool:
+        """One DSA round, if some job's queue is below its capacity.
+
+        Every job below its *limit* (twice its capacity) takes part, not only the one that ran
+        low: jobs reading at about the same speed then share nearly every round, although they
+        never ask at the same moment. A job whose queue reached its limit (it reads more slowly)
+        sits the round out and loses sharing, not speed.
+        """
         jobs = self._jobs
-        participants = [
-            job_id for job_id in source.job_ids if len(jobs[job_id].queue) < jobs[job_id].queue_capacity
-        ]
-        if not participants:
+        queued = [(job_id, len(jobs[job_id].queue), jobs[job_id].queue_capacity) for job_id in source.job_ids]
+        if not any(length < capacity for _, length, capacity in queued):
             return False
+        participants = [job_id for job_id, length, capacity in queued if length < 2 * capacity]
         sampler = source.sampler
         starting = [j for j in participants if sampler.num_remaining(j) == 0]
         picks = sampler.sample(participants)

@@ -1,0 +1,107 @@
+"""`make demo`: three concurrent jobs share one joaderd on generated ImageNet-like data.
+
+Generates the demo folder (once), starts joaderd with a cache of a quarter of the prepared
+dataset, runs three emulated training jobs in their own processes (overlapping subsets, different
+speeds, staggered starts) for two epochs each with progress bars, prints the status table while
+they run and at the end, and stops the server cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from joader.client.cli import fetch_status, format_status
+
+IMAGE_SIZE = 256
+
+
+def start_joaderd(data: Path, address: str, cache_bytes: int, extra: list[str] | None = None) -> subprocess.Popen[bytes]:
+    """Starts joaderd serving `data` as source `demo` and waits until it answers."""
+    command = [
+        sys.executable, "-m", "joader.server", "--source", f"demo={data}", "--listen", address,
+        "--cache-size", str(cache_bytes), "--image-size", str(IMAGE_SIZE), *(extra or []),
+    ]
+    server = subprocess.Popen(command)
+    deadline = time.monotonic() + 60
+    while True:
+        if server.poll() is not None:
+            raise SystemExit(f"demo: joaderd exited with code {server.returncode} during start-up")
+        try:
+            fetch_status(address, timeout_s=2)
+            return server
+        except (ConnectionError, TimeoutError):
+            if time.monotonic() > deadline:
+                server.kill()
+                raise SystemExit("demo: joaderd did not answer within 60 s") from None
+            time.sleep(0.2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m joader.client.demo", description=__doc__.split("\n")[0])
+    parser.add_argument("--data", type=Path, default=Path("demo-data"))
+    parser.add_argument("--items", type=int, default=1200)
+    parser.add_argument("--epochs", type=int, default=2)
+    args = parser.parse_args(argv)
+
+    from joader.sources.demo import make_demo_data
+
+    print(f"demo: generating {args.items} ImageNet-like JPEGs in {args.data} (once)", flush=True)
+    make_demo_data(args.data, args.items, progress=True)
+    n = args.items
+    cache_bytes = n * 3 * IMAGE_SIZE * IMAGE_SIZE // 4
+    runtime = Path(tempfile.mkdtemp(prefix="joader-demo-"))
+    address = f"unix:{runtime / 'joaderd.sock'}"
+    print(f"demo: starting joaderd at {address} with a {cache_bytes / 2**20:.0f} MiB cache "
+          "(a quarter of the prepared dataset)", flush=True)
+    server = start_joaderd(args.data, address, cache_bytes, ["--log-level", "WARNING"])
+    jobs = [
+        # name, indices, emulated step per batch of 32, start delay
+        ("tune-a", f"0:{2 * n // 3}", 0.02, 0.0),
+        ("tune-b", f"{n // 3}:{n}", 0.04, 1.5),
+        ("full-c", f"0:{n}", 0.03, 3.0),
+    ]
+    procs = []
+    try:
+        for position, (name, indices, step_s, delay_s) in enumerate(jobs):
+            procs.append(subprocess.Popen([
+                sys.executable, "-m", "joader.client.simjob", "--address", address, "--source", "demo",
+                "--indices", indices, "--epochs", str(args.epochs), "--batch-size", "32",
+                "--step-s", str(step_s), "--start-delay-s", str(delay_s), "--name", name,
+                "--progress", "--position", str(position), "--out", os.devnull,
+            ]))
+        shown = False
+        while any(p.poll() is None for p in procs):
+            if not shown and len(fetch_status(address)["jobs"]) == len(jobs):
+                time.sleep(2.0)
+                print("\n" * len(jobs) + format_status(fetch_status(address)) + "\n", flush=True)
+                shown = True
+            time.sleep(0.5)
+        failed = [name for (name, *_), p in zip(jobs, procs) if p.returncode != 0]
+        print("\n" * len(jobs) + format_status(fetch_status(address)), flush=True)
+        if failed:
+            print(f"demo: jobs {', '.join(failed)} failed", file=sys.stderr)
+            return 1
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        server.send_signal(signal.SIGTERM)
+        code = server.wait(timeout=30)
+        print(f"demo: joaderd stopped (exit code {code})", flush=True)
+        try:
+            runtime.rmdir()
+        except OSError:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

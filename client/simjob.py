@@ -1,0 +1,179 @@
+"""An emulated training job: a DataLoader over joader (or a plain baseline) and a sleep per step.
+
+The demo, the integration tests and the benchmarks all run jobs through this module, each job
+in its own process as real training would be:
+
+    python -m joader.client.simjob --source demo --indices 0:600 --epochs 2 --step-s 0.05 \
+        --batch-size 32 --num-workers 2 --out job.json
+
+`--baseline ROOT` runs the same job without joader: an ImageFolder-style map dataset that does
+the same shared stage (decode, resize, crop) in its own DataLoader workers, shuffled by PyTorch.
+The emulated GPU step is a sleep, so it costs no CPU. The JSON report holds, per epoch, the wall
+time, the time spent waiting for data, the item order (with `--record`), and the CPU seconds of
+the process and its workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+def parse_indices(spec: str | None) -> Any:
+    """`0:600` (a range), `0:100,200:300,7` (a list), or `@ids.json`; None or "" means all."""
+    if not spec:
+        return None
+    if spec.startswith("@"):
+        return json.loads(Path(spec[1:]).read_text())
+    parts = spec.split(",")
+    if len(parts) == 1 and ":" in spec:
+        start, _, stop = spec.partition(":")
+        return range(int(start), int(stop))
+    ids: list[int] = []
+    for part in parts:
+        start, sep, stop = part.partition(":")
+        ids.extend(range(int(start), int(stop)) if sep else [int(part)])
+    return ids
+
+
+class PlainImageFolder(Dataset):
+    """The baseline: what a training script does without joader (same shared stage)."""
+
+    def __init__(self, root: str, image_size: int, indices: Any = None) -> None:
+        from joader.sources.imagefolder import list_image_folder
+
+        self.listing = list_image_folder(root)
+        self.image_size = image_size
+        self.ids = list(indices) if indices is not None else list(range(len(self.listing.paths)))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, int]:
+        from joader.sources.stage import prepare
+
+        item = self.ids[i]
+        image = prepare(self.listing.root / self.listing.paths[item], self.image_size)
+        return item, torch.from_numpy(image), int(self.listing.labels[item])
+
+
+def _cpu_s() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _progress(desc: str, total: int, position: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, position=position, unit="img", leave=True, dynamic_ncols=True)
+
+
+def run_job(args: argparse.Namespace) -> dict[str, Any]:
+    indices = parse_indices(args.indices)
+    dataset: Any
+    if args.baseline:
+        dataset = PlainImageFolder(args.baseline, args.image_size, indices)
+        loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.num_workers,
+                            persistent_workers=args.num_workers > 0)
+    else:
+        from joader.client.dataset import JoaderDataset
+
+        dataset = JoaderDataset(args.source, indices=indices, return_index=True, address=args.address,
+                                name=args.name, batch_size=args.batch_size, on_error=args.on_error)
+        loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=args.num_workers)
+    report: dict[str, Any] = {"name": args.name, "num_items": len(dataset), "epochs": []}
+    started = time.perf_counter()
+    cpu_started = _cpu_s()
+    for epoch in range(args.epochs):
+        bar = _progress(f"{args.name} epoch {epoch + 1}/{args.epochs}", len(dataset), args.position, args.progress)
+        order: list[int] = []
+        wait_s = 0.0
+        epoch_started = time.perf_counter()
+        waited_from = epoch_started
+        num_samples = 0
+        for ids, images, labels in loader:
+            wait_s += time.perf_counter() - waited_from
+            if images.dtype != torch.uint8 or images.shape[1:] != (3, args.image_size, args.image_size):
+                raise RuntimeError(f"unexpected batch {images.dtype} {tuple(images.shape)}")
+            num_samples += len(ids)
+            if args.record:
+                order.extend(int(i) for i in ids)
+            if bar is not None:
+                bar.update(len(ids))
+            if args.step_s:
+                time.sleep(args.step_s)
+            waited_from = time.perf_counter()
+        if bar is not None:
+            bar.close()
+        entry: dict[str, Any] = {
+            "wall_s": time.perf_counter() - epoch_started,
+            "wait_s": wait_s,
+            "num_samples": num_samples,
+        }
+        if args.record:
+            entry["order"] = order
+        report["epochs"].append(entry)
+    report["wall_s"] = time.perf_counter() - started
+    report["cpu_s"] = _cpu_s() - cpu_started
+    if not args.baseline:
+        report["job_id"] = dataset.job_id
+        dataset.close()
+    return report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m joader.client.simjob", description=__doc__.split("\n")[0])
+    parser.add_argument("--source", default="demo")
+    parser.add_argument("--address")
+    parser.add_argument("--indices", help="e.g. 0:600 or 0:100,200:300 or @ids.json")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--num-workers", type=int, default=0)
+    parser.add_argument("--step-s", type=float, default=0.0, help="emulated GPU time per batch")
+    parser.add_argument("--start-delay-s", type=float, default=0.0)
+    parser.add_argument("--start-at", type=float, default=0.0,
+                        help="wall-clock time (time.time()) to start at, to line up several jobs")
+    parser.add_argument("--image-size", type=int, default=256)
+    parser.add_argument("--name", default=f"simjob-{os.getpid()}")
+    parser.add_argument("--baseline", metavar="ROOT", help="run without joader on this ImageFolder")
+    parser.add_argument("--record", action="store_true", help="record the item order of every epoch")
+    parser.add_argument("--progress", action="store_true", help="show a progress bar")
+    parser.add_argument("--position", type=int, default=0, help="progress bar row")
+    parser.add_argument("--out", type=Path, help="write the JSON report here (default: stdout)")
+    parser.add_argument("--on-error", choices=("skip", "raise"), default="skip")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.start_at:
+        time.sleep(max(0.0, args.start_at - time.time()))
+    if args.start_delay_s:
+        time.sleep(args.start_delay_s)
+    report = run_job(args)
+    text = json.dumps(report)
+    if args.out:
+        args.out.write_text(text)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    np.seterr(all="raise")
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""A real joaderd subprocess, real demo JPEGs, and emulated training jobs in their own processes.
+
+The pytest process itself never opens a gRPC channel: the unit tests fork decode workers, and a
+fork with a live channel can crash. Status is read through `joader status --json` in a
+subprocess, and jobs run through `python -m joader.client.simjob`, as a training script would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from joader.sources.demo import make_demo_data
+
+NUM_DEMO_ITEMS = 160
+IMAGE_SIZE = 64  # small prepared images keep the tests fast; the demo and benches use 256
+ITEM_NBYTES = 3 * IMAGE_SIZE * IMAGE_SIZE
+
+
+def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.1) -> Any:
+    """Polls `predicate` until it returns something truthy; fails the test after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+class Joaderd:
+    """One joaderd subprocess on a private Unix socket."""
+
+    def __init__(self, sources: dict[str, Path], cache_items: int, *, lease_s: float = 3.0,
+                 workers: int = 2, extra: Sequence[str] = ()) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="jd-", dir="/tmp"))  # short: sun_path is 108 bytes
+        self.address = f"unix:{self.dir / 'joaderd.sock'}"
+        self.log_path = self.dir / "joaderd.log"
+        command = [sys.executable, "-m", "joader.server", "--listen", self.address,
+                   "--cache-size", str(cache_items * ITEM_NBYTES), "--image-size", str(IMAGE_SIZE),
+                   "--workers", str(workers), "--lease-s", str(lease_s), *extra]
+        for name, path in sources.items():
+            command += ["--source", f"{name}={path}"]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        wait_for(self._ready, 60, "joaderd to start")
+
+    def _ready(self) -> bool:
+        if self.proc.poll() is not None:
+            pytest.fail(f"joaderd exited with {self.proc.returncode}:\n{self.log()}")
+        return "joaderd ready" in self.log()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def status(self) -> dict[str, Any]:
+        out = subprocess.run(
+            [sys.executable, "-m", "joader.client.cli", "status", "--json", "--address", self.address],
+            capture_output=True, text=True, timeout=60, check=True,
+        )
+        return json.loads(out.stdout)
+
+    def job(self, *args: str, name: str = "job") -> subprocess.Popen[bytes]:
+        """Starts an emulated training job; its JSON report goes to `report_path(name)`."""
+        command = [sys.executable, "-m", "joader.client.simjob", "--address", self.address,
+                   "--image-size", str(IMAGE_SIZE), "--name", name, "--record",
+                   "--out", str(self.report_path(name)), *args]
+        return subprocess.Popen(command, stderr=open(self.dir / f"{name}.err", "wb"), start_new_session=True)
+
+    def report_path(self, name: str) -> Path:
+        return self.dir / f"{name}.json"
+
+    def report(self, name: str) -> dict[str, Any]:
+        return json.loads(self.report_path(name).read_text())
+
+    def job_stderr(self, name: str) -> str:
+        return (self.dir / f"{name}.err").read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                pytest.fail(f"joaderd did not stop within 20 s of SIGTERM:\n{self.log()}")
+        self._log.close()
+        return self.proc.returncode
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if not self._log.closed:
+            self._log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def demo_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("demo") / "images"
+    make_demo_data(root, NUM_DEMO_ITEMS, num_classes=4, seed=1, progress=False)
+    return root
+
+
+@pytest.fixture
+def start_joaderd() -> Iterator[Any]:
+    """`start_joaderd(sources, cache_items, ...)` -> Joaderd; stopped and checked afterwards."""
+    servers: list[Joaderd] = []
+
+    def start(sources: dict[str, Path], cache_items: int, **kwargs: Any) -> Joaderd:
+        server = Joaderd(sources, cache_items, **kwargs)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        try:
+            code = server.stop()
+            assert code == 0, f"joaderd exited with {code}:\n{server.log()}"
+        finally:
+            server.cleanup()
+
+
+def finish(proc: subprocess.Popen[bytes], timeout_s: float = 120) -> int:
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"job {proc.args} did not finish within {timeout_s:g} s")

@@ -1,0 +1,103 @@
+"""Concurrent jobs against a real joaderd: exactly once, sharing, and a job killed mid-epoch."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.conftest import NUM_DEMO_ITEMS, finish, wait_for
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def assert_exactly_once(report: dict[str, Any], dataset: range, epochs: int) -> None:
+    assert len(report["epochs"]) == epochs
+    for number, epoch in enumerate(report["epochs"], 1):
+        order = epoch["order"]
+        assert len(order) == len(dataset), f"{report['name']} epoch {number}: {len(order)} items"
+        assert sorted(order) == list(dataset), f"{report['name']} epoch {number} is not a permutation"
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_concurrent_jobs_get_every_item_once_per_epoch_and_share(
+    demo_root: Path, start_joaderd: Any, num_workers: int
+) -> None:
+    """Two overlapping jobs, one of them spread over DataLoader workers, two epochs each.
+
+    The cache holds a quarter of the source, so sharing comes from DSA's correlated order, not
+    from caching everything.
+    """
+    server = start_joaderd({"demo": demo_root}, cache_items=NUM_DEMO_ITEMS // 4)
+    a_items, b_items = range(0, 120), range(40, NUM_DEMO_ITEMS)
+    a = server.job("--indices", "0:120", "--epochs", "2", "--batch-size", "8",
+                   "--num-workers", str(num_workers), name="a")
+    b = server.job("--indices", f"40:{NUM_DEMO_ITEMS}", "--epochs", "2", "--batch-size", "8", name="b")
+    assert finish(a) == 0, server.job_stderr("a")
+    assert finish(b) == 0, server.job_stderr("b")
+    assert_exactly_once(server.report("a"), a_items, 2)
+    assert_exactly_once(server.report("b"), b_items, 2)
+    status = server.status()
+    assert status["items_delivered"] == 2 * (len(a_items) + len(b_items))
+    assert status["items_failed"] == 0
+    assert status["sharing_factor"] > 1.0, status
+    assert status["jobs"] == []  # both leases ended with their processes
+    assert status["cache"]["pinned"] == 0
+
+
+def test_identical_jobs_share_almost_every_decode(demo_root: Path, start_joaderd: Any) -> None:
+    """Three identical jobs at the same speed: each decode serves nearly three deliveries.
+
+    The jobs line up their start (as a hyper-parameter sweep does) so that this measures DSA and
+    the RefCnt cache rather than how long Python takes to import torch in each process.
+    """
+    server = start_joaderd({"demo": demo_root}, cache_items=64)
+    start_at = str(time.time() + 4.0)
+    jobs = [server.job("--epochs", "1", "--batch-size", "8", "--step-s", "0.02",
+                       "--start-at", start_at, name=f"j{i}") for i in range(3)]
+    for i, job in enumerate(jobs):
+        assert finish(job) == 0, server.job_stderr(f"j{i}")
+        assert_exactly_once(server.report(f"j{i}"), range(NUM_DEMO_ITEMS), 1)
+    status = server.status()
+    # Ideal 3. What is lost is mostly the first few dozen rounds: lease keepers register ~0.1 s
+    # apart, so the first job fills its lookahead queue alone. On 160 items that is up to ~15%;
+    # bench/ measures the 1,200-item demo setting (target 2.7). Independent shuffles give ~1.3.
+    assert status["sharing_factor"] >= 2.4, status
+
+
+def test_killed_client_releases_its_pins_while_the_other_job_finishes(
+    demo_root: Path, start_joaderd: Any
+) -> None:
+    server = start_joaderd({"demo": demo_root}, cache_items=NUM_DEMO_ITEMS // 4, lease_s=3.0)
+    victim = server.job("--epochs", "50", "--batch-size", "8", "--step-s", "0.05",
+                        "--num-workers", "2", name="victim")
+    survivor = server.job("--epochs", "2", "--batch-size", "8", "--step-s", "0.02", name="survivor")
+
+    def victim_reading() -> bool:
+        jobs = {j["name"]: j for j in server.status()["jobs"]}
+        return "victim" in jobs and jobs["victim"]["items_delivered"] > 16
+
+    wait_for(victim_reading, 60, "the victim job to read some items")
+    os.killpg(victim.pid, signal.SIGKILL)  # the training process, its workers and its lease keeper
+    victim.wait()
+    wait_for(lambda: "victim" not in {j["name"] for j in server.status()["jobs"]}, 15,
+             "joaderd to drop the killed job")
+    assert finish(survivor) == 0, server.job_stderr("survivor")
+    assert_exactly_once(server.report("survivor"), range(NUM_DEMO_ITEMS), 2)
+    status = server.status()
+    assert status["jobs"] == []
+    assert status["cache"]["pinned"] == 0, status["cache"]
+    assert "victim" in server.log() and "removed" in server.log()
+
+
+def test_server_exit_removes_its_arena(demo_root: Path, start_joaderd: Any) -> None:
+    server = start_joaderd({"demo": demo_root}, cache_items=16)
+    arena = Path(server.status()["arena_path"])
+    assert arena.exists()
+    assert server.stop() == 0
+    assert not arena.exists()
+    assert not (server.dir / "joaderd.sock").exists()
