@@ -17,17 +17,35 @@ def joader_segments() -> set[str]:
     return {p.name for p in SHM_DIR.glob(f"joader-{os.getuid()}-*")}
 
 
-def child_pids(parent: int) -> set[int]:
-    """Live (non-zombie) children of `parent`, read from /proc."""
-    children = set()
+def _live_parents() -> dict[int, int]:
+    """pid -> parent pid of every live (non-zombie) process, read from /proc."""
+    parents = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
+        except (OSError, IndexError):
             continue
-        if int(fields[1]) == parent and fields[0] != "Z":
-            children.add(int(stat.parent.name))
-    return children
+        if fields[0] != "Z":
+            parents[int(stat.parent.name)] = int(fields[1])
+    return parents
+
+
+def child_pids(parent: int) -> set[int]:
+    """Live (non-zombie) children of `parent`."""
+    return {pid for pid, ppid in _live_parents().items() if ppid == parent}
+
+
+def _ours(segment: str, parents: dict[int, int]) -> bool:
+    """Whether a segment is this test's: its creator is dead, or a descendant of this process.
+
+    A live joaderd that is not ours (another checkout's, on a shared machine) is left alone.
+    """
+    pid = int(segment.split("-")[2])
+    while pid in parents:
+        if pid == os.getpid():
+            return True
+        pid = parents[pid]
+    return int(segment.split("-")[2]) not in parents
 
 
 @pytest.fixture(autouse=True)
@@ -38,8 +56,9 @@ def no_leftovers() -> object:
     yield
     deadline = time.monotonic() + 15
     while True:
-        segments = joader_segments() - segments_before
-        children = child_pids(os.getpid()) - children_before
+        parents = _live_parents()
+        segments = {s for s in joader_segments() - segments_before if _ours(s, parents)}
+        children = {pid for pid, ppid in parents.items() if ppid == os.getpid()} - children_before
         if not segments and not children:
             return
         if time.monotonic() > deadline:

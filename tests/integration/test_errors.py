@@ -1,0 +1,131 @@
+"""Bad input gets a message that names the problem and the fix; the server stays up."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from joader import JoaderDataset
+from joader.errors import InvalidArgumentError, UnknownSourceError
+from joader.sources.demo import corrupt_jpeg
+from tests.conftest import joader_segments
+from tests.integration.conftest import NUM_DEMO_ITEMS, finish, wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_unknown_source_lists_the_known_ones(demo_root: Path, start_joaderd: Any) -> None:
+    server = start_joaderd({"demo": demo_root, "other": demo_root}, cache_items=16)
+    with pytest.raises(UnknownSourceError, match=r"'imagenet'.*demo, other"):
+        JoaderDataset("imagenet", address=server.address)
+
+
+def test_indices_outside_the_source_name_the_bad_range(demo_root: Path, start_joaderd: Any) -> None:
+    server = start_joaderd({"demo": demo_root}, cache_items=16)
+    with pytest.raises(InvalidArgumentError, match=rf"{NUM_DEMO_ITEMS}\.\.{NUM_DEMO_ITEMS + 9}.*0\.\.{NUM_DEMO_ITEMS - 1}"):
+        JoaderDataset("demo", indices=range(NUM_DEMO_ITEMS - 5, NUM_DEMO_ITEMS + 10), address=server.address)
+    # The server is still up and serves a good request.
+    with JoaderDataset("demo", indices=range(10), address=server.address) as ds:
+        assert len(ds) == 10
+        assert ds.classes == sorted(ds.classes) and len(ds.classes) == 4
+        assert ds.class_to_idx == {c: i for i, c in enumerate(ds.classes)}
+
+
+@pytest.mark.parametrize("indices", [[], [-1, 3], [0.5, 2]])
+def test_malformed_indices_are_refused_before_any_request(indices: list[Any]) -> None:
+    with pytest.raises(InvalidArgumentError):
+        JoaderDataset("demo", indices=indices, address="unix:/nonexistent/joaderd.sock")
+
+
+def test_no_server_says_how_to_start_one(tmp_path: Path) -> None:
+    with pytest.raises(ConnectionError, match="joaderd --source"):
+        JoaderDataset("demo", address=f"unix:{tmp_path}/none.sock")
+
+
+def test_corrupt_jpeg_is_skipped_and_reported(demo_root: Path, tmp_path: Path, start_joaderd: Any) -> None:
+    root = tmp_path / "images"
+    shutil.copytree(demo_root, root)
+    victim = sorted(root.rglob("*.jpg"))[7]
+    corrupt_jpeg(victim)
+    relative = victim.relative_to(root).as_posix()
+    server = start_joaderd({"demo": root}, cache_items=32)
+    skip = server.job("--epochs", "2", "--batch-size", "8", name="skip")
+    assert finish(skip) == 0, server.job_stderr("skip")
+    for epoch in server.report("skip")["epochs"]:
+        assert sorted(epoch["order"]) == [i for i in range(NUM_DEMO_ITEMS) if i != 7]
+    assert relative in server.job_stderr("skip")  # logged once by the client
+    status = server.status()
+    assert status["items_failed"] == 1
+    assert status["failed"][0]["path"] == relative
+    raising = server.job("--epochs", "1", "--batch-size", "8", "--on-error", "raise", name="raise")
+    assert finish(raising) != 0
+    assert "DecodeError" in server.job_stderr("raise") and relative in server.job_stderr("raise")
+    assert server.status()["items_failed"] == 1  # known bad, not decoded again
+
+
+def _run_joaderd(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "joader.server", *args], capture_output=True,
+                          text=True, timeout=timeout_s)
+
+
+def test_a_cache_larger_than_dev_shm_is_a_clear_error_at_start(demo_root: Path, tmp_path: Path) -> None:
+    result = _run_joaderd("--source", f"demo={demo_root}", "--listen", f"unix:{tmp_path}/s.sock",
+                          "--cache-size", "100TiB", "--workers", "1")
+    assert result.returncode == 1
+    assert "free" in result.stderr and "--cache-size" in result.stderr and "--shm-size" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--source", "demo"], "NAME=PATH"),
+        ([], "nothing to serve"),
+        (["--source", "demo=/nonexistent/folder"], "/nonexistent/folder"),
+        (["--source", "demo=.", "--cache-size", "lots"], "lots"),
+    ],
+)
+def test_bad_command_lines_name_the_problem(args: list[str], message: str, tmp_path: Path) -> None:
+    result = _run_joaderd(*args, "--listen", f"unix:{tmp_path}/s.sock")
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
+def test_a_second_server_on_the_same_socket_refuses(demo_root: Path, start_joaderd: Any) -> None:
+    server = start_joaderd({"demo": demo_root}, cache_items=16)
+    result = _run_joaderd("--source", f"demo={demo_root}", "--listen", server.address, "--workers", "1")
+    assert result.returncode == 1
+    assert "already listening" in result.stderr
+    assert server.status()["sources"][0]["name"] == "demo"
+
+
+def test_restart_after_a_crash_removes_the_dead_servers_arena(demo_root: Path, start_joaderd: Any) -> None:
+    crashed = start_joaderd({"demo": demo_root}, cache_items=16)
+    arena = Path(crashed.status()["arena_path"])
+    crashed.expected_exit_code = -signal.SIGKILL
+    os.kill(crashed.proc.pid, signal.SIGKILL)
+    crashed.proc.wait()
+    assert arena.exists()  # nothing ran to remove it
+    wait_for(lambda: not _decode_workers_of(crashed.proc.pid), 15, "orphaned decode workers to exit")
+    restarted = start_joaderd({"demo": demo_root}, cache_items=16)
+    assert not arena.exists()
+    assert arena.name in restarted.log()
+    assert arena.name not in joader_segments()
+
+
+def _decode_workers_of(pid: int) -> list[int]:
+    workers = []
+    for stat in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            cmdline = stat.read_bytes()
+        except OSError:
+            continue
+        if b"joader.server" in cmdline and int(stat.parent.name) != pid:
+            workers.append(int(stat.parent.name))
+    return workers
