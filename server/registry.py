@@ -429,7 +429,9 @@ class Registry:
                         progressed = True
                 self._dispatch()
                 self._expire_leases()
-                if not progressed:
+                if progressed:
+                    self._cond.notify_all()  # cached picks are ready at once for waiting Nexts
+                else:
                     self._cond.wait(0.25)
 
     def _run_round(self, source: Source) -> bool:
