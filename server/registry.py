@@ -58,6 +58,9 @@ class RegistryConfig:
     lookahead_batches: int = 4
     lease_s: float = 10.0
     next_wait_s: float = 1.0
+    # Once some items are ready, wait this long for a full batch: fewer, fuller replies leave
+    # more CPU to the decoders when decoding is the bottleneck.
+    linger_s: float = 0.05
     rounds_per_lock: int = 64
     decodes_in_flight_per_worker: int = 2
 
@@ -304,17 +307,23 @@ class Registry:
             epoch = self._claim(job, token)
             started = self._clock()
             deadline = started + self.config.next_wait_s
+            linger_until: float | None = None
             try:
                 while True:
                     if job.handed[epoch] >= job.num_items or epoch in job.abandoned:
                         return Batch(epoch, True, [], [], [], [])
-                    batch = self._take_ready(job, epoch, max_items)
-                    if batch is not None:
+                    wanted = min(max_items, job.num_items - job.handed[epoch], job.queue_capacity)
+                    ready = self._count_ready(job, epoch, wanted)
+                    now = self._clock()
+                    if ready and linger_until is None:
+                        linger_until = now + self.config.linger_s
+                    if ready >= wanted or (ready and (now >= linger_until or self._stopped)):
+                        batch = self._take_ready(job, epoch, max_items)
+                        assert batch is not None
                         return batch
-                    remaining_s = deadline - self._clock()
-                    if remaining_s <= 0 or self._stopped:
+                    if now >= deadline or self._stopped:
                         return Batch(epoch, False, [], [], [], [])
-                    self._cond.wait(remaining_s)
+                    self._cond.wait(min(deadline, linger_until or deadline) - now)
                     job = self._job(job_id)  # the lease may have ended while we waited
             finally:
                 job.wait_s += self._clock() - started
@@ -372,6 +381,21 @@ class Registry:
             sampler.reset_epoch(job.job_id)
             job.sampler_epoch += 1
             self._count_new_epoch(job.source, job.dataset - before)
+
+    def _count_ready(self, job: Job, epoch: int, limit: int) -> int:
+        """How many items at the head of the queue (of `epoch`, up to `limit`) can be taken."""
+        queue = job.queue
+        items = self._items
+        count = 0
+        for entry in queue:
+            if count >= limit:
+                break
+            if entry.epoch < epoch:
+                continue  # leftovers of an abandoned epoch, dropped when taking
+            if entry.epoch != epoch or items[entry.key].state < _READY:
+                break
+            count += 1
+        return count
 
     def _take_ready(self, job: Job, epoch: int, max_items: int) -> Batch | None:
         queue = job.queue
