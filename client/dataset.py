@@ -33,7 +33,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from joader.address import resolve_address
 from joader.cache.arena import ArenaReader
 from joader.client.channel import call
-from joader.errors import DecodeError, ERROR_CLASSES, InvalidArgumentError, JoaderError
+from joader.errors import ERROR_CLASSES, DecodeError, InvalidArgumentError, JoaderError
 from joader.proto import joader_pb2
 
 logger = logging.getLogger(__name__)
@@ -168,7 +168,6 @@ class JoaderDataset(IterableDataset):
     def _items(self, token: int) -> Iterator[Any]:
         arena = self._arena()
         shape = (3, self.image_size, self.image_size)
-        nbytes = self._item_nbytes
         acks: list[int] = []
         request = joader_pb2.NextRequest(job_id=self.job_id, token=token, max_items=self.batch_size)
         idle_s = 0.0
@@ -186,7 +185,7 @@ class JoaderDataset(IterableDataset):
                     # One tensor per item, not views of one batch tensor: torch.stack (in the
                     # DataLoader's collate) is ~30x slower on views that share a storage.
                     images = [torch.empty(shape, dtype=torch.uint8) for _ in range(count)]
-                    for image, offset in zip(images, response.offsets):
+                    for image, offset in zip(images, response.offsets, strict=True):
                         arena.copy_into(offset, image.numpy())
                     acks = list(response.item_ids)
                     labels = response.labels

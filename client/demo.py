@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("\n" * len(jobs) + format_status(fetch_status(address)) + "\n", flush=True)
                 shown = True
             time.sleep(0.5)
-        failed = [name for (name, *_), p in zip(jobs, procs) if p.returncode != 0]
+        failed = [name for (name, *_), p in zip(jobs, procs, strict=True) if p.returncode != 0]
         print("\n" * len(jobs) + format_status(fetch_status(address)), flush=True)
         if failed:
             print(f"demo: jobs {', '.join(failed)} failed", file=sys.stderr)

@@ -104,7 +104,7 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
         epoch_started = time.perf_counter()
         waited_from = epoch_started
         num_samples = 0
-        for ids, images, labels in loader:
+        for ids, images, _labels in loader:
             wait_s += time.perf_counter() - waited_from
             if images.dtype != torch.uint8 or images.shape[1:] != (3, args.image_size, args.image_size):
                 raise RuntimeError(f"unexpected batch {images.dtype} {tuple(images.shape)}")

@@ -33,8 +33,7 @@ def resolve_address(address: str | None = None) -> str:
     raw = address or os.environ.get(ENV_ADDRESS) or f"unix:{default_socket_path()}"
     if raw.startswith("unix:"):
         path = raw[len("unix:"):]
-        if path.startswith("//"):
-            path = path[2:]
+        path = path.removeprefix("//")
         if not path:
             raise InvalidArgumentError(f"address {raw!r} names no socket path; use unix:/path/to.sock")
         return f"unix:{path}"

@@ -92,7 +92,7 @@ class Source:
 
 
 class _Item:
-    __slots__ = ("source", "item_id", "state", "slot", "pins")
+    __slots__ = ("item_id", "pins", "slot", "source", "state")
 
     def __init__(self, source: Source, item_id: int) -> None:
         self.source = source

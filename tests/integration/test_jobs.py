@@ -33,7 +33,7 @@ def test_concurrent_jobs_get_every_item_once_per_epoch_and_share(
     from caching everything.
     """
     server = start_joaderd({"demo": demo_root}, cache_items=NUM_DEMO_ITEMS // 4)
-    a_items, b_items = range(0, 120), range(40, NUM_DEMO_ITEMS)
+    a_items, b_items = range(120), range(40, NUM_DEMO_ITEMS)
     a = server.job("--indices", "0:120", "--epochs", "2", "--batch-size", "8",
                    "--num-workers", str(num_workers), name="a")
     b = server.job("--indices", f"40:{NUM_DEMO_ITEMS}", "--epochs", "2", "--batch-size", "8", name="b")

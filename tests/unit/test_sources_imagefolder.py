@@ -57,7 +57,7 @@ def test_order_equals_torchvision_make_dataset(tmp_path: Path) -> None:
         str(tmp_path), class_to_idx, torchvision_folder.IMG_EXTENSIONS
     )
     listing = list_image_folder(tmp_path)
-    got = [(str(tmp_path / p), int(label)) for p, label in zip(listing.paths, listing.labels)]
+    got = [(str(tmp_path / p), int(label)) for p, label in zip(listing.paths, listing.labels, strict=True)]
     assert got == expected
 
 
