@@ -29,7 +29,7 @@ test-fast: venv
 	$(PY) -m pytest -q -x tests/unit
 
 demo: venv
-	$(PY) -m joader.demo --data $(DEMO_DIR) --items $(DEMO_ITEMS)
+	$(PY) -m joader.client.demo --data $(DEMO_DIR) --items $(DEMO_ITEMS)
 
 bench: venv
 	$(PY) bench/sampler.py --quick

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from joader.server.decode_pool import DecodePool, DecodeResult, SourceSpec
 
 from joader.cache.arena import Arena
 from joader.errors import InvalidArgumentError
+from joader.server.decode_pool import DecodePool, DecodeResult, SourceSpec
 from joader.sources.demo import corrupt_jpeg, make_demo_data
 from joader.sources.imagefolder import SourceListing
 from joader.sources.stage import item_nbytes, prepare
