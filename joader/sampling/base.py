@@ -109,7 +109,7 @@ class Sampler(abc.ABC):
                 f"add_job: job {job_id!r} is already registered; remove_job({job_id!r}) first, "
                 "or pick another id"
             )
-        frozen = FrozenBitMap(dataset)
+        frozen = frozen_without_runs(dataset)
         if not frozen:
             raise InvalidArgumentError(
                 f"add_job: job {job_id!r} has an empty dataset; give it at least one item id"
@@ -150,6 +150,22 @@ class Sampler(abc.ABC):
             if job_id in pending:
                 pending.discard(job_id)
                 self._epochs[job_id] += 1
+
+
+def frozen_without_runs(dataset: AbstractBitMap | Iterable[int]) -> FrozenBitMap:
+    """An immutable copy of `dataset` made of array and bitset containers only.
+
+    Datasets are often ranges (a whole source), which roaring stores as run containers. Every
+    remaining set is a copy of its dataset that loses one item per round, and a run container
+    being consumed fragments into thousands of runs: select and remove then cost about 12 us
+    instead of 1.2 us (measured on 1.28M items). So runs are expanded once, here.
+    """
+    if isinstance(dataset, AbstractBitMap):
+        if dataset.get_statistics()["n_run_containers"]:
+            dataset = dataset.to_array()
+    else:
+        dataset = BitMap(dataset).to_array()  # constructing from a range makes runs
+    return FrozenBitMap(dataset, optimize=False)
 
 
 def copy_bitmap(bitmap: AbstractBitMap) -> BitMap:

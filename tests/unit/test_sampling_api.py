@@ -219,3 +219,15 @@ def test_chi2_sf_matches_scipy() -> None:
     for x, df in [(0.5, 1), (3.0, 1), (10.0, 3), (100.0, 81), (150.0, 100), (9000.0, 9801),
                   (11000.0, 9801), (40.0, 2), (0.0, 4)]:
         assert chi2_sf(x, df) == pytest.approx(stats.chi2.sf(x, df), rel=1e-9, abs=1e-300)
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+def test_range_datasets_are_stored_without_run_containers(name: str) -> None:
+    """A consumed run container fragments and makes every pick ~10x slower (bench/sampler.py),
+    so datasets given as ranges are expanded to array/bitset containers at add_job."""
+    sampler = make_sampler(name, 0)
+    sampler.add_job("a", BitMap(range(200_000)))
+    sampler.add_job("b", range(100, 70_000))
+    for job_id in ("a", "b"):
+        assert sampler.dataset(job_id).get_statistics()["n_run_containers"] == 0
+        assert sampler.remaining(job_id) == sampler.dataset(job_id)
