@@ -440,23 +440,31 @@ class Registry:
     # ----------------------------------------------------------------------------- scheduling
 
     def run_scheduler(self) -> None:
-        """The scheduler thread: rounds, decode dispatch and lease expiry, until `stop`."""
+        """The scheduler thread: `schedule_once` until `stop`, sleeping when there is no work."""
         while True:
             with self._cond:
                 if self._stopped:
                     return
-                progressed = False
-                for source in self._sources.values():
-                    for _ in range(self.config.rounds_per_lock):
-                        if not self._run_round(source):
-                            break
-                        progressed = True
-                self._dispatch()
-                self._expire_leases()
-                if progressed:
-                    self._cond.notify_all()  # cached picks are ready at once for waiting Nexts
-                else:
+                if not self.schedule_once():
                     self._cond.wait(0.25)
+
+    def schedule_once(self) -> bool:
+        """Runs a bounded number of rounds, dispatches decodes, expires leases.
+
+        Returns whether any round ran (the caller loops at once if so).
+        """
+        with self._cond:
+            progressed = False
+            for source in self._sources.values():
+                for _ in range(self.config.rounds_per_lock):
+                    if not self._run_round(source):
+                        break
+                    progressed = True
+            self._dispatch()
+            self._expire_leases()
+            if progressed:
+                self._cond.notify_all()  # cached picks are ready at once for waiting Nexts
+            return progressed
 
     def _run_round(self, source: Source) -> bool:
         """One DSA round, if some job's queue is below its capacity.
@@ -598,7 +606,7 @@ class Registry:
         with self._cond:
             now = self._clock()
             policy_stats = self._policy.statistics()
-            waiting_pins = sum(i.pins for i in self._items.values() if i.state in (_WAITING, _DECODING))
+            waiting_pinned = sum(1 for i in self._items.values() if i.pins and i.state in (_WAITING, _DECODING))
             used_slots = self._num_slots - self._slots.num_free
             failed = [
                 {"source": s.name, "item_id": i, "path": s.listing.paths[i], "reason": r}
@@ -640,7 +648,7 @@ class Registry:
                     "num_slots": self._num_slots,
                     "used_bytes": used_slots * self._slot_bytes,
                     "items": policy_stats.num_items,
-                    "pinned": policy_stats.num_pinned + waiting_pins,
+                    "pinned": policy_stats.num_pinned + waiting_pinned,  # items, not pins
                     "hits": self.hits,
                     "misses": self.misses,
                     "evictions": self.evictions,

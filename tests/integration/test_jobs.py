@@ -101,3 +101,23 @@ def test_server_exit_removes_its_arena(demo_root: Path, start_joaderd: Any) -> N
     assert server.stop() == 0
     assert not arena.exists()
     assert not (server.dir / "joaderd.sock").exists()
+
+
+def test_a_hung_client_loses_its_lease(demo_root: Path, start_joaderd: Any) -> None:
+    """A job whose processes stop answering (SIGSTOP: alive, connected, silent) is dropped
+    after its lease, and the server goes on serving a new job."""
+    server = start_joaderd({"demo": demo_root}, cache_items=NUM_DEMO_ITEMS // 4, lease_s=2.0)
+    hung = server.job("--epochs", "50", "--batch-size", "8", "--step-s", "0.05", name="hung")
+    wait_for(lambda: any(j["name"] == "hung" and j["items_delivered"] > 0 for j in server.status()["jobs"]),
+             60, "the job to start reading")
+    os.killpg(hung.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: server.status()["jobs"] == [], 20, "joaderd to drop the silent job")
+        assert "no request for 2 s" in server.log()
+        other = server.job("--epochs", "1", "--batch-size", "8", name="other")
+        assert finish(other) == 0, server.job_stderr("other")
+        assert_exactly_once(server.report("other"), range(NUM_DEMO_ITEMS), 1)
+    finally:
+        os.killpg(hung.pid, signal.SIGKILL)
+        hung.wait()
+    assert server.status()["cache"]["pinned"] == 0
