@@ -10,7 +10,9 @@ in its own process as real training would be:
 the same shared stage (decode, resize, crop) in its own DataLoader workers, shuffled by PyTorch.
 The emulated GPU step is a sleep, so it costs no CPU. The JSON report holds, per epoch, the wall
 time, the time spent waiting for data, the item order (with `--record`), and the CPU seconds of
-the process and its workers.
+the process and its workers. Each epoch also carries its wall-clock start and end (`started_at`,
+`ended_at`, `time.time()`) and its own `cpu_s`: this process plus every live descendant (read from
+/proc, so persistent DataLoader workers and the lease keeper count) plus the children it reaped.
 """
 
 from __future__ import annotations
@@ -73,6 +75,39 @@ def _cpu_s() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
+def _tree_cpu_s() -> float:
+    """CPU seconds of this process, its reaped children and every live descendant (Linux /proc)."""
+    total = _cpu_s()
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return total
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        # after the name: state ppid ... utime(12) stime(13) cutime(14) cstime(15), 0-based here
+        parents[int(entry)] = int(fields[1])
+        times[int(entry)] = sum(int(x) for x in fields[11:15]) / tick
+    own = os.getpid()
+    frontier = [own]
+    while frontier:
+        pid = frontier.pop()
+        for child, parent in parents.items():
+            if parent == pid:
+                total += times[child]
+                frontier.append(child)
+    return total
+
+
 def _progress(desc: str, total: int, position: int, enabled: bool) -> Any:
     if not enabled:
         return None
@@ -101,6 +136,8 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
         bar = _progress(f"{args.name} epoch {epoch + 1}/{args.epochs}", len(dataset), args.position, args.progress)
         order: list[int] = []
         wait_s = 0.0
+        epoch_cpu = _tree_cpu_s()
+        epoch_wall = time.time()
         epoch_started = time.perf_counter()
         waited_from = epoch_started
         num_samples = 0
@@ -122,6 +159,9 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
             "wall_s": time.perf_counter() - epoch_started,
             "wait_s": wait_s,
             "num_samples": num_samples,
+            "started_at": epoch_wall,
+            "ended_at": time.time(),
+            "cpu_s": _tree_cpu_s() - epoch_cpu,
         }
         if args.record:
             entry["order"] = order
@@ -161,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
+    if not args.baseline:
+        import joader.client.dataset  # noqa: F401  (import before --start-at, not after)
     if args.start_at:
         time.sleep(max(0.0, args.start_at - time.time()))
     if args.start_delay_s:
