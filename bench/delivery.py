@@ -1,0 +1,203 @@
+"""Warm-cache delivery: samples/s from joaderd's cache to one client and to four, beside the raw copy.
+
+A joaderd with a cache that holds the whole dataset is warmed by one epoch of a throw-away job;
+then every sample is a cache hit and no decode runs. Measured, 256x256x3 uint8, batch 64, no
+emulated step (the job only iterates its DataLoader):
+- one client (num_workers 0, the fastest for warm data; and num_workers 2 for comparison):
+  samples/s of each epoch, several epochs in one process, the median reported;
+- four clients at once: aggregate samples/s (all samples over the span of all four);
+- raw: in this process, copying the same bytes out of the same shared-memory arena (mapped
+  read-only, as the client maps it): (1) into one preallocated array (the physical limit);
+  (2) into a new tensor per sample (what the client must do); (3) plus torch.stack of each batch
+  of 64 (the DataLoader's collate).
+Targets: one client >= 30% of raw (1), and >= 10,000 samples/s.
+
+Usage: python bench/delivery.py [--quick] [--items 2000] [--epochs 5] [--reps 3]
+Writes bench/results/delivery[-quick].json and .png and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    IMAGE_SIZE, ITEM_NBYTES, RESULTS, Server, demo_data, full_cache_bytes, machine, median, plt, print_table,
+    run_jobs, simjob_command, start_margin_s, write_json,
+)
+
+
+def raw_copy_rates(arena_path: str, num_items: int, batch_size: int, repeats: int) -> dict[str, float]:
+    import torch
+
+    from joader.cache.arena import ArenaReader
+
+    torch.set_num_threads(1)
+    reader = ArenaReader(arena_path)
+    count = min(num_items, reader.size_bytes // ITEM_NBYTES)
+    offsets = [i * ITEM_NBYTES for i in range(count)]
+    shape = (3, IMAGE_SIZE, IMAGE_SIZE)
+    out = np.empty(shape, np.uint8)
+
+    def preallocated() -> None:
+        for offset in offsets:
+            reader.copy_into(offset, out)
+
+    def new_tensors() -> None:
+        for offset in offsets:
+            reader.copy_into(offset, torch.empty(shape, dtype=torch.uint8).numpy())
+
+    def with_collate() -> None:
+        for start in range(0, count, batch_size):
+            images = [torch.empty(shape, dtype=torch.uint8) for _ in offsets[start:start + batch_size]]
+            for image, offset in zip(images, offsets[start:start + batch_size]):
+                reader.copy_into(offset, image.numpy())
+            torch.stack(images)
+
+    rates = {}
+    for name, fn in (("preallocated", preallocated), ("new_tensor_per_sample", new_tensors),
+                     ("new_tensors_and_collate", with_collate)):
+        fn()  # fault the pages in
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+        rates[name] = round(count / median(times), 1)
+    reader.close()
+    return rates
+
+
+def client_rates(address: str, num_clients: int, num_workers: int, epochs: int, batch_size: int) -> dict[str, Any]:
+    start_at = time.time() + start_margin_s(num_clients)
+    reports = run_jobs([simjob_command(f"d{i}", address=address, epochs=epochs, batch_size=batch_size,
+                                       num_workers=num_workers, start_at=start_at) for i in range(num_clients)])
+    per_epoch = [[e["num_samples"] / e["wall_s"] for e in r["epochs"]] for r in reports]
+    # aggregate over the epochs all clients ran at the same time: from the latest first-epoch
+    # start to the earliest last-epoch end would drop samples; use each epoch index's span instead
+    aggregate = []
+    for k in range(epochs):
+        epochs_k = [r["epochs"][k] for r in reports]
+        span = max(e["ended_at"] for e in epochs_k) - min(e["started_at"] for e in epochs_k)
+        aggregate.append(sum(e["num_samples"] for e in epochs_k) / span)
+    cpu = sum(e["cpu_s"] for r in reports for e in r["epochs"])
+    samples = sum(e["num_samples"] for r in reports for e in r["epochs"])
+    return {
+        "num_clients": num_clients, "num_workers": num_workers,
+        "per_client_epoch_samples_per_s": [[round(x, 1) for x in p] for p in per_epoch],
+        "aggregate_per_epoch": [round(x, 1) for x in aggregate],
+        # the first epoch includes DataLoader start-up; later epochs are steady state
+        "aggregate_samples_per_s": round(median(aggregate[1:] if epochs > 1 else aggregate), 1),
+        "client_cpu_ms_per_sample": round(1000 * cpu / samples, 4),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="600 images, one repetition, 3 epochs")
+    parser.add_argument("--items", type=int)
+    parser.add_argument("--epochs", type=int)
+    parser.add_argument("--reps", type=int)
+    parser.add_argument("--batch-size", type=int, default=64)
+    args = parser.parse_args(argv)
+    n = args.items or (600 if args.quick else 2000)
+    epochs = args.epochs or (3 if args.quick else 5)
+    reps = args.reps or (1 if args.quick else 3)
+    name = "delivery-quick" if args.quick else "delivery"
+    root = demo_data(n)
+    info = machine()
+    runs: list[dict[str, Any]] = []
+    raws: list[dict[str, float]] = []
+    with Server(root, full_cache_bytes(n), workers=2) as server:
+        run_jobs([simjob_command("warmup", address=server.address, batch_size=args.batch_size)])
+        warm = server.status()
+        print(f"warm-up: {warm['items_decoded']} decoded, cache holds {warm['cache']['items']} items", flush=True)
+        decoded_before = warm["items_decoded"]
+        server_cpu_before = server.cpu_s()
+        for rep in range(reps):
+            raw = raw_copy_rates(server.arena_path, n, args.batch_size, 5)
+            raws.append(raw)
+            for clients, workers in ((1, 0), (4, 0)) + (((1, 2),) if rep == 0 else ()):
+                result = client_rates(server.address, clients, workers, epochs, args.batch_size)
+                result["rep"] = rep
+                result["raw_preallocated"] = raw["preallocated"]
+                result["fraction_of_raw"] = round(result["aggregate_samples_per_s"] / raw["preallocated"], 4)
+                runs.append(result)
+                print(f"rep {rep}: {clients} client(s), num_workers {workers}: "
+                      f"{result['aggregate_samples_per_s']:.0f} samples/s ({result['fraction_of_raw']:.1%} of raw "
+                      f"{raw['preallocated']:.0f}/s)", flush=True)
+        server_cpu = server.cpu_s() - server_cpu_before
+        status = server.status()
+    info["loadavg_at_end"] = list(os.getloadavg())
+    delivered = status["items_delivered"] - warm["items_delivered"]
+
+    def pick(clients: int, workers: int, key: str) -> float:
+        return median([r[key] for r in runs if r["num_clients"] == clients and r["num_workers"] == workers])
+
+    table = [
+        {"case": f"{c} client(s), num_workers {w}", "num_clients": c, "num_workers": w,
+         "samples_per_s": pick(c, w, "aggregate_samples_per_s"), "fraction_of_raw": pick(c, w, "fraction_of_raw"),
+         "client_cpu_ms_per_sample": pick(c, w, "client_cpu_ms_per_sample")}
+        for c, w in ((1, 0), (1, 2), (4, 0))
+    ]
+    raw = {k: median([r[k] for r in raws]) for k in raws[0]}
+    print(f"\ndelivery: {n} items of {IMAGE_SIZE}x{IMAGE_SIZE}x3 in a warm cache, batch {args.batch_size}, "
+          f"{epochs} epochs per client, {reps} repetition(s)")
+    print_table(["case", "samples/s", "of raw", "client cpu ms/sample"],
+                [[t["case"], t["samples_per_s"], f"{t['fraction_of_raw']:.1%}", t["client_cpu_ms_per_sample"]]
+                 for t in table])
+    print_table(["raw copy in one process", "samples/s", "GB/s"],
+                [[k, v, round(v * ITEM_NBYTES / 1e9, 2)] for k, v in raw.items()])
+    print(f"server CPU during the measured runs: {1000 * server_cpu / max(1, delivered):.3f} ms per delivered "
+          f"sample; decodes after warm-up: {status['items_decoded'] - decoded_before}")
+    one = table[0]
+    checks = {
+        "one_client_fraction_of_raw": {"measured": one["fraction_of_raw"], "target": 0.30,
+                                       "ok": one["fraction_of_raw"] >= 0.30},
+        "one_client_samples_per_s": {"measured": one["samples_per_s"], "target": 10000,
+                                     "ok": one["samples_per_s"] >= 10000},
+    }
+    for key, check in checks.items():
+        print(f"check {key}: {check}")
+    data = {"machine": info, "num_items": n, "batch_size": args.batch_size, "epochs": epochs, "reps": reps,
+            "table": table, "raw": raw, "raw_reps": raws, "runs": runs,
+            "server_cpu_ms_per_sample": round(1000 * server_cpu / max(1, delivered), 4),
+            "decodes_after_warmup": status["items_decoded"] - decoded_before, "checks": checks,
+            "command": "python bench/delivery.py" + (" --quick" if args.quick else "")}
+    print(f"wrote {write_json(name, data)}")
+    plot(name, data)
+    return 0
+
+
+def plot(name: str, data: dict[str, Any]) -> None:
+    pyplot = plt()
+    fig, ax = pyplot.subplots(figsize=(8, 4.2))
+    labels = [t["case"] for t in data["table"]] + [f"raw: {k.replace('_', ' ')}" for k in data["raw"]]
+    values = [t["samples_per_s"] for t in data["table"]] + list(data["raw"].values())
+    colors = ["C0"] * len(data["table"]) + ["C7"] * len(data["raw"])
+    ax.barh(range(len(values)), values, color=colors)
+    ax.set_yticks(range(len(values)), labels)
+    ax.invert_yaxis()
+    ax.axvline(10000, color="k", linestyle=":", label="10,000 samples/s")
+    ax.axvline(0.3 * data["raw"]["preallocated"], color="r", linestyle="--", label="30% of raw copy")
+    for i, v in enumerate(values):
+        ax.text(v, i, f" {v:,.0f}", va="center")
+    ax.set_xlabel(f"samples/s (256x256x3 uint8, batch {data['batch_size']})")
+    ax.set_title("Warm-cache delivery vs. copying the same bytes out of shared memory")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    path = RESULTS / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
