@@ -1,6 +1,6 @@
 """The dependent sampling tree of Xie et al. (NeurIPS 2022, sec. 4), in its chain form.
 
-Order the jobs j_1..j_n by the size of their remaining sets (ascending, ties by job id). The
+Order the jobs j_1..j_n by the size of their remaining sets (ascending, ties by overlap). The
 paper's tree then is a chain: node k holds the jobs {j_k..j_n}; its *vertex* is
 
     I_k = (R_{j_k} ∩ ... ∩ R_{j_n}) \\ (I_1 ∪ ... ∪ I_{k-1})
@@ -32,11 +32,11 @@ the chain is the whole tree and reaches the Theorem 1 bound. For nested datasets
 set contains the smaller ones', the usual case of tuning runs on subsets), every shared subset is
 a suffix and nothing is lost.
 
-The order among jobs of equal size (ties by job id) matters too. Measured with `joader verify`
-(100 epochs, equal sizes of 50): jobs a = b = 0:50 and c = 25:75 are ordered (a, b, c), so
-{a, b} is a prefix and a, b share 52% of rounds instead of 100% (each shares 50% with c, its
-bound); rename them so that the identical pair comes last, (c, d, a) with c = d = 0:50 and
-a = 25:75, and c, d share 100% and each 50% with a: every pairwise bound is met.
+The order among jobs of equal size matters too, so `chain_order` breaks ties by overlap: within
+a group of equal sizes it places, from the back, the job that keeps the suffix intersection
+largest (the first pick being one of the group's most-overlapping pair). For jobs a = b = 0:50
+and c = 25:75 that gives (c, a, b): a and b share 100% of rounds and each shares 50% with c,
+every pairwise bound. Ordering ties by job id instead gave (a, b, c), and a and b shared 52%.
 
 The n-job sharing rate: in a round, the selectors of one vertex share one item, so the number
 of distinct items a round prepares is the number of vertices selected by someone plus the number
@@ -51,7 +51,51 @@ from collections.abc import Sequence
 
 from pyroaring import AbstractBitMap, BitMap
 
-__all__ = ["build_chain"]
+__all__ = ["build_chain", "chain_order"]
+
+# Above this many jobs of one size, the first pick of a tie group skips the O(g^2) pair search.
+_MAX_PAIR_SEARCH = 16
+
+
+def chain_order(remaining: dict[str, AbstractBitMap]) -> list[str]:
+    """Job ids by ascending remaining size; equal sizes ordered to share the most (see above).
+
+    Deterministic: a function of the sets and the ids alone.
+    """
+    by_size = sorted(remaining, key=lambda job_id: (len(remaining[job_id]), job_id))
+    reversed_order: list[str] = []
+    suffix: AbstractBitMap | None = None  # intersection of the jobs placed so far (the back)
+    start = len(by_size)
+    while start > 0:
+        size = len(remaining[by_size[start - 1]])
+        end = start
+        while start > 0 and len(remaining[by_size[start - 1]]) == size:
+            start -= 1
+        group = by_size[start:end]
+        while group:
+            pick = _pick_last(group, remaining, suffix)
+            group.remove(pick)
+            reversed_order.append(pick)
+            suffix = remaining[pick] if suffix is None else suffix & remaining[pick]
+    return reversed_order[::-1]
+
+
+def _pick_last(group: list[str], remaining: dict[str, AbstractBitMap],
+               suffix: AbstractBitMap | None) -> str:
+    if len(group) == 1:
+        return group[0]
+    if suffix is not None:
+        # max() keeps the first of equals: the smallest id, since the group is sorted by id.
+        return max(group, key=lambda job_id: remaining[job_id].intersection_cardinality(suffix))
+    if len(group) > _MAX_PAIR_SEARCH:
+        return group[0]
+    best, best_overlap = group[0], -1
+    for i, first in enumerate(group):
+        for second in group[i + 1:]:
+            overlap = remaining[first].intersection_cardinality(remaining[second])
+            if overlap > best_overlap:
+                best, best_overlap = first, overlap
+    return best
 
 
 def build_chain(remaining: Sequence[AbstractBitMap]) -> tuple[list[BitMap], list[BitMap]]:

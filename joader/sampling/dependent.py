@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from pyroaring import AbstractBitMap, BitMap, FrozenBitMap
 
 from joader.sampling.base import Sampler, copy_bitmap
-from joader.sampling.chain import build_chain
+from joader.sampling.chain import build_chain, chain_order
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class DependentSampler(Sampler):
 
     def _rebuild(self) -> None:
         remaining = self._remaining
-        order = sorted(remaining, key=lambda job_id: (len(remaining[job_id]), job_id))
+        order = chain_order(remaining)
         self._order = order
         self._pos = {job_id: k for k, job_id in enumerate(order)}
         self._rsets = [remaining[job_id] for job_id in order]

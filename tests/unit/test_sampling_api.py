@@ -231,3 +231,23 @@ def test_range_datasets_are_stored_without_run_containers(name: str) -> None:
     for job_id in ("a", "b"):
         assert sampler.dataset(job_id).get_statistics()["n_run_containers"] == 0
         assert sampler.remaining(job_id) == sampler.dataset(job_id)
+
+
+def test_equal_sizes_are_ordered_so_the_identical_pair_shares_every_round() -> None:
+    """Ties in the chain's size order are broken by overlap, not by name: with a = b = 0:50 and
+    c = 25:75 (all of size 50), a and b must share every round, whatever their names."""
+    from pyroaring import BitMap
+
+    from joader.sampling import DependentSampler
+
+    for names in (("a", "b", "c"), ("c", "b", "a"), ("x", "z", "y")):
+        first, second, other = names
+        sampler = DependentSampler(seed=5)
+        sampler.add_job(first, BitMap(range(0, 50)))
+        sampler.add_job(second, BitMap(range(0, 50)))
+        sampler.add_job(other, BitMap(range(25, 75)))
+        shared = sum(
+            picks[first] == picks[second]
+            for picks in (sampler.sample([first, second, other]) for _ in range(50 * 20))
+        )
+        assert shared == 50 * 20, names
