@@ -189,8 +189,10 @@ def simjob_command(name: str, *, address: str | None = None, baseline: Path | No
     return command
 
 
-def run_jobs(commands: Sequence[list[str]], timeout_s: float = 900) -> list[dict[str, Any]]:
+def run_jobs(commands: Sequence[list[str]], timeout_s: float = 900,
+             env_extra: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Runs every job command at once (each its own process) and returns their JSON reports."""
+    env = {**bench_env(), **(env_extra or {})}
     workdir = Path(tempfile.mkdtemp(prefix="jbjobs-", dir="/tmp"))
     procs = []
     try:
@@ -198,7 +200,7 @@ def run_jobs(commands: Sequence[list[str]], timeout_s: float = 900) -> list[dict
             out = workdir / f"job{i}.json"
             err = open(workdir / f"job{i}.err", "wb")
             procs.append((subprocess.Popen([*command, "--out", str(out)], stdout=subprocess.DEVNULL, stderr=err,
-                                           env=bench_env()), out, err, workdir / f"job{i}.err"))
+                                           env=env), out, err, workdir / f"job{i}.err"))
         deadline = time.monotonic() + timeout_s
         for proc, _, err, _ in procs:
             try:

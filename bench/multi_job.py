@@ -95,14 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--step-s", type=float, default=0.1)
-    parser.add_argument("--baseline-workers", default="0,1,2", help="worker counts searched per job")
+    parser.add_argument("--baseline-workers", help="worker counts searched per job (default 0,1,2; quick 1,2: "
+                        "0 never won here, the job's own process then decodes between its steps)")
     parser.add_argument("--server-workers", type=int, default=2)
     parser.add_argument("--full-cache-jobs", type=int, default=4)
     args = parser.parse_args(argv)
     num_items = args.items or (600 if args.quick else 2000)
     jobs = [int(n) for n in (args.jobs or ("1,2,4" if args.quick else "1,2,3,4,5,6")).split(",")]
     reps = args.reps or (1 if args.quick else 3)
-    search = [int(w) for w in args.baseline_workers.split(",")]
+    search = [int(w) for w in (args.baseline_workers or ("1,2" if args.quick else "0,1,2")).split(",")]
     name = "multi_job-quick" if args.quick else "multi_job"
 
     root = demo_data(num_items)
