@@ -14,14 +14,7 @@ from typing import Any
 import grpc
 
 from joader.errors import JoaderError, error_from_status
-from joader.proto import joader_pb2_grpc
-
-ERROR_METADATA_KEY = "joader-error"
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
+from joader.proto import ERROR_METADATA_KEY, GRPC_OPTIONS, joader_pb2_grpc
 
 _lock = threading.Lock()
 _channels: dict[str, tuple[int, grpc.Channel, joader_pb2_grpc.JoaderStub]] = {}

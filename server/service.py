@@ -18,17 +18,11 @@ import grpc
 from pyroaring import BitMap
 
 from joader.errors import InvalidArgumentError, JoaderError, UnknownJobError, status_code_name
-from joader.proto import joader_pb2, joader_pb2_grpc
+from joader.proto import ERROR_METADATA_KEY, GRPC_OPTIONS, joader_pb2, joader_pb2_grpc
 from joader.server.registry import Registry
 
 logger = logging.getLogger(__name__)
 
-ERROR_METADATA_KEY = "joader-error"
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # a serialized BitMap of a large, scattered subset
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-]
 
 F = TypeVar("F", bound=Callable[..., Any])
 

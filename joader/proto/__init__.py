@@ -1,1 +1,11 @@
-"""Generated gRPC and protobuf modules for joader.proto (regenerate with `make proto`)."""
+"""The wire protocol: joader.proto's generated modules (regenerate with `make proto`) and the
+constants that server and client must agree on."""
+
+# The exception class name of a failed call travels in this trailing-metadata key.
+ERROR_METADATA_KEY = "joader-error"
+# A serialized BitMap of a large, scattered subset of a big source can exceed gRPC's 4 MB default.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
