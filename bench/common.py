@@ -210,7 +210,7 @@ def run_jobs(commands: Sequence[list[str]], timeout_s: float = 900,
                 proc.wait()
             err.close()
         reports = []
-        for (proc, out, _, err_path), command in zip(procs, commands):
+        for (proc, out, _, err_path), command in zip(procs, commands, strict=True):
             if proc.returncode != 0:
                 raise RuntimeError(f"job failed ({proc.returncode}): {' '.join(command)}\n"
                                    f"{err_path.read_text(errors='replace')[-3000:]}")
@@ -314,7 +314,7 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     cells = [[str(h) for h in headers]] + [[_fmt(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     for j, row in enumerate(cells):
-        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
         if j == 0:
             print("  ".join("-" * w for w in widths))
 

@@ -32,8 +32,20 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    IMAGE_SIZE, ITEM_NBYTES, RESULTS, Server, demo_data, full_cache_bytes, machine, median, plt, print_table,
-    run_jobs, simjob_command, start_margin_s, write_json,
+    IMAGE_SIZE,
+    ITEM_NBYTES,
+    RESULTS,
+    Server,
+    demo_data,
+    full_cache_bytes,
+    machine,
+    median,
+    plt,
+    print_table,
+    run_jobs,
+    simjob_command,
+    start_margin_s,
+    write_json,
 )
 
 
@@ -60,7 +72,7 @@ def raw_copy_rates(arena_path: str, num_items: int, batch_size: int, repeats: in
     def with_collate() -> None:
         for start in range(0, count, batch_size):
             images = [torch.empty(shape, dtype=torch.uint8) for _ in offsets[start:start + batch_size]]
-            for image, offset in zip(images, offsets[start:start + batch_size]):
+            for image, offset in zip(images, offsets[start:start + batch_size], strict=True):
                 reader.copy_into(offset, image.numpy())
             torch.stack(images)
 

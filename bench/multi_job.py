@@ -30,8 +30,22 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    RESULTS, Server, children_cpu_s, demo_data, full_cache_bytes, machine, measure_decode_capacity, median,
-    plt, print_table, quarter_cache_bytes, run_jobs, simjob_command, start_margin_s, summarize_jobs, write_json,
+    RESULTS,
+    Server,
+    children_cpu_s,
+    demo_data,
+    full_cache_bytes,
+    machine,
+    measure_decode_capacity,
+    median,
+    plt,
+    print_table,
+    quarter_cache_bytes,
+    run_jobs,
+    simjob_command,
+    start_margin_s,
+    summarize_jobs,
+    write_json,
 )
 
 
