@@ -92,7 +92,7 @@ class Source:
 
 
 class _Item:
-    __slots__ = ("item_id", "pins", "slot", "source", "state")
+    __slots__ = ("source", "item_id", "state", "slot", "pins", "waiters")
 
     def __init__(self, source: Source, item_id: int) -> None:
         self.source = source
@@ -100,6 +100,7 @@ class _Item:
         self.state = _WAITING
         self.slot = -1
         self.pins = 0  # pins taken before the item reached the cache policy
+        self.waiters: list[Job] = []  # jobs with this item queued, to wake when it lands
 
 
 class _Entry:
@@ -133,6 +134,7 @@ class Job:
     items_delivered: int = 0
     items_skipped: int = 0
     wait_s: float = 0.0
+    ready: threading.Condition = field(default_factory=threading.Condition)  # replaced in attach
 
     @property
     def num_items(self) -> int:
@@ -174,7 +176,11 @@ class Registry:
     ) -> None:
         self.config = config
         self._clock = clock
-        self._cond = threading.Condition()
+        # One lock. `_cond` wakes the scheduler (queue room, freed pins, jobs coming and going);
+        # each job's own condition on the same lock wakes only that job's waiting `Next`s, so a
+        # decode landing does not wake every waiting request of every job.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._sources = {s.name: s for s in sources}
         self._source_index = {s.name: i for i, s in enumerate(sources)}
         self._jobs: dict[str, Job] = {}
@@ -223,6 +229,7 @@ class Registry:
             now = self._clock()
             job_id = f"{name or 'job'}-{uuid.uuid4().hex[:8]}"
             job = Job(job_id, name or job_id, source, dataset, batch_size, now, now)
+            job.ready = threading.Condition(self._lock)
             source.sampler.add_job(job_id, dataset)
             source.job_ids.append(job_id)
             self._jobs[job_id] = job
@@ -262,6 +269,7 @@ class Registry:
                 job_id, reason, job.items_delivered,
             )
             self._cond.notify_all()
+            job.ready.notify_all()  # its waiting Nexts find it gone
             return True
 
     def job_info(self, job_id: str) -> Job:
@@ -323,7 +331,7 @@ class Registry:
                         return batch
                     if now >= deadline or self._stopped:
                         return Batch(epoch, False, [], [], [], [])
-                    self._cond.wait(min(deadline, linger_until or deadline) - now)
+                    job.ready.wait(min(deadline, linger_until or deadline) - now)
                     job = self._job(job_id)  # the lease may have ended while we waited
             finally:
                 job.wait_s += self._clock() - started
@@ -463,7 +471,8 @@ class Registry:
             self._dispatch()
             self._expire_leases()
             if progressed:
-                self._cond.notify_all()  # cached picks are ready at once for waiting Nexts
+                for job in self._jobs.values():  # cached picks are ready at once
+                    job.ready.notify_all()
             return progressed
 
     def _run_round(self, source: Source) -> bool:
@@ -507,6 +516,8 @@ class Registry:
                 self.hits += 1
             job = jobs[job_id]
             job.queue.append(_Entry(job.sampler_epoch, item_id, key))
+            if item.state < _READY:
+                item.waiters.append(job)
         return True
 
     def _count_new_epoch(self, source: Source, needed: BitMap) -> None:
@@ -591,8 +602,10 @@ class Registry:
                     "source %s: item %d (%s) could not be decoded and is skipped: %s",
                     source.name, item.item_id, source.listing.paths[item.item_id], error,
                 )
+            for job in item.waiters:
+                job.ready.notify_all()
+            item.waiters = []
             self._dispatch()
-            self._cond.notify_all()
 
     # ----------------------------------------------------------------------------- lifecycle
 
@@ -600,6 +613,8 @@ class Registry:
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
+            for job in self._jobs.values():
+                job.ready.notify_all()
 
     def status(self) -> dict[str, Any]:
         """A JSON-ready snapshot (the schema `joader status --json` documents)."""
