@@ -293,6 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def replot(path: Path) -> None:
+    """Redraws the PNG of a JSON result (after a change to the plot only)."""
+    import json
+
+    plot(path.stem, json.loads(path.read_text()))
+
+
 def plot(name: str, data: dict[str, Any]) -> None:
     pyplot = plt()
     fig, axes = pyplot.subplots(1, 3, figsize=(15, 4.2))
@@ -317,6 +324,7 @@ def plot(name: str, data: dict[str, Any]) -> None:
         xs = range(4)
         ax.bar(list(xs), s["together_samples_per_s"], 0.6, label="staggered, together")
         ax.axhline(s["alone_samples_per_s"], color="k", linestyle=":", label="alone")
+        ax.set_ylim(0, 1.15 * max(s["alone_samples_per_s"], *s["together_samples_per_s"]))
         ax.set_xticks(list(xs), [f"+{k * s['stagger_s']:g} s" for k in xs])
         ax.set_xlabel("arrival")
         ax.set_ylabel("samples/s")
