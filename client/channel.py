@@ -79,3 +79,23 @@ def call(address: str, method: str, request: Any, timeout_s: float | None = None
         return getattr(stub, method)(request, timeout=timeout_s)
     except grpc.RpcError as error:
         raise translate(error, address) from None
+
+
+class PendingCall:
+    """A unary call in flight; `result()` waits and raises translated errors."""
+
+    def __init__(self, future: Any, address: str) -> None:
+        self._future = future
+        self._address = address
+
+    def result(self) -> Any:
+        try:
+            return self._future.result()
+        except grpc.RpcError as error:
+            raise translate(error, self._address) from None
+
+
+def call_async(address: str, method: str, request: Any, timeout_s: float | None = None) -> PendingCall:
+    """Starts a unary call by name without waiting for it."""
+    stub = get_stub(address)
+    return PendingCall(getattr(stub, method).future(request, timeout=timeout_s), address)

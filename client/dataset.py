@@ -32,7 +32,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from joader.address import resolve_address
 from joader.cache.arena import ArenaReader
-from joader.client.channel import call
+from joader.client.channel import PendingCall, call_async
 from joader.errors import ERROR_CLASSES, DecodeError, InvalidArgumentError, JoaderError
 from joader.proto import joader_pb2
 
@@ -165,38 +165,36 @@ class JoaderDataset(IterableDataset):
             self._reader = (pid, ArenaReader(self._arena_path))
         return self._reader[1]
 
+    def _next(self, token: int, acks: list[int], max_items: int) -> PendingCall:
+        request = joader_pb2.NextRequest(job_id=self.job_id, token=token, max_items=max_items, acks=acks)
+        return call_async(self.address, "Next", request, timeout_s=self.timeout_s + 30)
+
     def _items(self, token: int) -> Iterator[Any]:
+        """One epoch. Each batch is acknowledged as soon as it is copied out, in the request that
+        fetches the next batch, so that request travels while this one is consumed."""
         arena = self._arena()
         shape = (3, self.image_size, self.image_size)
-        acks: list[int] = []
-        request = joader_pb2.NextRequest(job_id=self.job_id, token=token, max_items=self.batch_size)
+        pending: PendingCall | None = self._next(token, [], self.batch_size)
         idle_s = 0.0
         try:
-            while True:
-                del request.acks[:]
-                request.acks.extend(acks)
-                response = call(self.address, "Next", request, timeout_s=self.timeout_s + 30)
-                acks = []
+            while pending is not None:
+                response = pending.result()
+                pending = None
                 for failed in response.failed:
                     self._report_failure(failed)
-                count = len(response.item_ids)
-                if count:
+                ids = list(response.item_ids)
+                # One tensor per item, not views of one batch tensor: torch.stack (in the
+                # DataLoader's collate) is ~30x slower on views that share a storage.
+                images: list[Any] = [torch.empty(shape, dtype=torch.uint8) for _ in ids]
+                for image, offset in zip(images, response.offsets, strict=True):
+                    arena.copy_into(offset, image.numpy())
+                if response.end_of_epoch:
+                    if ids:
+                        self._next(token, ids, 0).result()  # acknowledge only
+                else:
+                    pending = self._next(token, ids, self.batch_size)
+                if ids:
                     idle_s = 0.0
-                    # One tensor per item, not views of one batch tensor: torch.stack (in the
-                    # DataLoader's collate) is ~30x slower on views that share a storage.
-                    images = [torch.empty(shape, dtype=torch.uint8) for _ in range(count)]
-                    for image, offset in zip(images, response.offsets, strict=True):
-                        arena.copy_into(offset, image.numpy())
-                    acks = list(response.item_ids)
-                    labels = response.labels
-                    for i, index in enumerate(response.item_ids):
-                        image: Any = images[i]
-                        if self.transform is not None:
-                            image = self.transform(image)
-                        if self.return_index:
-                            yield index, image, labels[i]
-                        else:
-                            yield image, labels[i]
                 elif not response.end_of_epoch:
                     idle_s += 1.0  # the server waited about a second for a ready item
                     if idle_s > self.timeout_s:
@@ -204,23 +202,23 @@ class JoaderDataset(IterableDataset):
                             f"job {self.job_id}: no item from joaderd for {self.timeout_s:g} s; "
                             "see `joader status` (is the cache too small, or a decode worker stuck?)"
                         )
-                if response.end_of_epoch:
-                    self._acknowledge(request, acks)
-                    acks = []
-                    return
+                labels = response.labels
+                for i, index in enumerate(ids):
+                    image = images[i]
+                    if self.transform is not None:
+                        image = self.transform(image)
+                    if self.return_index:
+                        yield index, image, labels[i]
+                    else:
+                        yield image, labels[i]
         finally:
-            if acks:  # the loop broke out early: let the server reuse those slots now
+            if pending is not None:  # the loop broke out early with a batch on its way
                 try:
-                    self._acknowledge(request, acks)
+                    leftover = list(pending.result().item_ids)
+                    if leftover:
+                        self._next(token, leftover, 0).result()
                 except (JoaderError, ConnectionError, TimeoutError):
                     pass
-
-    def _acknowledge(self, request: joader_pb2.NextRequest, acks: list[int]) -> None:
-        if acks:
-            del request.acks[:]
-            request.acks.extend(acks)
-            request.max_items = 0  # acknowledge only
-            call(self.address, "Next", request, timeout_s=self.timeout_s)
 
     def _report_failure(self, failed: joader_pb2.FailedItem) -> None:
         if self.on_error == "raise":
