@@ -129,6 +129,8 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
         dataset = JoaderDataset(args.source, indices=indices, return_index=True, address=args.address,
                                 name=args.name, batch_size=args.batch_size, on_error=args.on_error)
         loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=args.num_workers)
+    if args.start_at:  # registered already: the jobs of a sweep start reading together
+        time.sleep(max(0.0, args.start_at - time.time()))
     report: dict[str, Any] = {"name": args.name, "num_items": len(dataset), "epochs": []}
     started = time.perf_counter()
     cpu_started = _cpu_s()
@@ -203,8 +205,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     if not args.baseline:
         import joader.client.dataset  # noqa: F401  (import before --start-at, not after)
-    if args.start_at:
-        time.sleep(max(0.0, args.start_at - time.time()))
     if args.start_delay_s:
         time.sleep(args.start_delay_s)
     report = run_job(args)

@@ -135,6 +135,7 @@ class Job:
     items_skipped: int = 0
     wait_s: float = 0.0
     ready: threading.Condition = field(default_factory=threading.Condition)  # replaced in attach
+    reading: bool = False  # rounds include a job from its first request for items on
 
     @property
     def num_items(self) -> int:
@@ -289,12 +290,16 @@ class Registry:
         return job
 
     def _resize_queues(self) -> None:
-        # Queued items are pinned; keep all queues together (at their limit, twice their
-        # capacity) within half the cache, so that a job that stops reading can never pin the
-        # whole cache and stall the others.
-        share = max(1, self._num_slots // (4 * max(1, len(self._jobs))))
+        # Queued items are pinned. A queue's capacity is its share of half the cache (so that,
+        # at their limit of twice the capacity, all queues together fit in it), but at least one
+        # batch while the whole cache can still hold every queue at its limit: a job that reads
+        # a batch at a time and finds less than a batch queued sits out rounds it should share.
+        num_jobs = max(1, len(self._jobs))
+        share = self._num_slots // (4 * num_jobs)
         for job in self._jobs.values():
-            job.queue_capacity = max(1, min(self.config.lookahead_batches * job.batch_size, share))
+            floor = min(job.batch_size, self._num_slots // (2 * num_jobs))
+            wanted = self.config.lookahead_batches * job.batch_size
+            job.queue_capacity = max(1, min(wanted, max(share, floor)))
 
     # ----------------------------------------------------------------------------- Next
 
@@ -312,6 +317,9 @@ class Registry:
             self._acknowledge(job, acks)
             if max_items == 0:  # acknowledge only
                 return Batch(job.tokens.get(token, 0), False, [], [], [], [])
+            if not job.reading:
+                job.reading = True
+                self._cond.notify_all()
             epoch = self._claim(job, token)
             started = self._clock()
             deadline = started + self.config.next_wait_s
@@ -484,7 +492,13 @@ class Registry:
         sits the round out and loses sharing, not speed.
         """
         jobs = self._jobs
-        queued = [(job_id, len(jobs[job_id].queue), jobs[job_id].queue_capacity) for job_id in source.job_ids]
+        # A job joins rounds from its first request for items, not from its registration, so
+        # jobs launched together share from their first round even if they registered apart.
+        queued = [
+            (job_id, len(jobs[job_id].queue), jobs[job_id].queue_capacity)
+            for job_id in source.job_ids
+            if jobs[job_id].reading
+        ]
         if not any(length < capacity for _, length, capacity in queued):
             return False
         participants = [job_id for job_id, length, capacity in queued if length < 2 * capacity]

@@ -123,6 +123,9 @@ def test_a_new_pass_abandons_an_unfinished_epoch_and_starts_a_whole_one() -> Non
     registry, pool, _ = make_registry()
     job = registry.attach("demo", BitMap(range(30)), "a", 4)
     pump(registry, pool)
+    assert not job.queue  # registered, not reading yet: no rounds, no decodes
+    assert registry.next_items(job.job_id, 7, 4, []).item_ids == []  # nothing prepared yet
+    pump(registry, pool)
     first = registry.next_items(job.job_id, 7, 4, [])
     assert first.epoch == 1 and len(first.item_ids) == 4
     order = read_epoch(registry, pool, job.job_id, token=8)  # a new pass: epoch 2, whole
@@ -137,6 +140,8 @@ def test_a_silent_job_loses_its_lease_and_its_pins() -> None:
     registry, pool, clock = make_registry(lease_s=5.0)
     quiet = registry.attach("demo", BitMap(range(40)), "quiet", 4)
     busy = registry.attach("demo", BitMap(range(40)), "busy", 4)
+    for job in (quiet, busy):
+        registry.next_items(job.job_id, 1, 4, [])  # start reading
     pump(registry, pool)
     held = registry.next_items(quiet.job_id, 1, 4, [])  # handed out, never acknowledged
     assert held.item_ids
