@@ -31,11 +31,18 @@ test-fast: venv
 demo: venv
 	$(PY) -m joader.client.demo --data $(DEMO_DIR) --items $(DEMO_ITEMS)
 
+# Quick: a few minutes, fewer repetitions and sizes. Full: about 35 minutes.
 bench: venv
 	$(PY) bench/sampler.py --quick
+	$(PY) bench/multi_job.py --quick
+	$(PY) bench/async_jobs.py --quick
+	$(PY) bench/delivery.py --quick
 
 bench-full: venv
 	$(PY) bench/sampler.py
+	$(PY) bench/multi_job.py
+	$(PY) bench/async_jobs.py
+	$(PY) bench/delivery.py
 
 lint: venv
 	$(VENV)/bin/ruff check joader server client tests bench
