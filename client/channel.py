@@ -33,16 +33,6 @@ def get_stub(address: str) -> joader_pb2_grpc.JoaderStub:
         return stub
 
 
-def close_channels() -> None:
-    """Closes this process's channels (a no-op for channels inherited through fork)."""
-    pid = os.getpid()
-    with _lock:
-        for address, (owner, channel, _stub) in list(_channels.items()):
-            if owner == pid:
-                channel.close()
-            del _channels[address]
-
-
 def translate(error: grpc.RpcError, address: str) -> Exception:
     """The exception to raise for a failed call: a `JoaderError` subclass or `ConnectionError`."""
     code: grpc.StatusCode = error.code()  # type: ignore[attr-defined]

@@ -273,13 +273,6 @@ class Registry:
             job.ready.notify_all()  # its waiting Nexts find it gone
             return True
 
-    def job_info(self, job_id: str) -> Job:
-        with self._cond:
-            return self._job(job_id)
-
-    def source_index(self, name: str) -> int:
-        return self._source_index[name]
-
     def _job(self, job_id: str) -> Job:
         job = self._jobs.get(job_id)
         if job is None:
