@@ -75,6 +75,11 @@ class JoaderDataset(IterableDataset):
         address: joaderd's address; default `$JOADER_ADDRESS`, else the per-user socket.
         name: a name for this job in `joader status`.
         batch_size: items per request; match the DataLoader's batch size.
+        batched: yield whole batches of `batch_size` (the last one of an epoch may be smaller),
+            copied straight out of shared memory into one `(B, 3, S, S)` tensor, with a label
+            tensor (and an index tensor under `return_index`). Use it with
+            `DataLoader(ds, batch_size=None)`: it skips one copy per sample (the collate).
+            `transform`, if given, is applied to each image and the results are stacked.
         on_error: "skip" (default) skips files that fail to decode, logging them (the server
             counts them in its status); "raise" raises `DecodeError` naming the file.
         timeout_s: raise `TimeoutError` if no item arrives for this long.
@@ -90,6 +95,7 @@ class JoaderDataset(IterableDataset):
         address: str | None = None,
         name: str | None = None,
         batch_size: int = 64,
+        batched: bool = False,
         on_error: str = "skip",
         timeout_s: float = 300.0,
     ) -> None:
@@ -103,6 +109,7 @@ class JoaderDataset(IterableDataset):
         self.return_index = return_index
         self.on_error = on_error
         self.batch_size = batch_size
+        self.batched = batched
         self.timeout_s = timeout_s
         self.address = resolve_address(address)
         bitmap = to_bitmap(indices)
@@ -157,7 +164,7 @@ class JoaderDataset(IterableDataset):
             # reuse it, so the pass count tells their passes apart.
             token = hash((worker.seed - worker.id, self._passes)) & _TOKEN_MASK
         self._passes += 1
-        return self._items(token)
+        return self._batches(token) if self.batched else self._items(token)
 
     def _arena(self) -> ArenaReader:
         pid = os.getpid()
@@ -169,11 +176,10 @@ class JoaderDataset(IterableDataset):
         request = joader_pb2.NextRequest(job_id=self.job_id, token=token, max_items=max_items, acks=acks)
         return call_async(self.address, "Next", request, timeout_s=self.timeout_s + 30)
 
-    def _items(self, token: int) -> Iterator[Any]:
-        """One epoch. Each batch is acknowledged as soon as it is copied out, in the request that
-        fetches the next batch, so that request travels while this one is consumed."""
-        arena = self._arena()
-        shape = (3, self.image_size, self.image_size)
+    def _stream(self, token: int, place: Callable[[Any], None]) -> Iterator[None]:
+        """One epoch of responses. `place(response)` copies the response's items out of the
+        arena; each batch is then acknowledged at once, in the request that fetches the next
+        batch, so that request travels while this one is consumed. Yields after each placing."""
         pending: PendingCall | None = self._next(token, [], self.batch_size)
         idle_s = 0.0
         try:
@@ -182,12 +188,8 @@ class JoaderDataset(IterableDataset):
                 pending = None
                 for failed in response.failed:
                     self._report_failure(failed)
+                place(response)
                 ids = list(response.item_ids)
-                # One tensor per item, not views of one batch tensor: torch.stack (in the
-                # DataLoader's collate) is ~30x slower on views that share a storage.
-                images: list[Any] = [torch.empty(shape, dtype=torch.uint8) for _ in ids]
-                for image, offset in zip(images, response.offsets, strict=True):
-                    arena.copy_into(offset, image.numpy())
                 if response.end_of_epoch:
                     if ids:
                         self._next(token, ids, 0).result()  # acknowledge only
@@ -202,15 +204,7 @@ class JoaderDataset(IterableDataset):
                             f"job {self.job_id}: no item from joaderd for {self.timeout_s:g} s; "
                             "see `joader status` (is the cache too small, or a decode worker stuck?)"
                         )
-                labels = response.labels
-                for i, index in enumerate(ids):
-                    image = images[i]
-                    if self.transform is not None:
-                        image = self.transform(image)
-                    if self.return_index:
-                        yield index, image, labels[i]
-                    else:
-                        yield image, labels[i]
+                yield
         finally:
             if pending is not None:  # the loop broke out early with a batch on its way
                 try:
@@ -219,6 +213,58 @@ class JoaderDataset(IterableDataset):
                         self._next(token, leftover, 0).result()
                 except (JoaderError, ConnectionError, TimeoutError):
                     pass
+
+    def _items(self, token: int) -> Iterator[Any]:
+        arena = self._arena()
+        shape = (3, self.image_size, self.image_size)
+        placed: list[tuple[int, torch.Tensor, int]] = []
+
+        def place(response: Any) -> None:
+            # One tensor per item, not views of one batch tensor: torch.stack (in the
+            # DataLoader's collate) is ~30x slower on views that share a storage.
+            for index, label, offset in zip(response.item_ids, response.labels, response.offsets, strict=True):
+                image = torch.empty(shape, dtype=torch.uint8)
+                arena.copy_into(offset, image.numpy())
+                placed.append((index, image, label))
+
+        for _ in self._stream(token, place):
+            items, placed[:] = list(placed), []
+            for index, image, label in items:
+                if self.transform is not None:
+                    image = self.transform(image)
+                yield (index, image, label) if self.return_index else (image, label)
+
+    def _batches(self, token: int) -> Iterator[Any]:
+        arena = self._arena()
+        shape = (3, self.image_size, self.image_size)
+        size = self.batch_size
+        done: list[tuple[torch.Tensor, list[int], list[int]]] = []
+        current: list[Any] = [torch.empty((size, *shape), dtype=torch.uint8), [], []]
+
+        def place(response: Any) -> None:
+            for index, label, offset in zip(response.item_ids, response.labels, response.offsets, strict=True):
+                images, indices, labels = current
+                arena.copy_into(offset, images[len(indices)].numpy())
+                indices.append(index)
+                labels.append(label)
+                if len(indices) == size:
+                    done.append((images, indices, labels))
+                    current[:] = [torch.empty((size, *shape), dtype=torch.uint8), [], []]
+
+        for _ in self._stream(token, place):
+            while done:
+                yield self._emit(*done.pop(0))
+        images, indices, labels = current
+        if indices:
+            yield self._emit(images[: len(indices)], indices, labels)
+
+    def _emit(self, images: torch.Tensor, indices: list[int], labels: list[int]) -> Any:
+        if self.transform is not None:
+            images = torch.stack([self.transform(image) for image in images])
+        label_tensor = torch.tensor(labels, dtype=torch.int64)
+        if self.return_index:
+            return torch.tensor(indices, dtype=torch.int64), images, label_tensor
+        return images, label_tensor
 
     def _report_failure(self, failed: joader_pb2.FailedItem) -> None:
         if self.on_error == "raise":

@@ -127,8 +127,10 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
         from joader.client.dataset import JoaderDataset
 
         dataset = JoaderDataset(args.source, indices=indices, return_index=True, address=args.address,
-                                name=args.name, batch_size=args.batch_size, on_error=args.on_error)
-        loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=args.num_workers)
+                                name=args.name, batch_size=args.batch_size, on_error=args.on_error,
+                                batched=args.batched)
+        loader = DataLoader(dataset, batch_size=None if args.batched else args.batch_size,
+                            num_workers=args.num_workers)
     if args.start_at:  # registered already: the jobs of a sweep start reading together
         time.sleep(max(0.0, args.start_at - time.time()))
     report: dict[str, Any] = {"name": args.name, "num_items": len(dataset), "epochs": []}
@@ -196,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--position", type=int, default=0, help="progress bar row")
     parser.add_argument("--out", type=Path, help="write the JSON report here (default: stdout)")
     parser.add_argument("--on-error", choices=("skip", "raise"), default="skip")
+    parser.add_argument("--batched", action="store_true",
+                        help="JoaderDataset(batched=True) with DataLoader(batch_size=None)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     return parser
 

@@ -129,3 +129,37 @@ def _decode_workers_of(pid: int) -> list[int]:
         if b"joader.server" in cmdline and int(stat.parent.name) != pid:
             workers.append(int(stat.parent.name))
     return workers
+
+
+_API_SCRIPT = r"""
+import sys, torch
+from torch.utils.data import DataLoader
+from joader import JoaderDataset
+address, n = sys.argv[1], int(sys.argv[2])
+scale = lambda image: image.float() / 255
+with JoaderDataset("demo", indices=range(10, 10 + n), transform=scale, return_index=True,
+                   address=address, batch_size=8) as ds:
+    assert len(ds) == n
+    seen = []
+    for index, image, label in ds:
+        assert image.dtype == torch.float32 and image.shape == (3, 64, 64)  # transformed here
+        assert isinstance(label, int) and 0 <= label < len(ds.classes)
+        seen.append(index)
+    assert sorted(seen) == list(range(10, 10 + n)), seen
+with JoaderDataset("demo", indices=range(n), batched=True, address=address, batch_size=8) as ds:
+    sizes, labels = [], []
+    for images, batch_labels in DataLoader(ds, batch_size=None):
+        assert images.shape[1:] == (3, 64, 64) and images.dtype == torch.uint8
+        assert batch_labels.dtype == torch.int64 and len(batch_labels) == len(images)
+        sizes.append(len(images))
+    assert sizes == [8] * (n // 8) + ([n % 8] if n % 8 else []), sizes
+print("ok")
+"""
+
+
+def test_dataset_api_per_item_and_batched(demo_root: Path, start_joaderd: Any) -> None:
+    """`(index, image, label)` with a transform, per item; exact batches with `batched=True`."""
+    server = start_joaderd({"demo": demo_root}, cache_items=32)
+    result = subprocess.run([sys.executable, "-c", _API_SCRIPT, server.address, "21"],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr

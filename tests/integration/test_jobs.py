@@ -23,9 +23,9 @@ def assert_exactly_once(report: dict[str, Any], dataset: range, epochs: int) -> 
         assert sorted(order) == list(dataset), f"{report['name']} epoch {number} is not a permutation"
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize(("num_workers", "batched"), [(0, False), (2, False), (2, True)])
 def test_concurrent_jobs_get_every_item_once_per_epoch_and_share(
-    demo_root: Path, start_joaderd: Any, num_workers: int
+    demo_root: Path, start_joaderd: Any, num_workers: int, batched: bool
 ) -> None:
     """Two overlapping jobs, one of them spread over DataLoader workers, two epochs each.
 
@@ -35,7 +35,7 @@ def test_concurrent_jobs_get_every_item_once_per_epoch_and_share(
     server = start_joaderd({"demo": demo_root}, cache_items=NUM_DEMO_ITEMS // 4)
     a_items, b_items = range(120), range(40, NUM_DEMO_ITEMS)
     a = server.job("--indices", "0:120", "--epochs", "2", "--batch-size", "8",
-                   "--num-workers", str(num_workers), name="a")
+                   "--num-workers", str(num_workers), *(["--batched"] if batched else []), name="a")
     b = server.job("--indices", f"40:{NUM_DEMO_ITEMS}", "--epochs", "2", "--batch-size", "8", name="b")
     assert finish(a) == 0, server.job_stderr("a")
     assert finish(b) == 0, server.job_stderr("b")
