@@ -170,7 +170,7 @@ class Server:
 def simjob_command(name: str, *, address: str | None = None, baseline: Path | None = None,
                    indices: str | None = None, epochs: int = 1, batch_size: int = 32, step_s: float = 0.0,
                    num_workers: int = 0, start_at: float = 0.0, start_delay_s: float = 0.0,
-                   record: bool = False) -> list[str]:
+                   record: bool = False, batched: bool = False) -> list[str]:
     command = [sys.executable, "-m", "joader.client.simjob", "--name", name, "--epochs", str(epochs),
                "--batch-size", str(batch_size), "--step-s", str(step_s), "--num-workers", str(num_workers),
                "--image-size", str(IMAGE_SIZE), "--threads", "1"]
@@ -186,6 +186,8 @@ def simjob_command(name: str, *, address: str | None = None, baseline: Path | No
         command += ["--start-delay-s", repr(start_delay_s)]
     if record:
         command.append("--record")
+    if batched:
+        command.append("--batched")
     return command
 
 
