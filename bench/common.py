@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from joader.client.simjob import tree_cpu_s  # noqa: F401  (re-exported for the scripts)
+
 RESULTS = Path(__file__).resolve().parent / "results"
 IMAGE_SIZE = 256
 ITEM_NBYTES = 3 * IMAGE_SIZE * IMAGE_SIZE
@@ -80,33 +82,6 @@ def full_cache_bytes(num_items: int) -> int:
 def children_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
-
-
-def tree_cpu_s(root_pid: int) -> float:
-    """utime+stime (+ reaped children's) of `root_pid` and all its live descendants, from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    parents: dict[int, int] = {}
-    times: dict[int, float] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        parents[int(entry)] = int(fields[1])
-        times[int(entry)] = sum(int(x) for x in fields[11:15]) / tick
-    total = times.get(root_pid, 0.0)
-    frontier = [root_pid]
-    while frontier:
-        pid = frontier.pop()
-        for child, parent in parents.items():
-            if parent == pid:
-                total += times[child]
-                frontier.append(child)
-    return total
 
 
 class Server:

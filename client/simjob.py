@@ -75,17 +75,12 @@ def _cpu_s() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def _tree_cpu_s() -> float:
-    """CPU seconds of this process, its reaped children and every live descendant (Linux /proc)."""
-    total = _cpu_s()
+def tree_cpu_s(root_pid: int) -> float:
+    """utime+stime (and reaped children's) of `root_pid` and all its live descendants (/proc)."""
     tick = os.sysconf("SC_CLK_TCK")
     parents: dict[int, int] = {}
     times: dict[int, float] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return total
-    for entry in entries:
+    for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
@@ -97,8 +92,8 @@ def _tree_cpu_s() -> float:
         # after the name: state ppid ... utime(12) stime(13) cutime(14) cstime(15), 0-based here
         parents[int(entry)] = int(fields[1])
         times[int(entry)] = sum(int(x) for x in fields[11:15]) / tick
-    own = os.getpid()
-    frontier = [own]
+    total = times.get(root_pid, 0.0)
+    frontier = [root_pid]
     while frontier:
         pid = frontier.pop()
         for child, parent in parents.items():
@@ -106,6 +101,11 @@ def _tree_cpu_s() -> float:
                 total += times[child]
                 frontier.append(child)
     return total
+
+
+def _tree_cpu_s() -> float:
+    """CPU seconds of this process, its reaped children and every live descendant."""
+    return tree_cpu_s(os.getpid())
 
 
 def _progress(desc: str, total: int, position: int, enabled: bool) -> Any:
