@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from joader.client.simjob import tree_cpu_s  # noqa: F401  (re-exported for the scripts)
+from joader.client.simjob import tree_cpu_s
 
 RESULTS = Path(__file__).resolve().parent / "results"
 IMAGE_SIZE = 256
