@@ -37,12 +37,14 @@ bench: venv
 	$(PY) bench/multi_job.py --quick
 	$(PY) bench/async_jobs.py --quick
 	$(PY) bench/delivery.py --quick
+	$(PY) bench/identical_jobs.py --reps 1
 
 bench-full: venv
 	$(PY) bench/sampler.py
 	$(PY) bench/multi_job.py
 	$(PY) bench/async_jobs.py
 	$(PY) bench/delivery.py
+	$(PY) bench/identical_jobs.py
 
 lint: venv
 	$(VENV)/bin/ruff check joader server client tests bench
