@@ -45,7 +45,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    RESULTS,
     Server,
     demo_data,
     full_cache_bytes,
@@ -55,6 +54,7 @@ from common import (  # noqa: E402
     print_table,
     quarter_cache_bytes,
     run_jobs,
+    save_figure,
     simjob_command,
     start_margin_s,
     write_json,
@@ -346,10 +346,7 @@ def plot(name: str, data: dict[str, Any]) -> None:
         ax.legend()
     fig.suptitle(f"joader, {data['num_items']} JPEGs, batch {data['batch_size']}, "
                  f"{data['machine'].get('cpus')} CPUs")
-    fig.tight_layout()
-    path = RESULTS / f"{name}.png"
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    save_figure(fig, name)
 
 
 if __name__ == "__main__":

@@ -309,3 +309,12 @@ def plt() -> Any:
     import matplotlib.pyplot as pyplot
 
     return pyplot
+
+
+def save_figure(fig: Any, name: str) -> Path:
+    """Lays out `fig` and writes it as bench/results/NAME.png."""
+    fig.tight_layout()
+    path = RESULTS / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+    return path

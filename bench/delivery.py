@@ -35,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     IMAGE_SIZE,
     ITEM_NBYTES,
-    RESULTS,
     Server,
     demo_data,
     full_cache_bytes,
@@ -44,6 +43,7 @@ from common import (  # noqa: E402
     plt,
     print_table,
     run_jobs,
+    save_figure,
     simjob_command,
     start_margin_s,
     write_json,
@@ -221,10 +221,7 @@ def plot(name: str, data: dict[str, Any]) -> None:
     ax.set_xlabel(f"samples/s (256x256x3 uint8, batch {data['batch_size']})")
     ax.set_title("Warm-cache delivery vs. copying the same bytes out of shared memory")
     ax.legend(loc="lower right")
-    fig.tight_layout()
-    path = RESULTS / f"{name}.png"
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    save_figure(fig, name)
 
 
 if __name__ == "__main__":

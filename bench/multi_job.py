@@ -30,7 +30,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    RESULTS,
     Server,
     children_cpu_s,
     demo_data,
@@ -42,6 +41,7 @@ from common import (  # noqa: E402
     print_table,
     quarter_cache_bytes,
     run_jobs,
+    save_figure,
     simjob_command,
     start_margin_s,
     summarize_jobs,
@@ -265,10 +265,7 @@ def plot(name: str, data: dict[str, Any]) -> None:
     ax.set_title("CPU cost")
     fig.suptitle(f"{data['num_items']} JPEGs 500x375 -> 256x256, batch {data['batch_size']}, "
                  f"step {data['step_s']} s, {data['machine'].get('cpus')} CPUs")
-    fig.tight_layout()
-    path = RESULTS / f"{name}.png"
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    save_figure(fig, name)
 
 
 if __name__ == "__main__":

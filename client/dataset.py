@@ -127,7 +127,6 @@ class JoaderDataset(IterableDataset):
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
         self.image_size: int = int(info["image_size"])
         self._num_items = int(info["num_items"])
-        self._item_nbytes = int(info["item_nbytes"])
         self._arena_path: str = info["arena_path"]
         self._reader: tuple[int, ArenaReader] | None = None
         self._passes = 0
