@@ -56,6 +56,24 @@ class CacheSpaceError(JoaderError, OSError):
     status_code = "RESOURCE_EXHAUSTED"
 
 
+class PassSupersededError(JoaderError, RuntimeError):
+    """A newer pass (iterator) over the same job took over its epoch; this one cannot continue."""
+
+    status_code = "FAILED_PRECONDITION"
+
+
+class TooManyJobsError(JoaderError, OSError):
+    """joaderd already serves as many jobs as `--max-jobs` allows."""
+
+    status_code = "RESOURCE_EXHAUSTED"
+
+
+class ServerFailedError(JoaderError, RuntimeError):
+    """joaderd hit an internal error and is shutting down (its log has the traceback)."""
+
+    status_code = "UNAVAILABLE"
+
+
 # One table, both directions. The client picks the class from the `joader-error` trailing
 # metadata the server attaches, and falls back to the status code alone.
 ERROR_CLASSES: dict[str, type[JoaderError]] = {
@@ -68,6 +86,9 @@ ERROR_CLASSES: dict[str, type[JoaderError]] = {
         DuplicateJobError,
         DecodeError,
         CacheSpaceError,
+        PassSupersededError,
+        TooManyJobsError,
+        ServerFailedError,
     )
 }
 
