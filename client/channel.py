@@ -37,6 +37,12 @@ def translate(error: grpc.RpcError, address: str) -> Exception:
     """The exception to raise for a failed call: a `JoaderError` subclass or `ConnectionError`."""
     code: grpc.StatusCode = error.code()  # type: ignore[attr-defined]
     details: str = error.details() or ""  # type: ignore[attr-defined]
+    class_name = None
+    for key, value in error.trailing_metadata() or ():  # type: ignore[attr-defined]
+        if key == ERROR_METADATA_KEY:
+            class_name = value
+    if class_name is not None:  # joaderd raised it on purpose: the same class, its message
+        return error_from_status(class_name, code.name, details)
     if code == grpc.StatusCode.UNAVAILABLE:
         return ConnectionError(
             f"no joaderd is answering at {address} ({details}). Start one with "
@@ -44,13 +50,14 @@ def translate(error: grpc.RpcError, address: str) -> Exception:
         )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return TimeoutError(f"joaderd at {address} did not answer in time ({details})")
-    class_name = None
-    for key, value in error.trailing_metadata() or ():  # type: ignore[attr-defined]
-        if key == ERROR_METADATA_KEY:
-            class_name = value
-    if class_name is None and code not in _JOADER_CODES:
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # gRPC's own limits, not joaderd's errors
+        return JoaderError(
+            f"joaderd at {address} refused the request: {details}. A request larger than "
+            "joaderd accepts usually means indices outside the source; pass indices within it"
+        )
+    if code not in _JOADER_CODES:
         return JoaderError(f"joaderd at {address} failed: {code.name}: {details}")
-    return error_from_status(class_name, code.name, details)
+    return error_from_status(None, code.name, details)
 
 
 _JOADER_CODES = {
@@ -58,7 +65,7 @@ _JOADER_CODES = {
     grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.ALREADY_EXISTS,
     grpc.StatusCode.DATA_LOSS,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

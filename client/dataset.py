@@ -33,7 +33,13 @@ from torch.utils.data import IterableDataset, get_worker_info
 from joader.address import resolve_address
 from joader.cache.arena import ArenaReader
 from joader.client.channel import PendingCall, call_async
-from joader.errors import ERROR_CLASSES, DecodeError, InvalidArgumentError, JoaderError
+from joader.errors import (
+    ERROR_CLASSES,
+    DecodeError,
+    InvalidArgumentError,
+    JoaderError,
+    UnknownJobError,
+)
 from joader.proto import joader_pb2
 
 logger = logging.getLogger(__name__)
@@ -60,7 +66,15 @@ def to_bitmap(indices: Any) -> BitMap | None:
         raise InvalidArgumentError(
             f"indices must be in 0..{np.iinfo(np.uint32).max}, got {array.min()}..{array.max()}"
         )
-    return BitMap(array.astype(np.uint32, copy=False))
+    bitmap = BitMap(array.astype(np.uint32, copy=False))
+    if len(bitmap) != array.size:
+        values, counts = np.unique(array, return_counts=True)
+        repeated = ", ".join(f"{v} ({c} times)" for v, c in zip(values[counts > 1][:5], counts[counts > 1][:5], strict=True))
+        raise InvalidArgumentError(
+            f"indices repeat items: {repeated}; a job's dataset is a set, and each epoch delivers "
+            "every item once. Pass unique indices (e.g. numpy.unique(indices))."
+        )
+    return bitmap
 
 
 class JoaderDataset(IterableDataset):
@@ -123,6 +137,8 @@ class JoaderDataset(IterableDataset):
         self._keeper, info = _start_keeper(registration, timeout_s=60.0)
         self._finalizer = weakref.finalize(self, _stop_keeper, self._keeper, os.getpid())
         self.job_id: str = info["job_id"]
+        self._secret: bytes = base64.b64decode(info["job_secret"])
+        self._server_uid: int | None = info.get("server_uid")
         self.classes: list[str] = list(info["classes"])
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
         self.image_size: int = int(info["image_size"])
@@ -157,43 +173,73 @@ class JoaderDataset(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         worker = get_worker_info()
         if worker is None:
-            token = secrets.randbits(63)
+            token, worker_id = secrets.randbits(63), 0
         else:
             # Every worker of one DataLoader pass has the same base seed; persistent workers
-            # reuse it, so the pass count tells their passes apart.
-            token = hash((worker.seed - worker.id, self._passes)) & _TOKEN_MASK
+            # reuse it, so the pass count tells their passes apart. The base seed repeats when
+            # the user re-seeds torch, so it is no nonce: the server also tells passes apart by
+            # the worker's pid (fresh workers are new processes).
+            token, worker_id = hash((worker.seed - worker.id, self._passes)) & _TOKEN_MASK, worker.id
         self._passes += 1
-        return self._batches(token) if self.batched else self._items(token)
+        stream = _Pass(token, worker_id)
+        return self._batches(stream) if self.batched else self._items(stream)
 
     def _arena(self) -> ArenaReader:
         pid = os.getpid()
         if self._reader is None or self._reader[0] != pid:
-            self._reader = (pid, ArenaReader(self._arena_path))
+            self._reader = (pid, ArenaReader(self._arena_path, expected_uid=self._server_uid))
         return self._reader[1]
 
-    def _next(self, token: int, acks: list[int], max_items: int) -> PendingCall:
-        request = joader_pb2.NextRequest(job_id=self.job_id, token=token, max_items=max_items, acks=acks)
+    def _next(self, stream: _Pass, acks: list[int], max_items: int) -> PendingCall:
+        request = joader_pb2.NextRequest(
+            job_id=self.job_id, job_secret=self._secret, token=stream.token, max_items=max_items,
+            acks=acks, worker_id=stream.worker_id, pid=os.getpid(),
+        )
         return call_async(self.address, "Next", request, timeout_s=self.timeout_s + 30)
 
-    def _stream(self, token: int, place: Callable[[Any], None]) -> Iterator[None]:
+    def _result(self, pending: PendingCall) -> Any:
+        try:
+            return pending.result()
+        except UnknownJobError as error:
+            raise UnknownJobError(f"{error}{self._keeper_note()}") from None
+
+    def _keeper_note(self) -> str:
+        keeper = self._keeper
+        if keeper is None or keeper.pid is None:
+            return ""
+        try:
+            os.kill(keeper.pid, 0)
+        except ProcessLookupError:
+            return (
+                f" (this process's lease keeper, pid {keeper.pid}, has exited: it was killed, "
+                "or could not reach joaderd; its stderr says why)"
+            )
+        except PermissionError:
+            pass
+        return ""
+
+    def _stream(self, stream: _Pass, place: Callable[[Any], None]) -> Iterator[None]:
         """One epoch of responses. `place(response)` copies the response's items out of the
         arena; each batch is then acknowledged at once, in the request that fetches the next
         batch, so that request travels while this one is consumed. Yields after each placing."""
-        pending: PendingCall | None = self._next(token, [], self.batch_size)
+        pending: PendingCall | None = self._next(stream, [], self.batch_size)
         idle_s = 0.0
         try:
             while pending is not None:
-                response = pending.result()
+                response = self._result(pending)
                 pending = None
-                for failed in response.failed:
-                    self._report_failure(failed)
                 place(response)
                 ids = list(response.item_ids)
+                if response.failed and self.on_error == "raise":
+                    self._next(stream, ids, 0).result()  # nothing of this batch stays pinned
+                    self._raise_failure(response.failed[0])
+                for failed in response.failed:
+                    self._warn_failure(failed)
                 if response.end_of_epoch:
                     if ids:
-                        self._next(token, ids, 0).result()  # acknowledge only
+                        self._next(stream, ids, 0).result()  # acknowledge only
                 else:
-                    pending = self._next(token, ids, self.batch_size)
+                    pending = self._next(stream, ids, self.batch_size)
                 if ids:
                     idle_s = 0.0
                 elif not response.end_of_epoch:
@@ -206,14 +252,21 @@ class JoaderDataset(IterableDataset):
                 yield
         finally:
             if pending is not None:  # the loop broke out early with a batch on its way
-                try:
-                    leftover = list(pending.result().item_ids)
-                    if leftover:
-                        self._next(token, leftover, 0).result()
-                except (JoaderError, ConnectionError, TimeoutError):
-                    pass
+                self._acknowledge_leftover(stream, pending)
 
-    def _items(self, token: int) -> Iterator[Any]:
+    def _acknowledge_leftover(self, stream: _Pass, pending: PendingCall) -> None:
+        """Best effort: give back a prefetched batch nobody will read (the lease's end would
+        release it anyway). At interpreter exit, grpc may already be torn down: skip it."""
+        if sys.is_finalizing():
+            return
+        try:
+            leftover = list(pending.result().item_ids)
+            if leftover:
+                self._next(stream, leftover, 0).result()
+        except Exception as error:  # noqa: BLE001  a failed courtesy call must not mask anything
+            logger.debug("job %s: leftover batch not acknowledged: %s", self.job_id, error)
+
+    def _items(self, stream: _Pass) -> Iterator[Any]:
         arena = self._arena()
         shape = (3, self.image_size, self.image_size)
         placed: list[tuple[int, torch.Tensor, int]] = []
@@ -226,14 +279,14 @@ class JoaderDataset(IterableDataset):
                 arena.copy_into(offset, image.numpy())
                 placed.append((index, image, label))
 
-        for _ in self._stream(token, place):
+        for _ in self._stream(stream, place):
             items, placed[:] = list(placed), []
             for index, image, label in items:
                 if self.transform is not None:
                     image = self.transform(image)
                 yield (index, image, label) if self.return_index else (image, label)
 
-    def _batches(self, token: int) -> Iterator[Any]:
+    def _batches(self, stream: _Pass) -> Iterator[Any]:
         arena = self._arena()
         shape = (3, self.image_size, self.image_size)
         size = self.batch_size
@@ -250,7 +303,7 @@ class JoaderDataset(IterableDataset):
                     done.append((images, indices, labels))
                     current[:] = [torch.empty((size, *shape), dtype=torch.uint8), [], []]
 
-        for _ in self._stream(token, place):
+        for _ in self._stream(stream, place):
             while done:
                 yield self._emit(*done.pop(0))
         images, indices, labels = current
@@ -265,18 +318,35 @@ class JoaderDataset(IterableDataset):
             return torch.tensor(indices, dtype=torch.int64), images, label_tensor
         return images, label_tensor
 
-    def _report_failure(self, failed: joader_pb2.FailedItem) -> None:
-        if self.on_error == "raise":
-            raise DecodeError(
-                f"job {self.job_id}: item {failed.item_id} ({failed.path}) of source "
-                f"{self.source!r} could not be decoded: {failed.reason}. Fix or remove the file, "
-                "or pass on_error='skip' to train without it."
-            )
+    def _raise_failure(self, failed: joader_pb2.FailedItem) -> None:
+        raise DecodeError(
+            f"job {self.job_id}: item {failed.item_id} ({_display(failed.path)}) of source "
+            f"{self.source!r} could not be decoded: {failed.reason}. Fix or remove the file "
+            "(joaderd retries it after --retry-failed-s), or pass on_error='skip' to train "
+            "without it."
+        )
+
+    def _warn_failure(self, failed: joader_pb2.FailedItem) -> None:
         if failed.item_id not in self._warned:
             self._warned.add(failed.item_id)
             logger.warning(
-                "job %s: skipping item %d (%s): %s", self.job_id, failed.item_id, failed.path, failed.reason
+                "job %s: skipping item %d (%s): %s", self.job_id, failed.item_id, _display(failed.path), failed.reason
             )
+
+
+class _Pass:
+    """What names one pass on the wire: its token and this process's DataLoader worker id."""
+
+    __slots__ = ("token", "worker_id")
+
+    def __init__(self, token: int, worker_id: int) -> None:
+        self.token = token
+        self.worker_id = worker_id
+
+
+def _display(path: bytes) -> str:
+    """A raw path for messages: non-UTF-8 bytes shown as \\xNN."""
+    return path.decode("utf-8", "backslashreplace")
 
 
 def _start_keeper(registration: dict[str, Any], timeout_s: float) -> tuple[subprocess.Popen[str], dict[str, Any]]:

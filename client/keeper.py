@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from joader.address import verify_server
 from joader.client.channel import get_stub, translate
 from joader.errors import JoaderError
 from joader.proto import joader_pb2
@@ -51,6 +52,13 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training script's to handle
     registration = json.loads(sys.stdin.readline())
     address = registration["address"]
+    try:
+        # Before a byte is sent: the socket must be served by this user's own joaderd, not by
+        # whoever squatted its directory.
+        server_uid = verify_server(address)
+    except (JoaderError, ConnectionError) as error:
+        _reply({"ok": False, "kind": type(error).__name__, "message": str(error)})
+        return 1
     stop = threading.Event()
     interval = [DEFAULT_HEARTBEAT_S]
     responses = get_stub(address).Attach(_requests(registration, stop, interval))
@@ -65,8 +73,11 @@ def main() -> int:
     _reply({
         "ok": True,
         "job_id": first.job_id,
+        "job_secret": base64.b64encode(first.job_secret).decode(),
+        "server_uid": server_uid,
+        "server_pid": first.server_pid,
         "source": first.source,
-        "classes": list(first.classes),
+        "classes": [os.fsdecode(c) for c in first.classes],
         "num_source_items": first.num_source_items,
         "num_items": first.num_items,
         "image_size": first.image_size,

@@ -1,32 +1,46 @@
 """`joaderd`: the entry point. Builds the pieces in the one order that is safe, then serves.
 
-Order matters: the decode pool forks its workers before any gRPC object exists (a fork with a
-live gRPC channel or server can crash the child), so `joader.server.service`, which imports
-grpc, is imported only after the pool has started. Shutdown (SIGTERM, SIGINT or an error)
-removes the arena and the socket; a restart after a crash removes the arenas a dead joaderd
-left behind.
+Order matters: the decode pool forks its forker process before any gRPC object exists (a fork
+with a live gRPC channel or server can crash the child; every later worker is forked by that
+forker, never by this process), so `joader.server.service`, which imports grpc, is imported only
+after the pool has started.
+
+Serving runs on an asyncio event loop in the main thread (`grpc.aio`: a job's lease stream costs
+a coroutine, not a thread). Two threads do the rest, both *supervised*: the scheduler (DSA rounds,
+decode dispatch, leases) and the results thread (finished decodes into the cache). If either dies
+with an exception, joaderd logs the traceback, answers every request with `ServerFailedError`,
+and exits with status 70 (EX_SOFTWARE): a server that keeps accepting requests while nothing
+feeds its queues would hang every job without a word.
+
+Shutdown (SIGTERM, SIGINT, SIGHUP, or a failure) removes the arena and the socket. A restart after
+a crash removes the arenas a dead joaderd left behind.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
-from pathlib import Path
+import traceback
+from collections.abc import Callable
 from typing import Any
 
-from joader.address import resolve_address, socket_path
+from joader.address import is_loopback, prepare_server_socket, resolve_address, socket_path
 from joader.cache.arena import Arena, remove_stale_arenas
 from joader.errors import JoaderError
+from joader.launch import write_ready_file
 from joader.server.config import ServerConfig, load_config
-from joader.server.decode_pool import DecodePool, SourceSpec
+from joader.server.decode_pool import DecodePool, PoolConfig, SourceSpec
 from joader.server.registry import Registry, RegistryConfig, Source
 from joader.sources.imagefolder import list_image_folder
 
 logger = logging.getLogger("joader.server")
+
+EXIT_INTERNAL_ERROR = 70  # EX_SOFTWARE
+FAULT_ENV = "JOADERD_INJECT_FAULT"  # tests only: "scheduler" or "results" (see _inject_fault)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,12 +61,56 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def run(config: ServerConfig, ready: threading.Event | None = None) -> int:
-    """Serves until SIGTERM or SIGINT; returns the exit code. `ready` is set once it answers."""
+class Supervisor:
+    """Runs joaderd's background threads; the first one to die stops the server.
+
+    `failure` holds the dead thread's name and exception once that happened; `on_failure` is
+    called once, from the dying thread, to make the rest of the server stop.
+    """
+
+    def __init__(self, on_failure: Callable[[str], None]) -> None:
+        self._on_failure = on_failure
+        self._lock = threading.Lock()
+        self.failure: str | None = None
+        self.threads: list[threading.Thread] = []
+
+    def spawn(self, name: str, target: Callable[[], None]) -> threading.Thread:
+        thread = threading.Thread(target=self._run, args=(name, target), name=name, daemon=True)
+        self.threads.append(thread)
+        thread.start()
+        return thread
+
+    def _run(self, name: str, target: Callable[[], None]) -> None:
+        try:
+            target()
+        except BaseException as error:  # noqa: BLE001  any death of a worker thread is fatal
+            logger.critical(
+                "internal thread %s died; joaderd stops:\n%s",
+                name, "".join(traceback.format_exception(error)),
+            )
+            with self._lock:
+                first = self.failure is None
+                if first:
+                    self.failure = f"thread {name} died: {type(error).__name__}: {error}"
+            if first:
+                self._on_failure(self.failure or name)
+
+    def join(self, timeout_s: float) -> None:
+        for thread in self.threads:
+            thread.join(timeout=timeout_s)
+
+
+def run(config: ServerConfig) -> int:
+    """Serves until SIGTERM, SIGINT or SIGHUP (or an internal failure); returns the exit code."""
     address = resolve_address(config.listen)
     sock = socket_path(address)
     if sock is not None:
-        _prepare_socket(sock, address)
+        prepare_server_socket(sock, address)
+    elif not is_loopback(address):
+        logger.warning(
+            "joaderd listens on %s, reachable from other hosts (--allow-remote): there is NO "
+            "authentication, and anyone who can reach the port can read the served data", address,
+        )
     for name in remove_stale_arenas():
         logger.warning("removed %s, left behind by a joaderd that did not exit cleanly", name)
 
@@ -72,57 +130,111 @@ def run(config: ServerConfig, ready: threading.Event | None = None) -> int:
     slot_bytes = max(s.item_nbytes for s in sources)
     arena = Arena.create(config.cache_size_bytes, slot_bytes)
     pool: DecodePool | None = None
-    server: Any = None
-    registry: Registry | None = None
-    threads: list[threading.Thread] = []
-    stop = threading.Event()
     try:
-        pool = DecodePool(config.num_workers, str(arena.path), slot_bytes, specs)
-        from joader.server.service import JoaderServicer, create_server  # grpc only after the fork
-
+        pool = DecodePool(
+            PoolConfig(num_workers=config.num_workers, decode_timeout_s=config.decode_timeout_s),
+            str(arena.path), slot_bytes, specs,
+        )
         registry = Registry(
             sources, arena.num_slots, slot_bytes, pool,
-            RegistryConfig(lookahead_batches=config.lookahead_batches, lease_s=config.lease_s),
+            RegistryConfig(
+                lookahead_batches=config.lookahead_batches, lease_s=config.lease_s,
+                retry_failed_s=config.retry_failed_s, max_jobs=config.max_jobs,
+            ),
         )
-        threads = [
-            threading.Thread(target=registry.run_scheduler, name="joaderd-scheduler", daemon=True),
-            threading.Thread(target=_forward_results, args=(pool, registry, stop), name="joaderd-results", daemon=True),
-        ]
-        for thread in threads:
-            thread.start()
-        extra = {"address": address, "arena_path": str(arena.path), "num_workers": pool.num_workers, "pid": os.getpid()}
-        server, _port = create_server(JoaderServicer(registry, str(arena.path), extra), address)
-        if sock is not None:
-            os.chmod(sock, 0o600)
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: stop.set())
-        logger.info(
-            "joaderd ready at %s: cache %d slots of %d bytes in %s, %d decode workers",
-            address, arena.num_slots, slot_bytes, arena.path, pool.num_workers,
-        )
-        if ready is not None:
-            ready.set()
-        # A signal may land on any thread; the main thread only notices it between bytecodes,
-        # so it waits in short slices rather than blocking in one uninterruptible acquire.
-        while not stop.wait(0.2):
-            pass
-        logger.info("joaderd stopping")
-        return 0
+        return asyncio.run(_serve(config, address, arena, pool, registry, [len(s.listing.paths) for s in sources]))
     finally:
-        stop.set()
-        if server is not None:
-            server.stop(grace=0.5).wait()
-        if registry is not None:
-            registry.stop()
-        for thread in threads:
-            thread.join(timeout=5)
         if pool is not None:
             pool.close()
         arena.close()
         arena.unlink()
-        if sock is not None and sock.exists():
+        if sock is not None and sock.exists() and sock.is_socket():
             sock.unlink()
         logger.info("joaderd stopped; removed %s", arena.path)
+
+
+async def _serve(
+    config: ServerConfig,
+    address: str,
+    arena: Arena,
+    pool: DecodePool,
+    registry: Registry,
+    source_sizes: list[int],
+) -> int:
+    from joader.server.service import (  # grpc only after the fork
+        JoaderServicer,
+        receive_limit_bytes,
+        start_server,
+    )
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    stopping = threading.Event()  # the same, for the threads
+
+    def fail(reason: str) -> None:
+        registry.fail(reason)
+        stopping.set()
+        loop.call_soon_threadsafe(stop.set)
+
+    supervisor = Supervisor(fail)
+    _inject_fault(registry, os.environ.get(FAULT_ENV, ""))
+    supervisor.spawn("joaderd-scheduler", registry.run_scheduler)
+    supervisor.spawn("joaderd-results", lambda: _forward_results(pool, registry, stopping))
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        loop.add_signal_handler(signum, stop.set)
+
+    def extra_status() -> dict[str, Any]:
+        stats = pool.stats()
+        return {
+            "address": address,
+            "arena_path": str(arena.path),
+            "num_workers": stats.workers_configured,
+            "workers": {
+                "configured": stats.workers_configured,
+                "alive": stats.workers_alive,
+                "busy": stats.workers_busy,
+                "replaced": stats.workers_replaced,
+                "tasks_retried": stats.tasks_retried,
+                "tasks_timed_out": stats.tasks_timed_out,
+            },
+            "pid": os.getpid(),
+        }
+
+    servicer = JoaderServicer(registry, str(arena.path), extra_status)
+    server, port = await start_server(servicer, address, receive_limit_bytes(source_sizes))
+    try:
+        sock = socket_path(address)
+        if sock is not None:
+            os.chmod(sock, 0o600)
+        elif address.rpartition(":")[2] == "0":
+            address = f"{address.rpartition(':')[0]}:{port}"  # the port the kernel chose
+        ready = {
+            "address": address,
+            "port": port if sock is None else None,
+            "arena_path": str(arena.path),
+            "pid": os.getpid(),
+            "num_workers": pool.num_workers,
+            "version": 1,
+        }
+        if config.ready_file is not None:
+            write_ready_file(config.ready_file, ready)
+        logger.info(
+            "joaderd ready at %s: cache %d slots of %d bytes in %s, %d decode workers",
+            address, arena.num_slots, arena.slot_bytes, arena.path, pool.num_workers,
+        )
+        await stop.wait()
+        logger.info("joaderd stopping")
+    finally:
+        stopping.set()
+        registry.stop()
+        await server.stop(grace=0.5)
+        supervisor.join(timeout_s=5)
+        if config.ready_file is not None:
+            config.ready_file.unlink(missing_ok=True)
+    if supervisor.failure is not None:
+        logger.error("joaderd stopped after an internal error: %s", supervisor.failure)
+        return EXIT_INTERNAL_ERROR
+    return 0
 
 
 def _forward_results(pool: DecodePool, registry: Registry, stop: threading.Event) -> None:
@@ -132,22 +244,28 @@ def _forward_results(pool: DecodePool, registry: Registry, stop: threading.Event
             registry.file_result(result.task_id, result.ok, result.error, result.decode_s)
 
 
-def _prepare_socket(path: Path, address: str) -> None:
-    """Makes the socket's directory private, and refuses to start beside a live joaderd."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    if path.exists():
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(path))
-        except OSError:
-            path.unlink()  # a socket file left by a joaderd that died
-        else:
-            raise JoaderError(
-                f"another joaderd is already listening at {address}; stop it, or start this one "
-                "with --listen unix:/other/path.sock (and set JOADER_ADDRESS for its clients)"
-            )
-        finally:
-            probe.close()
+def _inject_fault(registry: Registry, where: str) -> None:
+    """For the fault tests only: make a supervised thread raise, as a bug would.
+
+    `JOADERD_INJECT_FAULT=scheduler` raises in the scheduler thread after its first round;
+    `=results` in the results thread at the first finished decode. Nothing else reads it.
+    """
+    if where == "scheduler":
+        original_schedule = registry.schedule_once
+
+        def schedule_once() -> bool:
+            if original_schedule():
+                raise RuntimeError(f"fault injected by {FAULT_ENV}=scheduler")
+            return False
+
+        registry.schedule_once = schedule_once  # type: ignore[method-assign]
+    elif where == "results":
+        def file_result(*_args: Any) -> None:
+            raise RuntimeError(f"fault injected by {FAULT_ENV}=results")
+
+        registry.file_result = file_result  # type: ignore[method-assign]
+    elif where:
+        logger.warning("%s=%r is not a known fault; ignored", FAULT_ENV, where)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,13 @@
-"""The gRPC servicer: a thin adapter between joader.proto and the `Registry`.
+"""The gRPC servicer: a thin asyncio adapter between joader.proto and the `Registry`.
+
+Why `grpc.aio`: a synchronous `grpc.server` spends one pool thread per open stream for the
+stream's whole life, and every job holds a lease stream, so jobs and in-flight `Next` calls
+shared 64 threads and job 65 broke the others. Here a lease stream or a waiting `Next` is a
+suspended coroutine; the only limit is `--max-jobs`, refused with an error that names it.
+
+The registry never blocks the event loop for long: its calls take its lock for a few
+microseconds, and a `Next` that must wait for a decode awaits an `asyncio.Event` that the
+registry sets (through `call_soon_threadsafe`) when the job's items may be ready.
 
 Errors: every `JoaderError` becomes a gRPC status through the one table in `joader.errors`, with
 the exception's class name in the `joader-error` trailing metadata so the client can raise the
@@ -7,111 +16,176 @@ same type. Anything else is a bug: it is logged with its traceback and reported 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import json
 import logging
-from collections.abc import Callable, Iterator
-from concurrent import futures
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
 from pyroaring import BitMap
 
-from joader.errors import InvalidArgumentError, JoaderError, UnknownJobError, status_code_name
-from joader.proto import ERROR_METADATA_KEY, GRPC_OPTIONS, joader_pb2, joader_pb2_grpc
-from joader.server.registry import Registry
+from joader.errors import InvalidArgumentError, JoaderError, status_code_name
+from joader.proto import ERROR_METADATA_KEY, MAX_MESSAGE_BYTES, joader_pb2, joader_pb2_grpc
+from joader.server.records import Batch, NextArgs
+from joader.server.registry import Registry, max_indices_bytes
 
 logger = logging.getLogger(__name__)
 
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
-F = TypeVar("F", bound=Callable[..., Any])
 
-
-def _abort(context: grpc.ServicerContext, error: JoaderError) -> None:
+async def _abort(context: grpc.aio.ServicerContext, error: JoaderError) -> None:
     context.set_trailing_metadata(((ERROR_METADATA_KEY, type(error).__name__),))
-    context.abort(grpc.StatusCode[status_code_name(error)], str(error))
+    await context.abort(grpc.StatusCode[status_code_name(error)], str(error))
 
 
 def _translating(method: F) -> F:
     @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return method(self, request, context)
+            return await method(self, request, context)
         except JoaderError as error:
-            _abort(context, error)
+            await _abort(context, error)
         except Exception:
             logger.exception("internal error in %s", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error in joaderd ({method.__name__})")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in joaderd ({method.__name__})")
 
     return wrapper  # type: ignore[return-value]
+
+
+def _threadsafe_setter(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> Callable[[], None]:
+    def wake() -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(event.set)
+
+    return wake
 
 
 class JoaderServicer(joader_pb2_grpc.JoaderServicer):
     """Serves `Attach`, `Next` and `Status` from a `Registry`."""
 
-    def __init__(self, registry: Registry, arena_path: str, extra_status: dict[str, Any]) -> None:
+    def __init__(self, registry: Registry, arena_path: str, extra_status: Callable[[], dict[str, Any]]) -> None:
         self._registry = registry
         self._arena_path = arena_path
         self._extra_status = extra_status
 
-    def Attach(
-        self, request_iterator: Iterator[joader_pb2.AttachRequest], context: grpc.ServicerContext
-    ) -> Iterator[joader_pb2.AttachResponse]:
+    async def Attach(
+        self, request_iterator: AsyncIterator[joader_pb2.AttachRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[joader_pb2.AttachResponse]:
         try:
-            first = next(request_iterator)
-        except StopIteration:
+            first = await anext(request_iterator)
+        except StopAsyncIteration:
             return
         try:
-            indices = _parse_indices(first.indices) if first.indices else None
+            source = self._registry.source(first.source)
+            indices = _parse_indices(first.indices, source.num_items) if first.indices else None
             job = self._registry.attach(first.source, indices, first.name, first.batch_size or 64)
         except JoaderError as error:
-            _abort(context, error)
+            await _abort(context, error)
             return
+        loop = asyncio.get_running_loop()
+        removed = asyncio.Event()
+        reason: list[str] = []
+
+        def on_removed(why: str) -> None:
+            reason.append(why)
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(removed.set)
+
         job_id = job.job_id
-        context.add_callback(lambda: self._registry.remove_job(job_id, "its lease stream closed"))
-        source = job.source
-        yield joader_pb2.AttachResponse(
-            job_id=job_id,
-            source=source.name,
-            classes=list(source.listing.classes),
-            num_source_items=source.num_items,
-            num_items=job.num_items,
-            image_size=source.image_size,
-            item_nbytes=source.item_nbytes,
-            arena_path=self._arena_path,
-            lease_s=self._registry.config.lease_s,
-        )
+        self._registry.on_removed(job_id, on_removed)
         try:
-            for _ in request_iterator:
-                self._registry.touch(job_id)
-        except UnknownJobError as error:
-            _abort(context, error)
-        self._registry.remove_job(job_id, "its client closed the lease")
+            yield joader_pb2.AttachResponse(
+                job_id=job_id,
+                job_secret=job.secret,
+                source=source.name,
+                classes=[os.fsencode(c) for c in source.listing.classes],
+                num_source_items=source.num_items,
+                num_items=job.num_items,
+                image_size=source.image_size,
+                item_nbytes=source.item_nbytes,
+                arena_path=self._arena_path,
+                lease_s=self._registry.config.lease_s,
+                server_pid=os.getpid(),
+            )
+            heartbeats = asyncio.ensure_future(self._heartbeats(job_id, request_iterator))
+            gone = asyncio.ensure_future(removed.wait())
+            try:
+                await asyncio.wait({heartbeats, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (heartbeats, gone):
+                    task.cancel()
+            if removed.is_set():
+                # The lease ended on the server's side (expired): end the stream, freeing it.
+                context.set_trailing_metadata(((ERROR_METADATA_KEY, "UnknownJobError"),))
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"job {job_id} was removed: {reason[0]}")
+        finally:
+            # The stream ended: the client closed it (its process exited) or it was cancelled.
+            self._registry.remove_job(job_id, "its lease stream closed: the lease keeper process "
+                                      "of the training job exited or lost its connection")
+
+    async def _heartbeats(self, job_id: str, request_iterator: AsyncIterator[joader_pb2.AttachRequest]) -> None:
+        async for _ in request_iterator:
+            self._registry.touch(job_id)
 
     @_translating
-    def Next(self, request: joader_pb2.NextRequest, context: grpc.ServicerContext) -> joader_pb2.NextResponse:
-        batch = self._registry.next_items(
-            request.job_id, request.token, request.max_items, request.acks
-        )
-        return joader_pb2.NextResponse(
-            epoch=batch.epoch,
-            end_of_epoch=batch.end_of_epoch,
-            item_ids=batch.item_ids,
-            labels=batch.labels,
-            offsets=batch.offsets,
-            failed=[
-                joader_pb2.FailedItem(item_id=i, path=p, reason=r) for i, p, r in batch.failed
-            ],
-        )
+    async def Next(self, request: joader_pb2.NextRequest, context: grpc.aio.ServicerContext) -> joader_pb2.NextResponse:
+        registry = self._registry
+        event = asyncio.Event()
+        args = NextArgs(
+            request.job_id, request.job_secret, request.token, request.max_items,
+            tuple(request.acks), request.worker_id, request.pid,
+        )  # fmt: skip
+        call = registry.begin_next(args, _threadsafe_setter(asyncio.get_running_loop(), event))
+        if isinstance(call, Batch):
+            return _response(call)
+        try:
+            while True:
+                event.clear()
+                result = registry.poll_next(call)
+                if isinstance(result, Batch):
+                    return _response(result)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), result)
+        finally:
+            registry.end_next(call)
 
     @_translating
-    def Status(self, request: joader_pb2.StatusRequest, context: grpc.ServicerContext) -> joader_pb2.StatusResponse:
-        status = self._registry.status()
-        status.update(self._extra_status)
+    async def Status(self, request: joader_pb2.StatusRequest, context: grpc.aio.ServicerContext) -> joader_pb2.StatusResponse:
+        status = self._registry.status(self._extra_status())
         return joader_pb2.StatusResponse(json=json.dumps(status))
 
 
-def _parse_indices(data: bytes) -> BitMap:
+def _response(batch: Batch) -> joader_pb2.NextResponse:
+    return joader_pb2.NextResponse(
+        epoch=batch.epoch,
+        end_of_epoch=batch.end_of_epoch,
+        item_ids=batch.item_ids,
+        labels=batch.labels,
+        offsets=batch.offsets,
+        failed=[
+            joader_pb2.FailedItem(item_id=i, path=os.fsencode(p), reason=_encodable(r))
+            for i, p, r in batch.failed
+        ],
+    )
+
+
+def _encodable(text: str) -> str:
+    """`text` with surrogate-escaped bytes (from non-UTF-8 file names) shown as \\xNN."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def _parse_indices(data: bytes, num_items: int) -> BitMap:
+    limit = max_indices_bytes(num_items)
+    if len(data) > limit:
+        raise InvalidArgumentError(
+            f"the job's indices take {len(data)} bytes serialized, more than any subset of this "
+            f"source ({num_items} items) can ({limit} bytes); pass indices within 0..{num_items - 1}"
+        )
     try:
         return BitMap.deserialize(data)
     except Exception as error:  # pyroaring raises ValueError or its own errors on bad bytes
@@ -121,22 +195,30 @@ def _parse_indices(data: bytes) -> BitMap:
         ) from error
 
 
-def create_server(
-    servicer: JoaderServicer, address: str, max_workers: int = 64
-) -> tuple[grpc.Server, int]:
-    """Starts a gRPC server for `servicer` on `address`; returns it and its TCP port (0 on a socket).
+def receive_limit_bytes(source_sizes: list[int]) -> int:
+    """The largest request joaderd accepts: the largest indices any source admits, plus room.
 
-    One thread serves each job's lease stream for the job's lifetime, so `max_workers` bounds the
-    number of jobs plus concurrent `Next` calls.
+    gRPC refuses a larger message before it is parsed, so a hostile 242 MB request costs
+    joaderd nothing.
     """
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="joaderd-rpc"),
-        options=GRPC_OPTIONS,
-        maximum_concurrent_rpcs=max_workers,
+    largest = max((max_indices_bytes(n) for n in source_sizes), default=0)
+    return min(MAX_MESSAGE_BYTES, max(1 << 20, 2 * largest + (64 << 10)))
+
+
+async def start_server(
+    servicer: JoaderServicer, address: str, receive_limit: int
+) -> tuple[grpc.aio.Server, int]:
+    """Starts a `grpc.aio` server for `servicer` on `address`; returns it and its TCP port
+    (0 on a Unix socket). Must run inside the event loop that will serve it."""
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", receive_limit),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
     )
     joader_pb2_grpc.add_JoaderServicer_to_server(servicer, server)
     port = server.add_insecure_port(address)
     if port == 0 and not address.startswith("unix:"):
         raise OSError(f"joaderd cannot listen on {address}: the port is taken or the host is not local")
-    server.start()
+    await server.start()
     return server, port

@@ -21,7 +21,7 @@ class AttachRequest(_message.Message):
     def __init__(self, source: _Optional[str] = ..., indices: _Optional[bytes] = ..., name: _Optional[str] = ..., batch_size: _Optional[int] = ..., heartbeat: _Optional[bool] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("job_id", "source", "classes", "num_source_items", "num_items", "image_size", "item_nbytes", "arena_path", "lease_s")
+    __slots__ = ("job_id", "source", "classes", "num_source_items", "num_items", "image_size", "item_nbytes", "arena_path", "lease_s", "job_secret", "server_pid")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     CLASSES_FIELD_NUMBER: _ClassVar[int]
@@ -31,28 +31,38 @@ class AttachResponse(_message.Message):
     ITEM_NBYTES_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    JOB_SECRET_FIELD_NUMBER: _ClassVar[int]
+    SERVER_PID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     source: str
-    classes: _containers.RepeatedScalarFieldContainer[str]
+    classes: _containers.RepeatedScalarFieldContainer[bytes]
     num_source_items: int
     num_items: int
     image_size: int
     item_nbytes: int
     arena_path: str
     lease_s: float
-    def __init__(self, job_id: _Optional[str] = ..., source: _Optional[str] = ..., classes: _Optional[_Iterable[str]] = ..., num_source_items: _Optional[int] = ..., num_items: _Optional[int] = ..., image_size: _Optional[int] = ..., item_nbytes: _Optional[int] = ..., arena_path: _Optional[str] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    job_secret: bytes
+    server_pid: int
+    def __init__(self, job_id: _Optional[str] = ..., source: _Optional[str] = ..., classes: _Optional[_Iterable[bytes]] = ..., num_source_items: _Optional[int] = ..., num_items: _Optional[int] = ..., image_size: _Optional[int] = ..., item_nbytes: _Optional[int] = ..., arena_path: _Optional[str] = ..., lease_s: _Optional[float] = ..., job_secret: _Optional[bytes] = ..., server_pid: _Optional[int] = ...) -> None: ...
 
 class NextRequest(_message.Message):
-    __slots__ = ("job_id", "token", "max_items", "acks")
+    __slots__ = ("job_id", "token", "max_items", "acks", "job_secret", "worker_id", "pid")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     MAX_ITEMS_FIELD_NUMBER: _ClassVar[int]
     ACKS_FIELD_NUMBER: _ClassVar[int]
+    JOB_SECRET_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     token: int
     max_items: int
     acks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job_id: _Optional[str] = ..., token: _Optional[int] = ..., max_items: _Optional[int] = ..., acks: _Optional[_Iterable[int]] = ...) -> None: ...
+    job_secret: bytes
+    worker_id: int
+    pid: int
+    def __init__(self, job_id: _Optional[str] = ..., token: _Optional[int] = ..., max_items: _Optional[int] = ..., acks: _Optional[_Iterable[int]] = ..., job_secret: _Optional[bytes] = ..., worker_id: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class FailedItem(_message.Message):
     __slots__ = ("item_id", "path", "reason")
@@ -60,9 +70,9 @@ class FailedItem(_message.Message):
     PATH_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     item_id: int
-    path: str
+    path: bytes
     reason: str
-    def __init__(self, item_id: _Optional[int] = ..., path: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    def __init__(self, item_id: _Optional[int] = ..., path: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class NextResponse(_message.Message):
     __slots__ = ("epoch", "end_of_epoch", "item_ids", "labels", "offsets", "failed")

@@ -14,8 +14,15 @@ import numpy as np
 import pytest
 from pyroaring import BitMap
 
-from joader.errors import InvalidArgumentError, UnknownJobError, UnknownSourceError
-from joader.server.registry import Registry, RegistryConfig, Source
+from joader.errors import (
+    InvalidArgumentError,
+    PassSupersededError,
+    TooManyJobsError,
+    UnknownJobError,
+    UnknownSourceError,
+)
+from joader.server.records import Batch, Job
+from joader.server.registry import Registry, RegistryConfig, Source, max_indices_bytes
 from joader.sources.imagefolder import SourceListing
 
 pytestmark = pytest.mark.timeout(60)
@@ -69,6 +76,22 @@ def make_registry(num_slots: int = 20, lease_s: float = 5.0) -> tuple[Registry, 
     return registry, pool, clock
 
 
+SECRETS: dict[str, bytes] = {}
+
+
+def attach(registry: Registry, *args: object) -> Job:
+    job = registry.attach(*args)  # type: ignore[arg-type]
+    SECRETS[job.job_id] = job.secret
+    return job
+
+
+def nxt(registry: Registry, job_id: str, token: int, max_items: int, acks: list[int],
+        worker_id: int = 0, pid: int = 0) -> Batch:
+    """`Registry.next_items` with the job's secret, as the job's own client sends it."""
+    return registry.next_items(job_id, token, max_items, acks, secret=SECRETS.get(job_id, b""),
+                               worker_id=worker_id, pid=pid)
+
+
 def pump(registry: Registry, pool: FakePool, fail: set[int] = frozenset()) -> None:
     for _ in range(50):
         progressed = registry.schedule_once()
@@ -83,19 +106,19 @@ def read_epoch(registry: Registry, pool: FakePool, job_id: str, token: int, batc
     acks: list[int] = []
     for _ in range(10_000):
         pump(registry, pool, fail)
-        result = registry.next_items(job_id, token, batch, acks)
+        result = nxt(registry, job_id, token, batch, acks)
         acks = result.item_ids
         order += result.item_ids
         if result.end_of_epoch:
-            registry.next_items(job_id, token, 0, acks)
+            nxt(registry, job_id, token, 0, acks)
             return order
     raise AssertionError("epoch did not end")
 
 
 def test_interleaved_jobs_get_each_item_once_per_epoch_and_release_every_pin() -> None:
     registry, pool, _ = make_registry()
-    a = registry.attach("demo", BitMap(range(0, 40)), "a", 4)
-    b = registry.attach("demo", BitMap(range(20, 60)), "b", 4)
+    a = attach(registry, "demo", BitMap(range(0, 40)), "a", 4)
+    b = attach(registry, "demo", BitMap(range(20, 60)), "b", 4)
     rng = random.Random(0)
     orders: dict[str, list[int]] = {a.job_id: [], b.job_id: []}
     acks: dict[str, list[int]] = {a.job_id: [], b.job_id: []}
@@ -103,12 +126,12 @@ def test_interleaved_jobs_get_each_item_once_per_epoch_and_release_every_pin() -
     while not all(done.values()):
         pump(registry, pool)
         job_id = rng.choice([j for j, d in done.items() if not d])  # uneven speeds
-        result = registry.next_items(job_id, 1, rng.randint(1, 6), acks[job_id])
+        result = nxt(registry, job_id, 1, rng.randint(1, 6), acks[job_id])
         acks[job_id] = result.item_ids
         orders[job_id] += result.item_ids
         done[job_id] = result.end_of_epoch
     for job_id in done:
-        registry.next_items(job_id, 1, 0, acks[job_id])
+        nxt(registry, job_id, 1, 0, acks[job_id])
     assert sorted(orders[a.job_id]) == list(range(0, 40))
     assert sorted(orders[b.job_id]) == list(range(20, 60))
     status = registry.status()
@@ -121,29 +144,31 @@ def test_interleaved_jobs_get_each_item_once_per_epoch_and_release_every_pin() -
 
 def test_a_new_pass_abandons_an_unfinished_epoch_and_starts_a_whole_one() -> None:
     registry, pool, _ = make_registry()
-    job = registry.attach("demo", BitMap(range(30)), "a", 4)
+    job = attach(registry, "demo", BitMap(range(30)), "a", 4)
     pump(registry, pool)
     assert not job.queue  # registered, not reading yet: no rounds, no decodes
-    assert registry.next_items(job.job_id, 7, 4, []).item_ids == []  # nothing prepared yet
+    assert nxt(registry, job.job_id, 7, 4, []).item_ids == []  # nothing prepared yet
     pump(registry, pool)
-    first = registry.next_items(job.job_id, 7, 4, [])
+    first = nxt(registry, job.job_id, 7, 4, [])
     assert first.epoch == 1 and len(first.item_ids) == 4
     order = read_epoch(registry, pool, job.job_id, token=8)  # a new pass: epoch 2, whole
     assert sorted(order) == list(range(30))
-    late = registry.next_items(job.job_id, 7, 4, first.item_ids)  # a straggler of pass 7
-    assert late.end_of_epoch and not late.item_ids
+    with pytest.raises(PassSupersededError, match="newer iterator"):  # a straggler of pass 7
+        nxt(registry, job.job_id, 7, 4, first.item_ids)
+    late_ack = nxt(registry, job.job_id, 7, 0, first.item_ids)  # acknowledging still works
+    assert not late_ack.item_ids
     registry.remove_job(job.job_id, "test")
     assert registry.status()["cache"]["pinned"] == 0
 
 
 def test_a_silent_job_loses_its_lease_and_its_pins() -> None:
     registry, pool, clock = make_registry(lease_s=5.0)
-    quiet = registry.attach("demo", BitMap(range(40)), "quiet", 4)
-    busy = registry.attach("demo", BitMap(range(40)), "busy", 4)
+    quiet = attach(registry, "demo", BitMap(range(40)), "quiet", 4)
+    busy = attach(registry, "demo", BitMap(range(40)), "busy", 4)
     for job in (quiet, busy):
-        registry.next_items(job.job_id, 1, 4, [])  # start reading
+        nxt(registry, job.job_id, 1, 4, [])  # start reading
     pump(registry, pool)
-    held = registry.next_items(quiet.job_id, 1, 4, [])  # handed out, never acknowledged
+    held = nxt(registry, quiet.job_id, 1, 4, [])  # handed out, never acknowledged
     assert held.item_ids
     clock.now += 3.0
     registry.touch(busy.job_id)
@@ -152,15 +177,15 @@ def test_a_silent_job_loses_its_lease_and_its_pins() -> None:
     names = [j["name"] for j in registry.status()["jobs"]]
     assert names == ["busy"]
     with pytest.raises(UnknownJobError, match="lease"):
-        registry.next_items(quiet.job_id, 1, 4, held.item_ids)
+        nxt(registry, quiet.job_id, 1, 4, held.item_ids)
     assert sorted(read_epoch(registry, pool, busy.job_id, 1)) == list(range(40))
     registry.remove_job(busy.job_id, "test")
     assert registry.status()["cache"]["pinned"] == 0
 
 
-def test_failed_items_are_skipped_reported_and_not_decoded_again() -> None:
+def test_failed_items_are_skipped_reported_and_not_decoded_again_before_the_retry_time() -> None:
     registry, pool, _ = make_registry()
-    job = registry.attach("demo", BitMap(range(20)), "a", 4)
+    job = attach(registry, "demo", BitMap(range(20)), "a", 4)
     bad = {3, 11}
     for epoch in range(2):
         order = read_epoch(registry, pool, job.job_id, token=epoch, fail=bad)
@@ -177,8 +202,86 @@ def test_bad_registrations_name_the_problem() -> None:
     with pytest.raises(UnknownSourceError, match="demo"):
         registry.attach("imagenet", None, "a", 4)
     with pytest.raises(InvalidArgumentError, match=r"60\.\.69.*0\.\.59"):
-        registry.attach("demo", BitMap(range(55, 70)), "a", 4)
+        attach(registry, "demo", BitMap(range(55, 70)), "a", 4)
     with pytest.raises(InvalidArgumentError, match="empty"):
-        registry.attach("demo", BitMap(), "a", 4)
+        attach(registry, "demo", BitMap(), "a", 4)
     with pytest.raises(UnknownJobError):
-        registry.next_items("nope", 1, 4, [])
+        nxt(registry, "nope", 1, 4, [])
+
+
+def test_a_failed_item_is_decoded_again_at_its_next_use_after_the_retry_time() -> None:
+    registry, pool, clock = make_registry(lease_s=1000.0)
+    job = attach(registry, "demo", BitMap(range(20)), "a", 4)
+    order = read_epoch(registry, pool, job.job_id, token=1, fail={5})
+    assert 5 not in order and registry.status()["items_failed"] == 1
+    clock.now += registry.config.retry_failed_s + 1  # the file was fixed meanwhile
+    order = read_epoch(registry, pool, job.job_id, token=2)
+    assert sorted(order) == list(range(20))
+    status = registry.status()
+    assert status["items_failed"] == 0 and status["items_retried"] == 1
+    registry.remove_job(job.job_id, "test")
+    assert registry.status()["cache"]["pinned"] == 0
+
+
+def test_fresh_workers_with_a_repeated_token_start_a_new_whole_epoch() -> None:
+    """torch.manual_seed before each epoch gives fresh DataLoader workers the same base seed."""
+    registry, pool, _ = make_registry()
+    job = attach(registry, "demo", BitMap(range(24)), "a", 4)
+    seen: list[list[int]] = []
+    for epoch, pids in enumerate([(101, 102), (201, 202), (301, 302)], start=1):
+        order: list[int] = []
+        acks = {0: [], 1: []}
+        done = {0: False, 1: False}
+        while not all(done.values()):
+            pump(registry, pool)
+            for worker in (0, 1):
+                if done[worker]:
+                    continue
+                batch = nxt(registry, job.job_id, 77, 3, acks[worker], worker_id=worker, pid=pids[worker])
+                assert batch.epoch == epoch
+                acks[worker] = batch.item_ids
+                order += batch.item_ids
+                done[worker] = batch.end_of_epoch
+        seen.append(order)
+    assert [sorted(o) for o in seen] == [list(range(24))] * 3
+    # A worker of an earlier pass that still asks gets a clear error, not an empty epoch.
+    with pytest.raises(PassSupersededError):
+        nxt(registry, job.job_id, 77, 3, [], worker_id=1, pid=202)
+
+
+def test_a_job_is_reachable_only_with_its_secret() -> None:
+    registry, pool, _ = make_registry()
+    job = attach(registry, "demo", BitMap(range(20)), "a", 4)
+    nxt(registry, job.job_id, 1, 4, [])
+    with pytest.raises(UnknownJobError, match="secret"):
+        registry.next_items(job.job_id, 99, 4, [], secret=b"guess")
+    assert "secret" not in str(registry.status())
+    assert sorted(read_epoch(registry, pool, job.job_id, token=1)) == list(range(20))
+    registry.remove_job(job.job_id, "its lease keeper exited")
+    with pytest.raises(UnknownJobError, match="lease keeper exited"):
+        nxt(registry, job.job_id, 1, 4, [])
+
+
+def test_jobs_beyond_max_jobs_are_refused_with_the_flag_named() -> None:
+    registry, _, _ = make_registry()
+    registry.config = RegistryConfig(max_jobs=2)
+    for name in ("a", "b"):
+        attach(registry, "demo", BitMap(range(10)), name, 4)
+    with pytest.raises(TooManyJobsError, match="--max-jobs"):
+        attach(registry, "demo", BitMap(range(10)), "c", 4)
+
+
+def test_job_names_cannot_forge_log_lines() -> None:
+    registry, _, _ = make_registry()
+    job = attach(registry, "demo", BitMap(range(10)), "evil\nERROR forged", 4)
+    assert "\n" not in job.name and "\n" not in job.job_id
+    assert job.name.startswith("evil\\n")
+
+
+def test_indices_bound_admits_every_subset_of_the_source() -> None:
+    for num_items in (1, 300, 65_536, 65_537, 1_281_167):
+        dense = BitMap(range(num_items))
+        sparse = BitMap(range(0, num_items, 2))
+        for bitmap in (dense, sparse):
+            assert len(bitmap.serialize()) <= max_indices_bytes(num_items)
+    assert max_indices_bytes(300) < 16_384
