@@ -196,6 +196,7 @@ async def _serve(
                 "replaced": stats.workers_replaced,
                 "tasks_retried": stats.tasks_retried,
                 "tasks_timed_out": stats.tasks_timed_out,
+                "pids": list(stats.worker_pids),
             },
             "pid": os.getpid(),
         }
