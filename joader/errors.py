@@ -74,6 +74,17 @@ class ServerFailedError(JoaderError, RuntimeError):
     status_code = "UNAVAILABLE"
 
 
+class UntrustedServerError(JoaderError, PermissionError):
+    """A socket, its directory or a cache arena is not private to this user.
+
+    Raised when someone else could have put it there: the socket is served by another uid, its
+    directory is writable by others, or the arena file is not this user's. joader refuses to
+    send a byte to, or read a byte from, anything another local user may control.
+    """
+
+    status_code = "PERMISSION_DENIED"
+
+
 # One table, both directions. The client picks the class from the `joader-error` trailing
 # metadata the server attaches, and falls back to the status code alone.
 ERROR_CLASSES: dict[str, type[JoaderError]] = {
@@ -89,6 +100,7 @@ ERROR_CLASSES: dict[str, type[JoaderError]] = {
         PassSupersededError,
         TooManyJobsError,
         ServerFailedError,
+        UntrustedServerError,
     )
 }
 
