@@ -27,13 +27,19 @@ import mmap
 import os
 import re
 import secrets
+import stat
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
 import numpy as np
 
-from joader.errors import CacheSpaceError, InvalidArgumentError, JoaderError
+from joader.errors import (
+    CacheSpaceError,
+    InvalidArgumentError,
+    JoaderError,
+    UntrustedServerError,
+)
 
 __all__ = [
     "DEFAULT_SHM_DIR",
@@ -222,20 +228,35 @@ class ArenaReader:
 
     Plain `open` + `mmap(PROT_READ)`: nothing is registered with Python's resource tracker, so a
     client exiting never removes the server's segment.
+
+    The arena's path comes from the server, so before a byte is read the file must be what this
+    user's joaderd makes: named `joader-<uid>-<pid>-<hex>` for `expected_uid` (default: ours), a
+    regular file (opened without following symlinks), owned by `expected_uid` and writable by
+    nobody else. Anything else (another user's file, a symlink into somewhere private, a file
+    others could rewrite under us) raises `UntrustedServerError`.
     """
 
-    def __init__(self, name: str, *, shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR,
+        expected_uid: int | None = None,
+    ) -> None:
         self.path = Path(name) if os.sep in name else Path(shm_dir) / name
         self.name = self.path.name
+        uid = os.getuid() if expected_uid is None else expected_uid
+        if not arena_name_pattern(uid).match(self.name):
+            raise UntrustedServerError(
+                f"refusing to read {self.path}: not the name of a cache arena of uid {uid} "
+                f"(expected {_NAME_PREFIX}-{uid}-<pid>-<hex>); the server that sent it is not "
+                "your joaderd: point JOADER_ADDRESS at your own joaderd"
+            )
+        fd = _open_arena(self.path)
         try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise JoaderError(
-                f"the server's cache arena {self.path} does not exist: joaderd has exited or "
-                "restarted; reconnect to the running server"
-            ) from None
-        try:
-            self.size_bytes = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            _check_arena_file(self.path, st, uid)
+            self.size_bytes = st.st_size
             self._mmap: mmap.mmap | None = mmap.mmap(
                 fd, self.size_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ
             )
@@ -291,6 +312,42 @@ class ArenaReader:
                 f"range [{offset}, {offset + nbytes}) outside the arena of {self.size_bytes} bytes; "
                 "the descriptor does not belong to this arena (server restarted?)"
             )
+
+
+def _open_arena(path: Path) -> int:
+    """A read-only descriptor of `path`, which must not be a symlink (O_NOFOLLOW).
+
+    O_NONBLOCK keeps a FIFO at that path from blocking the open; it changes nothing for the
+    regular file an arena is.
+    """
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        return os.open(path, flags)
+    except FileNotFoundError:
+        raise JoaderError(
+            f"the server's cache arena {path} does not exist: joaderd has exited or "
+            "restarted; reconnect to the running server"
+        ) from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UntrustedServerError(
+                f"refusing to read {path}: it is a symbolic link, and joaderd never makes one; "
+                "the server that sent it is not your joaderd: point JOADER_ADDRESS at your own"
+            ) from None
+        raise
+
+
+def _check_arena_file(path: Path, st: os.stat_result, uid: int) -> None:
+    """Raises `UntrustedServerError` unless `st` is a regular file of `uid` that only it writes."""
+    mode = stat.S_IMODE(st.st_mode)
+    if stat.S_ISREG(st.st_mode) and st.st_uid == uid and not mode & 0o022:
+        return
+    raise UntrustedServerError(
+        f"refusing to read {path}: owned by uid {st.st_uid}, mode 0o{mode:o}, "
+        f"{'a regular file' if stat.S_ISREG(st.st_mode) else 'not a regular file'}; a cache "
+        f"arena of your joaderd is a regular file owned by uid {uid} that no one else may "
+        "write. The server that sent it is not your joaderd: point JOADER_ADDRESS at your own"
+    )
 
 
 def remove_stale_arenas(shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR) -> list[str]:

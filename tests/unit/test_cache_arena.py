@@ -20,7 +20,12 @@ from joader.cache.arena import (
     parse_size,
     remove_stale_arenas,
 )
-from joader.errors import CacheSpaceError, InvalidArgumentError, JoaderError
+from joader.errors import (
+    CacheSpaceError,
+    InvalidArgumentError,
+    JoaderError,
+    UntrustedServerError,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -93,7 +98,64 @@ def test_reader_sees_writer_bytes_read_only(tmp_path: Path) -> None:
 
 def test_reader_of_missing_arena_says_server_is_gone(tmp_path: Path) -> None:
     with pytest.raises(JoaderError, match="restarted"):
-        ArenaReader("joader-0-1-dead", shm_dir=tmp_path)
+        ArenaReader(f"joader-{os.getuid()}-1-dead", shm_dir=tmp_path)
+
+
+def test_reader_accepts_an_absolute_path_and_an_explicit_own_uid(tmp_path: Path) -> None:
+    with Arena.create(4 * 48, 48, shm_dir=tmp_path) as arena:
+        with ArenaReader(str(arena.path), expected_uid=os.getuid()) as reader:
+            assert reader.size_bytes == 4 * 48
+
+
+def test_reader_refuses_an_arena_others_may_write(tmp_path: Path) -> None:
+    with Arena.create(4 * 48, 48, shm_dir=tmp_path) as arena:
+        arena.path.chmod(0o666)
+        with pytest.raises(UntrustedServerError, match="mode 0o666") as info:
+            ArenaReader(arena.name, shm_dir=tmp_path)
+        assert str(arena.path) in str(info.value) and f"uid {os.getuid()}" in str(info.value)
+        arena.path.chmod(0o620)  # group-writable is as bad
+        with pytest.raises(UntrustedServerError, match="mode 0o620"):
+            ArenaReader(arena.name, shm_dir=tmp_path)
+        arena.path.chmod(0o644)  # readable by others is the server's choice, not a risk to us
+        ArenaReader(arena.name, shm_dir=tmp_path).close()
+
+
+def test_reader_refuses_a_symlink_even_to_a_good_arena(tmp_path: Path) -> None:
+    with Arena.create(4 * 48, 48, shm_dir=tmp_path) as arena:
+        link = tmp_path / f"joader-{os.getuid()}-{os.getpid()}-feed"
+        link.symlink_to(arena.path)
+        with pytest.raises(UntrustedServerError, match="symbolic link"):
+            ArenaReader(link.name, shm_dir=tmp_path)
+
+
+def test_reader_refuses_a_name_that_is_not_an_arena_of_the_expected_uid(tmp_path: Path) -> None:
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"private")
+    with pytest.raises(UntrustedServerError, match="not the name of a cache arena"):
+        ArenaReader(str(secret))
+    with Arena.create(4 * 48, 48, shm_dir=tmp_path) as arena:
+        with pytest.raises(UntrustedServerError, match=f"uid {os.getuid() + 1}"):
+            ArenaReader(arena.name, shm_dir=tmp_path, expected_uid=os.getuid() + 1)
+
+
+def test_reader_refuses_an_arena_owned_by_another_uid(tmp_path: Path) -> None:
+    # The name says uid+1 (as a server of that uid would send), the file is ours: refused on owner.
+    path = tmp_path / f"joader-{os.getuid() + 1}-{os.getpid()}-abcd"
+    path.write_bytes(b"x" * 64)
+    path.chmod(0o600)
+    with pytest.raises(UntrustedServerError, match=f"owned by uid {os.getuid()}"):
+        ArenaReader(path.name, shm_dir=tmp_path, expected_uid=os.getuid() + 1)
+
+
+def test_reader_refuses_what_is_not_a_regular_file(tmp_path: Path) -> None:
+    fifo = tmp_path / f"joader-{os.getuid()}-{os.getpid()}-f1f0"
+    os.mkfifo(fifo, 0o600)  # would block a plain open
+    with pytest.raises(UntrustedServerError, match="not a regular file"):
+        ArenaReader(fifo.name, shm_dir=tmp_path)
+    directory = tmp_path / f"joader-{os.getuid()}-{os.getpid()}-d1"
+    directory.mkdir(mode=0o700)
+    with pytest.raises(UntrustedServerError, match="not a regular file"):
+        ArenaReader(directory.name, shm_dir=tmp_path)
 
 
 def test_remove_stale_arenas_only_removes_dead_owners(tmp_path: Path) -> None:
