@@ -3,32 +3,63 @@
 TOML (`--config FILE`), every key optional, command-line flags win:
 
     listen = "unix:/run/user/1000/joader/joaderd.sock"   # or "127.0.0.1:7070"
+    allow_remote = false       # true: allow a non-loopback TCP listen (no authentication!)
     cache_size = "2GiB"
-    workers = 2
+    workers = 2                # default: the CPUs this process may run on
     lease_s = 10
     lookahead_batches = 4
     image_size = 256           # default S for sources that do not set one
     seed = 0
+    log_level = "INFO"         # DEBUG, INFO, WARNING or ERROR
+    retry_failed_s = 60        # a file that failed to decode is tried again after this long
+    decode_timeout_s = 60      # a decode that takes longer kills its worker
+    max_jobs = 1024            # jobs attached at once; more are refused
+    ready_file = "/run/joaderd.ready"   # JSON written once joaderd serves (joader.launch)
 
     [sources.imagenet]
     path = "/data/imagenet/train"
     image_size = 224
+
+Why so strict: a misspelt key (`cache-size`) that is silently ignored leaves joaderd running
+with a default the user thinks they changed, and a wrong type used to surface as a traceback
+from deep inside the server. So every unknown key is an error that names the closest valid one,
+and every value is checked here, once, with a message that names the key, the expected form and
+an example. The same checks serve the flags, whose types argparse has already converted.
+
+A non-loopback `listen` needs `--allow-remote`: joaderd has no authentication, so anyone who
+can reach the port can read the served data; that must be a decision, not a typo.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import math
 import os
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from joader.address import is_loopback, resolve_address
 from joader.cache.arena import parse_size
 from joader.errors import InvalidArgumentError
 
 DEFAULT_IMAGE_SIZE = 256
 DEFAULT_CACHE_SIZE = "1GiB"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def default_num_workers() -> int:
+    """The CPUs this process may run on (its affinity mask), not the host's count.
+
+    A joaderd pinned by `taskset`, a cgroup cpuset or a container to a few CPUs would otherwise
+    start a decode worker per host CPU and have them fight over the few it has.
+    """
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -43,11 +74,128 @@ class ServerConfig:
     sources: tuple[SourceConfig, ...]
     listen: str | None = None  # None: $JOADER_ADDRESS or the per-user socket
     cache_size_bytes: int = parse_size(DEFAULT_CACHE_SIZE)
-    num_workers: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
+    num_workers: int = field(default_factory=default_num_workers)
     lease_s: float = 10.0
     lookahead_batches: int = 4
     seed: int = 0
     log_level: str = "INFO"
+    allow_remote: bool = False
+    ready_file: Path | None = None
+    retry_failed_s: float = 60.0
+    decode_timeout_s: float = 60.0
+    max_jobs: int = 1024
+
+
+# --- value checks: (value, where, example) -> the value; where names the key or the flag ---
+
+
+Check = Callable[[Any, str, str], Any]
+
+
+def _fail(where: str, form: str, value: Any, example: str) -> InvalidArgumentError:
+    return InvalidArgumentError(f"{where}: expected {form}, got {value!r}; write e.g. {example}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(value: Any, where: str, example: str) -> int:
+    if not _is_int(value) or value < 1:
+        raise _fail(where, "a positive integer", value, example)
+    return int(value)
+
+
+def _non_negative_int(value: Any, where: str, example: str) -> int:
+    if not _is_int(value) or value < 0:
+        raise _fail(where, "an integer >= 0", value, example)
+    return int(value)
+
+
+def _seconds(value: Any, where: str, example: str, *, zero_ok: bool) -> float:
+    number = float(value) if _is_int(value) or isinstance(value, float) else math.nan
+    if not math.isfinite(number) or number < 0 or (number == 0 and not zero_ok):
+        form = "a number of seconds >= 0" if zero_ok else "a positive number of seconds"
+        raise _fail(where, form, value, example)
+    return number
+
+
+def _positive_seconds(value: Any, where: str, example: str) -> float:
+    return _seconds(value, where, example, zero_ok=False)
+
+
+def _non_negative_seconds(value: Any, where: str, example: str) -> float:
+    return _seconds(value, where, example, zero_ok=True)
+
+
+def _size(value: Any, where: str, example: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise _fail(where, "a size such as 2GiB, 512MB or a number of bytes", value, example)
+    if _is_int(value) and value < 1:
+        raise _fail(where, "a positive size", value, example)
+    try:
+        size = parse_size(value)
+    except InvalidArgumentError as error:
+        raise InvalidArgumentError(f"{where}: {error}") from None
+    if size < 1:
+        raise _fail(where, "a positive size", value, example)
+    return size
+
+
+def _string(value: Any, where: str, example: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise _fail(where, "a non-empty string", value, example)
+    return value
+
+
+def _path(value: Any, where: str, example: str) -> Path:
+    return Path(_string(value, where, example)).expanduser()
+
+
+def _bool(value: Any, where: str, example: str) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(where, "true or false", value, example)
+    return value
+
+
+def _log_level(value: Any, where: str, example: str) -> str:
+    level = value.upper() if isinstance(value, str) else value
+    if level not in LOG_LEVELS:
+        raise _fail(where, f"one of {', '.join(LOG_LEVELS)}", value, example)
+    return str(level)
+
+
+@dataclass(frozen=True)
+class _Key:
+    """One setting: its flag, its check, and an example value as TOML writes it."""
+
+    flag: str
+    check: Check
+    example: str
+
+    def cli_example(self) -> str:
+        if self.example == "true":
+            return self.flag
+        return self.flag + " " + self.example.strip('"')
+
+
+_KEYS: dict[str, _Key] = {
+    "listen": _Key("--listen", _string, '"127.0.0.1:7070"'),
+    "allow_remote": _Key("--allow-remote", _bool, "true"),
+    "cache_size": _Key("--cache-size", _size, '"2GiB"'),
+    "workers": _Key("--workers", _positive_int, "4"),
+    "lease_s": _Key("--lease-s", _positive_seconds, "10"),
+    "lookahead_batches": _Key("--lookahead-batches", _positive_int, "4"),
+    "image_size": _Key("--image-size", _positive_int, "256"),
+    "seed": _Key("--seed", _non_negative_int, "0"),
+    "log_level": _Key("--log-level", _log_level, '"INFO"'),
+    "retry_failed_s": _Key("--retry-failed-s", _non_negative_seconds, "60"),
+    "decode_timeout_s": _Key("--decode-timeout-s", _positive_seconds, "60"),
+    "max_jobs": _Key("--max-jobs", _positive_int, "1024"),
+    "ready_file": _Key("--ready-file", _path, '"/run/user/1000/joaderd.ready"'),
+}
+_TOML_KEYS = (*_KEYS, "sources")
+_SOURCE_KEYS = {"path": _Key("--source", _string, '"/data/train"'), "image_size": _KEYS["image_size"]}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,90 +204,155 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve prepared samples of image folders to concurrent training jobs, "
         "decoding each sample once for every job that needs it.",
     )
-    parser.add_argument("--config", type=Path, help="a TOML file with the settings below")
-    parser.add_argument(
-        "--source", action="append", default=[], metavar="NAME=PATH",
-        help="serve the ImageFolder tree at PATH as NAME (repeatable)",
-    )
-    parser.add_argument(
-        "--image-size", action="append", default=[], metavar="[NAME=]S",
-        help="side S of the prepared square images, for all sources or for NAME (default 256)",
-    )
-    parser.add_argument(
-        "--listen", metavar="ADDRESS",
-        help="unix:/path.sock or 127.0.0.1:PORT (default: $JOADER_ADDRESS, else a per-user socket)",
-    )
-    parser.add_argument("--cache-size", metavar="BYTES", help=f"shared-memory cache (default {DEFAULT_CACHE_SIZE})")
-    parser.add_argument("--workers", type=int, help="decode worker processes (default: number of CPUs)")
-    parser.add_argument("--lease-s", type=float, help="drop a job after this long without a request (default 10)")
-    parser.add_argument("--lookahead-batches", type=int, help="batches prepared ahead per job (default 4)")
-    parser.add_argument("--seed", type=int, help="seed of the samplers (default 0)")
-    parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING")
+    add = parser.add_argument
+    add("--config", type=Path, help="a TOML file with the settings below")
+    add("--source", action="append", default=[], metavar="NAME=PATH",
+        help="serve the ImageFolder tree at PATH as NAME (repeatable)")
+    add("--image-size", action="append", default=[], metavar="[NAME=]S",
+        help="side S of the prepared square images, for all sources or for NAME (default 256)")
+    add("--listen", metavar="ADDRESS",
+        help="unix:/path.sock or 127.0.0.1:PORT (default: $JOADER_ADDRESS, else a per-user socket)")
+    add("--allow-remote", action="store_true", default=None,
+        help="allow --listen on a non-loopback address; joaderd has NO authentication")
+    add("--cache-size", metavar="BYTES", help=f"shared-memory cache (default {DEFAULT_CACHE_SIZE})")
+    add("--workers", type=int, help="decode worker processes (default: CPUs this process may use)")
+    add("--lease-s", type=float, help="drop a job after this long without a request (default 10)")
+    add("--lookahead-batches", type=int, help="batches prepared ahead per job (default 4)")
+    add("--seed", type=int, help="seed of the samplers (default 0)")
+    add("--log-level", help=f"{', '.join(LOG_LEVELS)} (default INFO)")
+    add("--retry-failed-s", type=float, metavar="S",
+        help="retry a file that failed to decode at its next use after S seconds (default 60)")
+    add("--decode-timeout-s", type=float, metavar="S",
+        help="kill and replace a decode worker stuck on one file for S seconds (default 60)")
+    add("--max-jobs", type=int, help="jobs attached at once; more are refused (default 1024)")
+    add("--ready-file", metavar="PATH",
+        help="once serving, write JSON there: address, port, arena_path, pid, num_workers")
     return parser
 
 
 def load_config(argv: list[str] | None = None) -> ServerConfig:
+    """The settings from `argv` (and the TOML file it names); InvalidArgumentError if wrong."""
     args = build_parser().parse_args(argv)
     settings: dict[str, Any] = {}
     sources: dict[str, dict[str, Any]] = {}
     if args.config:
-        try:
-            data = tomllib.loads(args.config.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as error:
-            raise InvalidArgumentError(f"cannot read config {args.config}: {error}") from error
-        sources = {name: dict(spec) for name, spec in data.pop("sources", {}).items()}
-        settings.update(data)
-    for spec in args.source:
+        settings, sources = _read_toml(args.config)
+    for key, spec in _KEYS.items():
+        value = getattr(args, key, None)
+        if value is not None and key != "image_size":
+            settings[key] = spec.check(value, spec.flag, spec.cli_example())
+    _add_cli_sources(args.source, sources)
+    default_size = _apply_image_sizes(args.image_size, settings.pop("image_size", DEFAULT_IMAGE_SIZE), sources)
+    config = ServerConfig(
+        sources=_source_configs(sources, default_size),
+        listen=settings.get("listen"),
+        cache_size_bytes=settings.get("cache_size", parse_size(DEFAULT_CACHE_SIZE)),
+        num_workers=settings.get("workers") or default_num_workers(),
+        **{k: settings[k] for k in _PLAIN_FIELDS if k in settings},
+    )
+    _check_listen(config)
+    return config
+
+
+# Settings whose ServerConfig field has the same name as the key.
+_PLAIN_FIELDS = ("lease_s", "lookahead_batches", "seed", "log_level", "allow_remote",
+                 "ready_file", "retry_failed_s", "decode_timeout_s", "max_jobs")
+
+
+def _read_toml(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """The checked top-level settings and the `[sources.NAME]` tables of a config file."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
+        raise InvalidArgumentError(
+            f"cannot read config {path}: {error}; fix the file, or leave out --config"
+        ) from error
+    _refuse_unknown(data, _TOML_KEYS, f"in {path}")
+    settings = {}
+    for key, value in data.items():
+        if key != "sources":
+            spec = _KEYS[key]
+            settings[key] = spec.check(value, f"{key} in {path}", f"{key} = {spec.example}")
+    return settings, _toml_sources(data.get("sources", {}), path)
+
+
+def _toml_sources(tables: Any, path: Path) -> dict[str, dict[str, Any]]:
+    example = '[sources.imagenet] with path = "/data/imagenet/train"'
+    if not isinstance(tables, dict):
+        raise _fail(f"sources in {path}", "tables [sources.NAME]", tables, example)
+    sources = {}
+    for name, table in tables.items():
+        where = f"[sources.{name}] in {path}"
+        if not isinstance(table, dict):
+            raise _fail(where, "a table with path (and image_size)", table, example)
+        _refuse_unknown(table, tuple(_SOURCE_KEYS), f"in {where}")
+        sources[name] = {
+            key: _SOURCE_KEYS[key].check(value, f"{key} of {where}", f"{key} = {_SOURCE_KEYS[key].example}")
+            for key, value in table.items()
+        }
+    return sources
+
+
+def _refuse_unknown(table: dict[str, Any], valid: tuple[str, ...], where: str) -> None:
+    for key in table:
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"valid keys: {', '.join(valid)}"
+            raise InvalidArgumentError(f"unknown key {key!r} {where}; {hint}")
+
+
+def _add_cli_sources(specs: list[str], sources: dict[str, dict[str, Any]]) -> None:
+    for spec in specs:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             raise InvalidArgumentError(f"--source {spec!r}: expected NAME=PATH, e.g. imagenet=/data/train")
         sources.setdefault(name, {})["path"] = path
-    default_size = int(settings.pop("image_size", DEFAULT_IMAGE_SIZE))
-    for spec in args.image_size:
+
+
+def _apply_image_sizes(specs: list[str], default_size: int, sources: dict[str, dict[str, Any]]) -> int:
+    """Applies `--image-size [NAME=]S` flags; returns the default size for the other sources."""
+    for spec in specs:
         name, sep, size = spec.rpartition("=")
-        if not sep:
-            default_size = _positive_int(size, "--image-size")
-        elif name not in sources:
-            raise InvalidArgumentError(f"--image-size {spec!r}: no source named {name!r}")
+        if sep and name not in sources:
+            raise InvalidArgumentError(f"--image-size {spec!r}: no source named {name!r}; "
+                                       f"known: {', '.join(sources) or 'none'}")
+        value = _positive_int(int(size) if size.strip().isdigit() else size, "--image-size",
+                              "--image-size 224 or --image-size NAME=224")
+        if sep:
+            sources[name]["image_size"] = value
         else:
-            sources[name]["image_size"] = _positive_int(size, "--image-size")
+            default_size = value
+    return default_size
+
+
+def _source_configs(sources: dict[str, dict[str, Any]], default_size: int) -> tuple[SourceConfig, ...]:
     if not sources:
         raise InvalidArgumentError(
             "joaderd has nothing to serve: give --source NAME=PATH (an ImageFolder tree), "
             "e.g. joaderd --source demo=./demo-data"
         )
-    for flag, key in (("listen", "listen"), ("cache_size", "cache_size"), ("workers", "workers"),
-                      ("lease_s", "lease_s"), ("lookahead_batches", "lookahead_batches"),
-                      ("seed", "seed"), ("log_level", "log_level")):
-        value = getattr(args, flag)
-        if value is not None:
-            settings[key] = value
-    source_configs = []
+    configs = []
     for name, spec in sources.items():
         if "path" not in spec:
-            raise InvalidArgumentError(f"source {name!r} has no path")
-        size = _positive_int(spec.get("image_size", default_size), f"image_size of {name!r}")
-        source_configs.append(SourceConfig(name, Path(spec["path"]).expanduser(), size))
-    config = ServerConfig(
-        sources=tuple(source_configs),
-        listen=settings.get("listen"),
-        cache_size_bytes=parse_size(str(settings.get("cache_size", DEFAULT_CACHE_SIZE))),
-        num_workers=_positive_int(settings.get("workers", max(1, os.cpu_count() or 1)), "--workers"),
-        lease_s=float(settings.get("lease_s", 10.0)),
-        lookahead_batches=_positive_int(settings.get("lookahead_batches", 4), "--lookahead-batches"),
-        seed=int(settings.get("seed", 0)),
-        log_level=str(settings.get("log_level", "INFO")).upper(),
-    )
-    if config.lease_s <= 0:
-        raise InvalidArgumentError(f"--lease-s must be positive, got {config.lease_s}")
-    return config
+            raise InvalidArgumentError(
+                f"source {name!r} has no path; add path = \"/data/...\" to [sources.{name}] or "
+                f"pass --source {name}=PATH"
+            )
+        configs.append(SourceConfig(name, Path(spec["path"]).expanduser(), spec.get("image_size", default_size)))
+    return tuple(configs)
 
 
-def _positive_int(value: Any, what: str) -> int:
+def _check_listen(config: ServerConfig) -> None:
+    """The address must parse, and may reach beyond this host only with allow_remote."""
+    where = "the listen address" if config.listen else "$JOADER_ADDRESS"
     try:
-        number = int(value)
-    except (TypeError, ValueError):
-        number = 0
-    if number < 1:
-        raise InvalidArgumentError(f"{what}: expected a positive integer, got {value!r}")
-    return number
+        address = resolve_address(config.listen)
+    except InvalidArgumentError as error:
+        raise InvalidArgumentError(f"{where}: {error}") from None
+    if not config.allow_remote and not is_loopback(address):
+        raise InvalidArgumentError(
+            f"{where} {address} would accept connections from other hosts, and joaderd has no "
+            "authentication: anyone who reaches the port could read the served data and attach "
+            "jobs. Listen on 127.0.0.1:PORT or a unix: socket, or pass --allow-remote "
+            "(allow_remote = true) if that is what you want"
+        )
