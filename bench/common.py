@@ -21,10 +21,8 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import resource
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -35,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from joader.client.simjob import tree_cpu_s
+from joader.launch import JoaderdProcess
 
 RESULTS = Path(__file__).resolve().parent / "results"
 IMAGE_SIZE = 256
@@ -85,28 +84,27 @@ def children_cpu_s() -> float:
 
 
 class Server:
-    """One joaderd on a private Unix socket, serving `root` as source `demo`."""
+    """One joaderd on a private Unix socket, serving `root` as source `demo`.
+
+    Started by `joader.launch.JoaderdProcess`: ready when joaderd's ready file appears, which
+    also gives the arena's path and joaderd's pid.
+    """
 
     def __init__(self, root: Path, cache_bytes: int, *, workers: int = 2, extra: Sequence[str] = ()) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="jb-", dir="/tmp"))  # short: sun_path is 108 bytes
-        self.address = f"unix:{self.dir / 'joaderd.sock'}"
         self.log_path = self.dir / "joaderd.log"
         self.status_cpu_s = 0.0
-        command = [sys.executable, "-m", "joader.server", "--listen", self.address, "--source", f"demo={root}",
-                   "--cache-size", str(cache_bytes), "--image-size", str(IMAGE_SIZE), "--workers", str(workers),
-                   "--log-level", "INFO", *extra]
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=bench_env())
-        deadline = time.monotonic() + 120
-        while "joaderd ready" not in self.log():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"joaderd exited with {self.proc.returncode}:\n{self.log()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"joaderd did not start within 120 s:\n{self.log()}")
-            time.sleep(0.1)
-        match = re.search(r"slots of \d+ bytes in (\S+),", self.log())
-        self.arena_path = match.group(1) if match else None
+        args = ["--listen", f"unix:{self.dir / 'joaderd.sock'}", "--source", f"demo={root}",
+                "--cache-size", str(cache_bytes), "--image-size", str(IMAGE_SIZE), "--workers", str(workers),
+                "--log-level", "INFO", *extra]
+        try:
+            self.process = JoaderdProcess.start(args, env=bench_env(), stdout=self.log_path, ready_timeout_s=120)
+        except BaseException:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
+        self.proc = self.process.proc
+        self.address = self.process.address
+        self.arena_path = self.process.arena_path
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -124,16 +122,9 @@ class Server:
         return json.loads(out.stdout)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        code = self.process.stop(timeout_s=30)
         shutil.rmtree(self.dir, ignore_errors=True)
-        return self.proc.returncode
+        return code
 
     def __enter__(self) -> Server:
         return self

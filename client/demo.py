@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -18,29 +17,22 @@ import time
 from pathlib import Path
 
 from joader.client.cli import fetch_status, format_status
+from joader.launch import JoaderdProcess, JoaderdStartError
 
 IMAGE_SIZE = 256
 
 
-def start_joaderd(data: Path, address: str, cache_bytes: int, extra: list[str] | None = None) -> subprocess.Popen[bytes]:
-    """Starts joaderd serving `data` as source `demo` and waits until it answers."""
-    command = [
-        sys.executable, "-m", "joader.server", "--source", f"demo={data}", "--listen", address,
-        "--cache-size", str(cache_bytes), "--image-size", str(IMAGE_SIZE), *(extra or []),
-    ]
-    server = subprocess.Popen(command)
-    deadline = time.monotonic() + 60
-    while True:
-        if server.poll() is not None:
-            raise SystemExit(f"demo: joaderd exited with code {server.returncode} during start-up")
-        try:
-            fetch_status(address, timeout_s=2)
-            return server
-        except (ConnectionError, TimeoutError):
-            if time.monotonic() > deadline:
-                server.kill()
-                raise SystemExit("demo: joaderd did not answer within 60 s") from None
-            time.sleep(0.2)
+def start_joaderd(data: Path, address: str, cache_bytes: int, extra: list[str] | None = None) -> JoaderdProcess:
+    """Starts joaderd serving `data` as source `demo` and waits until it serves (its ready file).
+
+    joaderd's output goes to this terminal, so its warnings stay visible during the demo.
+    """
+    args = ["--source", f"demo={data}", "--listen", address, "--cache-size", str(cache_bytes),
+            "--image-size", str(IMAGE_SIZE), *(extra or [])]
+    try:
+        return JoaderdProcess.start(args, ready_timeout_s=60)
+    except JoaderdStartError as error:
+        raise SystemExit(f"demo: {error}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,10 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     n = args.items
     cache_bytes = n * 3 * IMAGE_SIZE * IMAGE_SIZE // 4
     runtime = Path(tempfile.mkdtemp(prefix="joader-demo-"))
-    address = f"unix:{runtime / 'joaderd.sock'}"
-    print(f"demo: starting joaderd at {address} with a {cache_bytes / 2**20:.0f} MiB cache "
+    listen = f"unix:{runtime / 'joaderd.sock'}"
+    print(f"demo: starting joaderd at {listen} with a {cache_bytes / 2**20:.0f} MiB cache "
           "(a quarter of the prepared dataset)", flush=True)
-    server = start_joaderd(args.data, address, cache_bytes, ["--log-level", "WARNING"])
+    server = start_joaderd(args.data, listen, cache_bytes, ["--log-level", "WARNING"])
+    address = server.address  # as joaderd reports it
     jobs = [
         # name, indices, emulated step per batch of 32, start delay
         ("tune-a", f"0:{2 * n // 3}", 0.02, 0.0),
@@ -93,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        server.send_signal(signal.SIGTERM)
-        code = server.wait(timeout=30)
+        code = server.stop(timeout_s=30)
         print(f"demo: joaderd stopped (exit code {code})", flush=True)
         try:
             runtime.rmdir()

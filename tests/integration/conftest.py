@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from joader.launch import JoaderdProcess, JoaderdStartError
 from joader.sources.demo import make_demo_data
 
 NUM_DEMO_ITEMS = 160
@@ -41,27 +42,32 @@ def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.
 
 
 class Joaderd:
-    """One joaderd subprocess on a private Unix socket."""
+    """One joaderd subprocess, on a private Unix socket unless `listen` names another address.
+
+    Started by `joader.launch.JoaderdProcess`, which waits for joaderd's ready file; `address`
+    is the one joaderd reports there (with the real port for `127.0.0.1:0`), and `info` is the
+    whole ready file (`arena_path`, `pid`, `num_workers`, `port`).
+    """
 
     def __init__(self, sources: dict[str, Path], cache_items: int, *, lease_s: float = 3.0,
-                 workers: int = 2, extra: Sequence[str] = ()) -> None:
+                 workers: int = 2, listen: str | None = None, extra: Sequence[str] = ()) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="jd-", dir="/tmp"))  # short: sun_path is 108 bytes
-        self.address = f"unix:{self.dir / 'joaderd.sock'}"
         self.log_path = self.dir / "joaderd.log"
         self.expected_exit_code = 0  # a test that kills the server on purpose changes it
-        command = [sys.executable, "-m", "joader.server", "--listen", self.address,
-                   "--cache-size", str(cache_items * ITEM_NBYTES), "--image-size", str(IMAGE_SIZE),
-                   "--workers", str(workers), "--lease-s", str(lease_s), *extra]
+        args = ["--listen", listen or f"unix:{self.dir / 'joaderd.sock'}",
+                "--cache-size", str(cache_items * ITEM_NBYTES), "--image-size", str(IMAGE_SIZE),
+                "--workers", str(workers), "--lease-s", str(lease_s), *extra]
         for name, path in sources.items():
-            command += ["--source", f"{name}={path}"]
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
-        wait_for(self._ready, 60, "joaderd to start")
-
-    def _ready(self) -> bool:
-        if self.proc.poll() is not None:
-            pytest.fail(f"joaderd exited with {self.proc.returncode}:\n{self.log()}")
-        return "joaderd ready" in self.log()
+            args += ["--source", f"{name}={path}"]
+        try:
+            self.process = JoaderdProcess.start(args, stdout=self.log_path, ready_timeout_s=60)
+        except JoaderdStartError as error:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            pytest.fail(str(error))
+        self.proc = self.process.proc
+        self.info = self.process.info
+        self.address = self.process.address
+        self.arena_path = self.process.arena_path
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -90,23 +96,13 @@ class Joaderd:
         return (self.dir / f"{name}.err").read_text(errors="replace")
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                pytest.fail(f"joaderd did not stop within 20 s of SIGTERM:\n{self.log()}")
-        self._log.close()
-        return self.proc.returncode
+        code = self.process.stop(timeout_s=20)
+        if self.process.killed_after_timeout:
+            pytest.fail(f"joaderd did not stop within 20 s of SIGTERM:\n{self.log()}")
+        return code
 
     def cleanup(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        if not self._log.closed:
-            self._log.close()
+        self.process.kill()  # reaps and releases the launcher's files; nothing if already stopped
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
