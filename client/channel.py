@@ -66,6 +66,7 @@ _JOADER_CODES = {
     grpc.StatusCode.ALREADY_EXISTS,
     grpc.StatusCode.DATA_LOSS,
     grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.PERMISSION_DENIED,
 }
 
 

@@ -672,7 +672,7 @@ class Registry:
         now = self._clock()
         deadline = now - self.config.lease_s
         for job in [j for j in self._jobs.values() if j.last_seen_s < deadline]:
-            self.remove_job(job.job_id, f"no request and no heartbeat for {self.config.lease_s:g} s (lease expired)")
+            self.remove_job(job.job_id, f"no request for {self.config.lease_s:g} s, nor a heartbeat (lease expired)")
         for job in self._jobs.values():
             for pass_ in job.passes.values():
                 if pass_.release_at_s is not None and pass_.release_at_s <= now:

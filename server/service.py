@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import grpc
 from pyroaring import BitMap
 
-from joader.errors import InvalidArgumentError, JoaderError, status_code_name
+from joader.errors import InvalidArgumentError, JoaderError, UnknownJobError, status_code_name
 from joader.proto import ERROR_METADATA_KEY, MAX_MESSAGE_BYTES, joader_pb2, joader_pb2_grpc
 from joader.server.records import Batch, NextArgs
 from joader.server.registry import Registry, max_indices_bytes
@@ -129,8 +129,13 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
                                       "of the training job exited or lost its connection")
 
     async def _heartbeats(self, job_id: str, request_iterator: AsyncIterator[joader_pb2.AttachRequest]) -> None:
-        async for _ in request_iterator:
-            self._registry.touch(job_id)
+        try:
+            async for _ in request_iterator:
+                self._registry.touch(job_id)
+        except UnknownJobError:
+            return  # removed meanwhile: the removal ends the stream
+        except grpc.RpcError:
+            return  # the client went away: the stream's end removes the job
 
     @_translating
     async def Next(self, request: joader_pb2.NextRequest, context: grpc.aio.ServicerContext) -> joader_pb2.NextResponse:

@@ -50,7 +50,8 @@ class Joaderd:
     """
 
     def __init__(self, sources: dict[str, Path], cache_items: int, *, lease_s: float = 3.0,
-                 workers: int = 2, listen: str | None = None, extra: Sequence[str] = ()) -> None:
+                 workers: int = 2, listen: str | None = None, extra: Sequence[str] = (),
+                 env: dict[str, str] | None = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="jd-", dir="/tmp"))  # short: sun_path is 108 bytes
         self.log_path = self.dir / "joaderd.log"
         self.expected_exit_code = 0  # a test that kills the server on purpose changes it
@@ -60,7 +61,8 @@ class Joaderd:
         for name, path in sources.items():
             args += ["--source", f"{name}={path}"]
         try:
-            self.process = JoaderdProcess.start(args, stdout=self.log_path, ready_timeout_s=60)
+            self.process = JoaderdProcess.start(args, stdout=self.log_path, ready_timeout_s=60,
+                                                env={**os.environ, **(env or {})})
         except JoaderdStartError as error:
             shutil.rmtree(self.dir, ignore_errors=True)
             pytest.fail(str(error))

@@ -203,17 +203,19 @@ def test_the_client_refuses_a_server_run_by_another_user(tmp_path: Path) -> None
     pid = os.fork()
     if pid == 0:  # the squatter: another user listening where the victim's client will look
         try:
+            os.close(ready_r)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(str(sock_path))  # as root: pytest's temp dir is closed to others
             os.setgid(65534)
             os.setuid(65534)
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            listener.bind(str(sock_path))
-            listener.listen(8)
+            listener.listen(8)  # the kernel records the listener's credentials here
             os.write(ready_w, b"x")
             time.sleep(60)
         finally:
             os._exit(0)
+    os.close(ready_w)
     try:
-        os.read(ready_r, 1)
+        assert os.read(ready_r, 1) == b"x", "the squatter could not listen"
         env = _default_socket_env(tmp_path)
         done = subprocess.run(
             [sys.executable, "-c", "from joader.client.dataset import JoaderDataset; JoaderDataset('demo')"],
@@ -225,7 +227,6 @@ def test_the_client_refuses_a_server_run_by_another_user(tmp_path: Path) -> None
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         os.close(ready_r)
-        os.close(ready_w)
 
 
 def test_non_loopback_listen_needs_allow_remote(demo_root: Path, tmp_path: Path, start_joaderd: Any) -> None:
