@@ -1,57 +1,76 @@
-"""The decode worker processes: the shared stage, run in parallel, writing into the arena.
+"""The decode workers: the shared stage, run in parallel, writing into the arena.
 
-Each worker maps the arena file read-write itself and writes a prepared sample straight into
-its slot (`stage.prepare_into` on a numpy view): only small task and result tuples cross the
-queues, never pixels.
+Each worker maps the arena file read-write itself and writes a prepared sample straight into its
+slot: only small task and result tuples cross sockets, never pixels.
 
-Start the pool before any gRPC object exists in the process: forking while a gRPC channel or
-server is live can crash the child (DESIGN.md, sec. 4). Workers are forked (`multiprocess`,
-fork start method) so the source listings, which can hold a million paths, are inherited, not
-pickled.
+Three processes kinds, and why:
 
-Workers ignore SIGINT (the parent owns shutdown, and a Ctrl-C in a terminal reaches the whole
-process group) and exit on their own within about `_PARENT_CHECK_S` if the parent dies. That
-check polls `os.getppid()` rather than using prctl(PR_SET_PDEATHSIG): the death signal fires when
-the *thread* that forked exits, which would kill the pool if it were started from a helper
-thread.
+- **joaderd** (the pool's owner) talks to every worker directly over a socket of its own
+  (`AF_UNIX`, `SOCK_SEQPACKET`: one message per task or result, atomic, no framing). There is no
+  shared task queue: a process killed while it waits on a shared `multiprocessing.Queue` dies
+  holding the queue's read lock, and every other worker then blocks forever.
+- **the forker**, forked once when the pool is created, before joaderd imports grpc. joaderd must
+  never fork again once gRPC runs (a child of a process with live gRPC state can crash), yet dead
+  and stuck workers must be replaced: the forker is single-threaded and has no gRPC, so it forks
+  every worker on request and hands joaderd the worker's socket over SCM_RIGHTS. Create the pool
+  from the main thread of a process that has not imported grpc.
+- **the workers**, children of the forker.
 
-A worker that dies (an OOM kill, a crash in a native decoder) is not restarted: forking again
-once gRPC is up is unsafe. Its current task is reported as failed, so the item is skipped rather
-than waited for forever, and the pool goes on with the remaining workers (`workers_alive`).
+The forker closes every descriptor it inherited and unmaps its inherited mapping of the arena
+(so its children never get either). That matters for the arena's `flock`: a lock belongs to the
+open file description, and both a descriptor and a memory mapping keep the description open, so
+a child that kept either would keep the arena "alive" after joaderd died, and a restart would
+not remove it. Workers map the arena themselves, through a description of their own.
+Both set `PR_SET_PDEATHSIG` (SIGKILL) so that they die with their parent: the forker with joaderd
+(it is forked from the thread that runs joaderd to its end; the death signal fires when the
+*thread* that forked exits), the workers with the forker.
 
-`get_result` is meant for one consumer thread; `submit` may be called from any thread.
+Faults, handled in `get_result` (the one consumer thread):
+
+- a worker that dies (EOF on its socket: an OOM kill, a crash in a native decoder) is replaced,
+  and the task it was running is sent to another worker: a worker's death is not the file's
+  failure. Tasks it had queued but not started are sent elsewhere without counting an attempt.
+- a task running longer than `decode_timeout_s` (a hung NFS read, a pathological file): its
+  worker is killed and replaced, and the task retried elsewhere.
+- a task present at `max_attempts` (2) such deaths or timeouts fails, with the reason.
+- replacements are rate-limited (a crash loop is logged, not fed); with no worker left and none
+  to be had, pending tasks fail rather than hang.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
 import pickle
-import queue
 import select
+import selectors
 import signal
+import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Self
 
-import multiprocess
 import numpy as np
 
 from joader.errors import DecodeError, InvalidArgumentError, JoaderError
 from joader.sources.stage import item_nbytes, item_shape, prepare_into
 
-__all__ = ["DecodePool", "DecodeResult", "SourceSpec"]
+__all__ = ["DecodePool", "DecodeResult", "PoolConfig", "PoolStats", "SourceSpec"]
 
 logger = logging.getLogger(__name__)
 
-_PARENT_CHECK_S = 0.5
-_JOIN_TIMEOUT_S = 5.0
-_WORKER_CHECK_S = 1.0  # how often get_result looks for dead workers
-_IDLE = -1
+_MAX_MESSAGE = 1 << 16
+_ERROR_LIMIT = 2000  # characters of an error text; results must stay small messages
+_SLICE_S = 0.1  # how often get_result looks at timeouts while it waits
+_CLOSE_TIMEOUT_S = 5.0
+_REPLACEMENTS_WINDOW_S = 60.0
+_MAX_REPLACEMENTS_PER_WINDOW = 10
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -72,18 +91,63 @@ class DecodeResult:
     decode_s: float
 
 
+@dataclass(frozen=True)
+class PoolConfig:
+    num_workers: int
+    decode_timeout_s: float = 60.0
+    tasks_per_worker: int = 2  # sent ahead, so that a worker never idles between tasks
+    max_attempts: int = 2
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A snapshot for `joader status`."""
+
+    workers_configured: int
+    workers_alive: int
+    workers_busy: int
+    workers_replaced: int
+    tasks_retried: int
+    tasks_timed_out: int
+    worker_pids: tuple[int, ...]
+
+
+class _Task:
+    __slots__ = ("attempts", "item_id", "reason", "slot", "source_index", "task_id")
+
+    def __init__(self, task_id: int, source_index: int, item_id: int, slot: int) -> None:
+        self.task_id = task_id
+        self.source_index = source_index
+        self.item_id = item_id
+        self.slot = slot
+        self.attempts = 0  # deaths or timeouts of workers while running it
+        self.reason = ""
+
+    def message(self) -> bytes:
+        return pickle.dumps((self.task_id, self.source_index, self.item_id, self.slot))
+
+
+class _Worker:
+    __slots__ = ("index", "pid", "sock", "started_s", "tasks")
+
+    def __init__(self, index: int, pid: int, sock: socket.socket) -> None:
+        self.index = index
+        self.pid = pid
+        self.sock = sock
+        self.tasks: deque[_Task] = deque()  # sent, unfinished; the head is the one running
+        self.started_s = 0.0  # when the head task started
+
+
 class DecodePool:
-    """`num_workers` processes preparing items into arena slots, fed through a task queue."""
+    """Worker processes preparing items into arena slots; see the module docstring."""
 
     def __init__(
-        self,
-        num_workers: int,
-        arena_path: str,
-        slot_bytes: int,
-        sources: Sequence[SourceSpec],
+        self, config: PoolConfig, arena_path: str, slot_bytes: int, sources: Sequence[SourceSpec]
     ) -> None:
-        if num_workers <= 0:
-            raise InvalidArgumentError(f"num_workers must be positive, got {num_workers}")
+        if config.num_workers <= 0:
+            raise InvalidArgumentError(f"num_workers must be positive, got {config.num_workers}")
+        if config.decode_timeout_s <= 0:
+            raise InvalidArgumentError(f"decode_timeout_s must be positive, got {config.decode_timeout_s}")
         for spec in sources:
             if item_nbytes(spec.size) > slot_bytes:
                 raise InvalidArgumentError(
@@ -94,156 +158,141 @@ class DecodePool:
             arena_bytes = os.path.getsize(arena_path)
         except FileNotFoundError:
             raise JoaderError(f"decode pool: arena {arena_path} does not exist") from None
-        self.num_workers = num_workers
+        self.config = config
+        self.num_workers = config.num_workers
         self.num_slots = arena_bytes // slot_bytes
         self._sources = tuple(sources)
-        self._lock = threading.Lock()
-        self._pending: dict[int, tuple[int, int]] = {}  # task id -> (source index, item id)
-        self._ready: deque[DecodeResult] = deque()  # results made up for dead workers' tasks
-        self._dead: set[int] = set()
-        self._next_check_s = time.monotonic() + _WORKER_CHECK_S
+        self._lock = threading.RLock()
+        self._tasks: dict[int, _Task] = {}  # submitted, no final result taken yet
+        self._pending: deque[_Task] = deque()  # not sent to a worker yet
+        self._ready: deque[DecodeResult] = deque()
+        self._workers: dict[int, _Worker] = {}  # by slot index 0..num_workers-1
+        self._selector = selectors.DefaultSelector()
+        self._replacements: deque[float] = deque()
+        self._replaced = 0
+        self._retried = 0
+        self._timed_out = 0
         self._closed = False
-        ctx = multiprocess.get_context("fork")
-        self._tasks: Any = ctx.Queue()
-        self._results = _ResultChannel(ctx)
-        # Each worker's current task id (or _IDLE), so a dead worker's task can be failed.
-        self._current: Any = ctx.RawArray("q", [_IDLE] * num_workers)
-        self._workers = []
-        shared = _WorkerContext(
-            self._tasks, self._results, self._current, arena_path, slot_bytes, self._sources,
-            parent_pid=os.getpid(),
-        )  # fmt: skip
-        for index in range(num_workers):
-            worker = ctx.Process(
-                target=_worker_main,
-                args=(shared, index),
-                name=f"joader-decode-{index}",
-                daemon=True,  # if the parent exits without close(), multiprocess terminates them
-            )
-            worker.start()
-            self._workers.append(worker)
-        self._results.close_writer()
-        logger.info("decode pool: started %d workers on arena %s", num_workers, arena_path)
+        self._exits: dict[int, str] = {}  # pid -> how it exited, reported by the forker
+        self._control, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # the forker
+            try:
+                child_end_fd = child_end.fileno()
+                _forker_main(child_end, _WorkerContext(arena_path, slot_bytes, self._sources), parent, keep={child_end_fd})
+            finally:
+                os._exit(0)
+        child_end.close()
+        self._forker_pid = pid
+        self._selector.register(self._control, selectors.EVENT_READ, None)
+        try:
+            for index in range(config.num_workers):
+                self._spawn(index)
+        except BaseException:
+            self.close()
+            raise
+        logger.info("decode pool: %d workers (forker pid %d) on arena %s", config.num_workers, pid, arena_path)
+
+    # ----------------------------------------------------------------------------- use
 
     @property
     def in_flight(self) -> int:
         """Tasks submitted whose result has not been taken yet."""
-        return len(self._pending)
+        return len(self._tasks)
 
     def submit(self, task_id: int, source_index: int, item_id: int, slot: int) -> None:
-        """Queue one item for preparation into `slot`; does not block."""
-        if self._closed:
-            raise JoaderError("decode pool is closed")
+        """Queue one item for preparation into `slot`; never blocks."""
         if not 0 <= source_index < len(self._sources):
             raise InvalidArgumentError(f"decode pool: no source with index {source_index}")
         num_items = len(self._sources[source_index].paths)
         if not 0 <= item_id < num_items:
-            raise InvalidArgumentError(
-                f"decode pool: item id {item_id} out of range 0..{num_items - 1}"
-            )
+            raise InvalidArgumentError(f"decode pool: item id {item_id} out of range 0..{num_items - 1}")
         if not 0 <= slot < self.num_slots:
-            raise InvalidArgumentError(
-                f"decode pool: slot {slot} out of range 0..{self.num_slots - 1}"
-            )
+            raise InvalidArgumentError(f"decode pool: slot {slot} out of range 0..{self.num_slots - 1}")
         with self._lock:
-            if task_id in self._pending:
+            if self._closed:
+                raise JoaderError("decode pool is closed")
+            if task_id in self._tasks:
                 raise InvalidArgumentError(f"decode pool: task id {task_id} is already in flight")
-            self._pending[task_id] = (source_index, item_id)
-        self._tasks.put((task_id, source_index, item_id, slot))
+            task = _Task(task_id, source_index, item_id, slot)
+            self._tasks[task_id] = task
+            self._pending.append(task)
+            self._dispatch()
 
     def get_result(self, timeout_s: float | None) -> DecodeResult | None:
-        """The next finished task, or None after `timeout_s` (None: wait indefinitely)."""
-        if time.monotonic() >= self._next_check_s:
-            self._check_workers()
-        if self._ready:
-            return self._ready.popleft()
-        if self._closed or len(self._dead) == len(self._workers):
-            # Nothing can arrive; still honour the timeout so a caller's loop does not spin.
-            time.sleep(min(timeout_s, 1.0) if timeout_s is not None else 1.0)
-            return None
-        try:
-            raw = self._results.get(timeout=timeout_s)
-        except (queue.Empty, EOFError):  # EOF: every worker has exited
-            self._check_workers()
-            return self._ready.popleft() if self._ready else None
-        except OSError:
-            if self._closed:  # close() ran in another thread while we waited
+        """The next final result, or None after `timeout_s` (None: wait indefinitely)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                self._check_timeouts()
+                if self._ready:
+                    return self._take(self._ready.popleft())
+                if self._closed:
+                    return None
+            wait = _SLICE_S if deadline is None else max(0.0, min(_SLICE_S, deadline - time.monotonic()))
+            events = self._selector.select(wait)
+            with self._lock:
+                if self._closed:
+                    return None
+                for key, _ in events:
+                    worker = key.data
+                    if worker is None:
+                        self._read_control()
+                    else:
+                        self._read_worker(worker)
+                if self._ready:
+                    return self._take(self._ready.popleft())
+            if deadline is not None and time.monotonic() >= deadline:
                 return None
-            raise
-        result = DecodeResult(*raw)
-        with self._lock:
-            self._pending.pop(result.task_id, None)
-        return result
 
-    def _check_workers(self) -> None:
-        """Fail the tasks of workers that died; fail everything if none is left."""
-        self._next_check_s = time.monotonic() + _WORKER_CHECK_S
-        if self._closed:
-            return
-        newly_dead = [
-            i for i, w in enumerate(self._workers) if i not in self._dead and not w.is_alive()
-        ]
-        if not newly_dead:
-            return
-        self._drain_results(keep=True)  # results they sent before dying are real
-        for index in newly_dead:
-            self._dead.add(index)
-            worker = self._workers[index]
-            logger.error(
-                "decode pool: worker %s died (exit code %s); %d of %d workers left",
-                worker.name, worker.exitcode, self.num_workers - len(self._dead), self.num_workers,
-            )  # fmt: skip
-            task_id = self._current[index]
-            if task_id != _IDLE:
-                self._fail(task_id, f"the decode worker died (exit code {worker.exitcode})")
-        if len(self._dead) == len(self._workers):
-            for task_id in list(self._pending):
-                self._fail(task_id, "no decode worker is left (see the server log)")
-
-    def _fail(self, task_id: int, reason: str) -> None:
+    def stats(self) -> PoolStats:
         with self._lock:
-            entry = self._pending.pop(task_id, None)
-        if entry is None:
-            return  # its real result arrived first
-        spec = self._sources[entry[0]]
-        path = os.path.join(spec.root, spec.paths[entry[1]])
-        self._ready.append(
-            DecodeResult(task_id, False, f"cannot decode {path}: {reason}", path, 0.0)
-        )
+            workers = list(self._workers.values())
+            return PoolStats(
+                workers_configured=self.num_workers,
+                workers_alive=len(workers),
+                workers_busy=sum(1 for w in workers if w.tasks),
+                workers_replaced=self._replaced,
+                tasks_retried=self._retried,
+                tasks_timed_out=self._timed_out,
+                worker_pids=tuple(w.pid for w in workers),
+            )
 
     @property
     def worker_pids(self) -> list[int]:
-        return [worker.pid for worker in self._workers]
+        return list(self.stats().worker_pids)
 
     def workers_alive(self) -> int:
-        """How many workers are running (a dead worker is a bug or an OOM kill: see the log)."""
-        return sum(worker.is_alive() for worker in self._workers)
+        return self.stats().workers_alive
 
     def close(self) -> None:
-        """Stop and join every worker; idempotent. Unfinished tasks are dropped."""
-        if self._closed:
-            return
-        self._closed = True
-        for _ in self._workers:
-            self._tasks.put(None)
-        deadline = time.monotonic() + _JOIN_TIMEOUT_S
-        for worker in self._workers:
-            # Keep draining results: a worker blocked on a full result pipe could not exit.
-            while worker.is_alive() and time.monotonic() < deadline:
-                self._drain_results()
-                worker.join(timeout=0.05)
-        for worker in self._workers:
-            if worker.is_alive():
-                logger.warning("decode pool: worker %s did not stop; terminating it", worker.name)
-                worker.terminate()
-                worker.join(timeout=_JOIN_TIMEOUT_S)
-            if worker.is_alive():
-                worker.kill()
-                worker.join()
-        self._tasks.cancel_join_thread()  # unread tasks must not block our exit
-        self._tasks.close()
-        self._results.close()
-        self._workers.clear()
+        """Stops every worker and the forker, and reaps them; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            workers = list(self._workers.values())
+            self._workers.clear()
+        for worker in workers:
+            try:
+                worker.sock.send(pickle.dumps(None))
+            except OSError:
+                pass
+        deadline = time.monotonic() + _CLOSE_TIMEOUT_S
+        for worker in workers:  # wait for each to go (EOF), results discarded
+            while time.monotonic() < deadline:
+                ready, _, _ = select.select([worker.sock], [], [], 0.1)
+                if ready:
+                    try:
+                        if not worker.sock.recv(_MAX_MESSAGE):
+                            break
+                    except OSError:
+                        break
+            worker.sock.close()
+        self._selector.close()
+        self._control.close()  # the forker sees EOF, kills what is left and exits
+        _reap(self._forker_pid, _CLOSE_TIMEOUT_S)
         logger.info("decode pool: stopped")
 
     def __enter__(self) -> Self:
@@ -252,106 +301,272 @@ class DecodePool:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _drain_results(self, *, keep: bool = False) -> None:
+    # ----------------------------------------------------------------------------- internals
+
+    def _take(self, result: DecodeResult) -> DecodeResult:
+        self._tasks.pop(result.task_id, None)
+        return result
+
+    def _path(self, task: _Task) -> str:
+        spec = self._sources[task.source_index]
+        return os.path.join(spec.root, spec.paths[task.item_id])
+
+    def _dispatch(self) -> None:
+        """Send pending tasks to the least loaded live workers."""
+        limit = self.config.tasks_per_worker
+        while self._pending and self._workers:
+            worker = min(self._workers.values(), key=lambda w: len(w.tasks))
+            if len(worker.tasks) >= limit:
+                return
+            task = self._pending.popleft()
+            try:
+                worker.sock.send(task.message())
+            except OSError:
+                self._pending.appendleft(task)
+                self._worker_died(worker, "its socket closed")
+                continue
+            if not worker.tasks:
+                worker.started_s = time.monotonic()
+            worker.tasks.append(task)
+        if self._pending and not self._workers:
+            self._fail_all("no decode worker is left and none could be started (see joaderd's log)")
+
+    def _read_worker(self, worker: _Worker) -> None:
+        if self._workers.get(worker.index) is not worker:
+            return  # already handled
         try:
-            while True:
-                raw = self._results.get_nowait()
-                if keep:
-                    result = DecodeResult(*raw)
-                    with self._lock:
-                        self._pending.pop(result.task_id, None)
-                    self._ready.append(result)
-        except (queue.Empty, EOFError, OSError):
+            data = worker.sock.recv(_MAX_MESSAGE)
+        except OSError:
+            data = b""
+        if not data:
+            self._worker_died(worker, self._exits.pop(worker.pid, "it died"))
+            return
+        task_id, ok, error, path, decode_s = pickle.loads(data)
+        if worker.tasks and worker.tasks[0].task_id == task_id:
+            worker.tasks.popleft()
+        worker.started_s = time.monotonic()  # the next queued task starts now
+        self._ready.append(DecodeResult(task_id, ok, error, path, decode_s))
+        self._dispatch()
+
+    def _read_control(self) -> None:
+        try:
+            data = self._control.recv(_MAX_MESSAGE)
+        except OSError:
+            data = b""
+        if not data:
+            if not self._closed:
+                logger.critical("decode pool: the forker process died; dead workers cannot be replaced")
+                self._selector.unregister(self._control)
+            return
+        kind, pid, how = pickle.loads(data)
+        if kind == "exit":
+            self._exits[pid] = how
+
+    def _check_timeouts(self) -> None:
+        now = time.monotonic()
+        limit = self.config.decode_timeout_s
+        for worker in list(self._workers.values()):
+            if worker.tasks and now - worker.started_s > limit:
+                task = worker.tasks[0]
+                self._timed_out += 1
+                logger.error(
+                    "decode pool: worker pid %d spent more than %g s (--decode-timeout-s) on %s; "
+                    "killing and replacing it", worker.pid, limit, _printable(self._path(task)),
+                )
+                try:
+                    os.kill(worker.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                task.reason = (
+                    f"decoding {_printable(self._path(task))} took longer than {limit:g} s "
+                    f"(--decode-timeout-s) {self.config.max_attempts} times; the file or its storage hangs"
+                )
+                self._worker_died(worker, "killed after the decode timeout", reason_set=True)
+
+    def _worker_died(self, worker: _Worker, how: str, *, reason_set: bool = False) -> None:
+        if self._workers.get(worker.index) is not worker:
+            return
+        del self._workers[worker.index]
+        try:
+            self._selector.unregister(worker.sock)
+        except (KeyError, ValueError):
             pass
+        worker.sock.close()
+        if not reason_set:
+            logger.error("decode pool: worker pid %d died (%s); replacing it", worker.pid, how)
+        tasks = list(worker.tasks)
+        if tasks:
+            running = tasks[0]
+            running.attempts += 1
+            if not reason_set:
+                running.reason = (
+                    f"the decode worker died {self.config.max_attempts} times while preparing "
+                    f"{_printable(self._path(running))} ({how}); the file may crash the decoder - check it"
+                )
+            if running.attempts >= self.config.max_attempts:
+                self._fail(running, running.reason)
+                tasks = tasks[1:]
+            else:
+                self._retried += 1
+            self._pending.extendleft(reversed(tasks))  # first in line, in their order
+        if not self._closed:
+            self._replace(worker.index)
+        self._dispatch()
+
+    def _replace(self, index: int) -> None:
+        now = time.monotonic()
+        while self._replacements and now - self._replacements[0] > _REPLACEMENTS_WINDOW_S:
+            self._replacements.popleft()
+        if len(self._replacements) >= _MAX_REPLACEMENTS_PER_WINDOW:
+            logger.critical(
+                "decode pool: %d workers replaced within %g s; not replacing more (a crash loop?). "
+                "%d of %d workers left", len(self._replacements), _REPLACEMENTS_WINDOW_S,
+                len(self._workers), self.num_workers,
+            )
+            return
+        try:
+            self._spawn(index)
+        except OSError as error:
+            logger.critical("decode pool: cannot start a replacement worker: %s", error)
+            return
+        self._replacements.append(now)
+        self._replaced += 1
+
+    def _spawn(self, index: int) -> None:
+        """Asks the forker for a worker, waiting for its reply (exit notices may come first)."""
+        self._control.send(b"spawn")
+        deadline = time.monotonic() + 30
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([self._control], [], [], remaining)[0]:
+                raise OSError("the forker did not answer within 30 s")
+            data, fds, _flags, _addr = socket.recv_fds(self._control, _MAX_MESSAGE, 1)
+            if not data:
+                raise OSError("the forker process is gone")
+            kind, pid, how = pickle.loads(data)
+            if kind == "exit":
+                self._exits[pid] = how
+                continue
+            sock = socket.socket(fileno=fds[0])
+            worker = _Worker(index, pid, sock)
+            self._workers[index] = worker
+            self._selector.register(sock, selectors.EVENT_READ, worker)
+            logger.info("decode pool: worker %d started (pid %d)", index, pid)
+            return
+
+    def _fail(self, task: _Task, reason: str) -> None:
+        self._ready.append(DecodeResult(task.task_id, False, reason, self._path(task), 0.0))
+
+    def _fail_all(self, reason: str) -> None:
+        while self._pending:
+            task = self._pending.popleft()
+            self._fail(task, f"cannot decode {_printable(self._path(task))}: {reason}")
 
 
-class _ResultChannel:
-    """Results from workers to the parent: one pipe, each result a single atomic write.
-
-    Not a `Queue`: its feeder thread returns from `put` before the bytes are written, so a
-    worker killed just after could lose a result that the parent then never fails. A result is
-    a few hundred bytes; a message under PIPE_BUF goes out in one write(2), which is atomic
-    among writers, so no lock is needed, and none can be left held by a killed worker. A rare
-    oversized message (a huge error text) takes a lock.
-    """
-
-    def __init__(self, ctx: Any) -> None:
-        self._reader, self._writer = ctx.Pipe(duplex=False)
-        self._big_write_lock = ctx.Lock()
-        # The parent's consumer thread and close() both read: a frame must not be split.
-        self._read_lock = threading.Lock()
-
-    def put(self, item: object) -> None:
-        data = pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
-        if len(data) + 4 <= select.PIPE_BUF:
-            self._writer.send_bytes(data)
-        else:
-            with self._big_write_lock:
-                self._writer.send_bytes(data)
-
-    def get(self, timeout: float | None) -> Any:
-        with self._read_lock:
-            if not self._reader.poll(timeout):
-                raise queue.Empty
-            data = self._reader.recv_bytes()
-        return pickle.loads(data)
-
-    def get_nowait(self) -> Any:
-        return self.get(0)
-
-    def close_reader(self) -> None:
-        """In a worker: without its copy of the read end, a write fails once the parent is gone."""
-        self._reader.close()
-
-    def close_writer(self) -> None:
-        """In the parent, after forking: it never writes."""
-        self._writer.close()
-
-    def close(self) -> None:
-        with self._read_lock:  # waits out a reader's poll; the workers' exit ends it by EOF
-            for end in (self._reader, self._writer):
-                if not end.closed:
-                    end.close()
+# ----------------------------------------------------------------------------- child processes
 
 
 @dataclass(frozen=True)
 class _WorkerContext:
     """What every worker inherits through fork (never pickled)."""
 
-    tasks: Any
-    results: _ResultChannel
-    current: Any
     arena_path: str
     slot_bytes: int
     sources: tuple[SourceSpec, ...]
-    parent_pid: int
 
 
-def _worker_main(ctx: _WorkerContext, index: int) -> None:
+def _forker_main(control: socket.socket, ctx: _WorkerContext, parent: int, keep: set[int]) -> None:
+    _close_inherited(keep)
+    _unmap(os.path.realpath(ctx.arena_path))
+    _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # in case the parent installed a handler
-    ctx.results.close_reader()
-    fd = os.open(ctx.arena_path, os.O_RDWR)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    children: set[int] = set()
+    try:
+        while True:
+            ready, _, _ = select.select([control], [], [], 0.5)
+            for pid, how in _reaped(children):
+                try:
+                    control.send(pickle.dumps(("exit", pid, how)))
+                except OSError:
+                    return
+            if not ready:
+                continue
+            try:
+                message = control.recv(64)
+            except OSError:
+                return
+            if not message:  # the pool closed, or joaderd died
+                return
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    keep_fd = theirs.fileno()
+                    _worker_main(theirs, ctx, keep={keep_fd})
+                finally:
+                    os._exit(0)
+            theirs.close()
+            children.add(pid)
+            try:
+                socket.send_fds(control, [pickle.dumps(("spawned", pid, ""))], [ours.fileno()])
+            except OSError:
+                return
+            finally:
+                ours.close()
+    finally:
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in children:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+
+
+def _reaped(children: set[int]) -> Iterable[tuple[int, str]]:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+        if os.WIFSIGNALED(status):
+            yield pid, f"killed by signal {os.WTERMSIG(status)}"
+        else:
+            yield pid, f"exit code {os.waitstatus_to_exitcode(status)}"
+
+
+def _worker_main(sock: socket.socket, ctx: _WorkerContext, keep: set[int]) -> None:
+    _close_inherited(keep)
+    _die_with_parent(os.getppid())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group; joaderd owns it
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    fd = os.open(ctx.arena_path, os.O_RDWR | os.O_CLOEXEC)
     try:
         arena = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
-        os.close(fd)
+        os.close(fd)  # the mapping stays; no descriptor (and no lock) is kept
     while True:
         try:
-            task = ctx.tasks.get(timeout=_PARENT_CHECK_S)
-        except queue.Empty:
-            if os.getppid() != ctx.parent_pid:
-                return  # orphaned: the server died
-            continue
+            data = sock.recv(_MAX_MESSAGE)
+        except OSError:
+            return
+        if not data:
+            return  # joaderd closed its end
+        task = pickle.loads(data)
         if task is None:
             return
-        ctx.current[index] = task[0]
         result = _run_task(task, arena, ctx.slot_bytes, ctx.sources)
         try:
-            ctx.results.put(result)  # written once this returns: a death now loses nothing
-        except BrokenPipeError:
-            return  # the parent is gone
-        ctx.current[index] = _IDLE
+            sock.send(pickle.dumps(result))
+        except OSError:
+            return  # joaderd is gone
 
 
 def _run_task(
@@ -366,10 +581,75 @@ def _run_task(
     start = time.perf_counter()
     out = np.frombuffer(arena, np.uint8, item_nbytes(spec.size), slot * slot_bytes)
     try:
-        prepare_into(path, spec.size, out.reshape(item_shape(spec.size)))
+        prepare_into(path, spec.size, out.reshape(item_shape(spec.size)), root=spec.root)
     except DecodeError as exc:
-        return (task_id, False, str(exc), path, time.perf_counter() - start)
+        return (task_id, False, _printable(str(exc))[:_ERROR_LIMIT], path, time.perf_counter() - start)
     except Exception as exc:  # a bug must not kill the worker: report it with the task
         logging.getLogger(__name__).exception("decode worker: task %d failed", task_id)
-        return (task_id, False, f"internal error preparing {path}: {exc!r}", path, 0.0)
+        return (task_id, False, _printable(f"internal error preparing {path}: {exc!r}")[:_ERROR_LIMIT], path, 0.0)
     return (task_id, True, None, path, time.perf_counter() - start)
+
+
+def _close_inherited(keep: set[int]) -> None:
+    """Closes every descriptor but 0, 1, 2 and `keep` (in particular joaderd's arena lock)."""
+    keep = keep | {0, 1, 2}
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        fds = list(range(3, 1024))
+    for fd in fds:
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _unmap(path: str) -> None:
+    """Unmaps every inherited mapping of `path`.
+
+    A mapping holds a reference to the open file description it was made from, and so does the
+    `flock` on it: joaderd's own mapping of the arena, inherited by fork, would keep the lock
+    held after joaderd died as surely as an inherited descriptor. The forker never touches the
+    memory; the Python object that owned it in joaderd is never used here.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    with open("/proc/self/maps") as maps:
+        lines = maps.readlines()
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].rstrip("\n").removesuffix(" (deleted)") == path:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            libc.munmap(start, end - start)
+
+
+def _die_with_parent(parent: int) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the EOF on the control socket still ends us
+    if os.getppid() != parent:  # the parent died before the death signal was armed
+        os._exit(0)
+
+
+def _reap(pid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if done:
+            return
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return
+        time.sleep(0.02)
+
+
+def _printable(text: str) -> str:
+    """`text` with surrogate-escaped bytes (non-UTF-8 file names) shown as \\xNN."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
