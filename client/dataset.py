@@ -38,6 +38,7 @@ from joader.errors import (
     DecodeError,
     InvalidArgumentError,
     JoaderError,
+    PassSupersededError,
     UnknownJobError,
 )
 from joader.proto import joader_pb2
@@ -146,6 +147,7 @@ class JoaderDataset(IterableDataset):
         self._arena_path: str = info["arena_path"]
         self._reader: tuple[int, ArenaReader] | None = None
         self._passes = 0
+        self._current: _Pass | None = None  # the newest pass in this process
         self._warned: set[int] = set()
 
     def __len__(self) -> int:
@@ -182,6 +184,7 @@ class JoaderDataset(IterableDataset):
             token, worker_id = hash((worker.seed - worker.id, self._passes)) & _TOKEN_MASK, worker.id
         self._passes += 1
         stream = _Pass(token, worker_id)
+        self._current = stream
         return self._batches(stream) if self.batched else self._items(stream)
 
     def _arena(self) -> ArenaReader:
@@ -284,6 +287,7 @@ class JoaderDataset(IterableDataset):
             for index, image, label in items:
                 if self.transform is not None:
                     image = self.transform(image)
+                self._check_current(stream)
                 yield (index, image, label) if self.return_index else (image, label)
 
     def _batches(self, stream: _Pass) -> Iterator[Any]:
@@ -305,9 +309,11 @@ class JoaderDataset(IterableDataset):
 
         for _ in self._stream(stream, place):
             while done:
+                self._check_current(stream)
                 yield self._emit(*done.pop(0))
         images, indices, labels = current
         if indices:
+            self._check_current(stream)
             yield self._emit(images[: len(indices)], indices, labels)
 
     def _emit(self, images: torch.Tensor, indices: list[int], labels: list[int]) -> Any:
@@ -317,6 +323,18 @@ class JoaderDataset(IterableDataset):
         if self.return_index:
             return torch.tensor(indices, dtype=torch.int64), images, label_tensor
         return images, label_tensor
+
+    def _check_current(self, stream: _Pass) -> None:
+        """A newer iter() in this process took the epoch: items this one still holds (prefetched
+        before) must not be yielded as if its epoch went on. joaderd tells the same to readers in
+        other processes (DataLoader workers) at their next request."""
+        if self._current is not stream:
+            raise PassSupersededError(
+                f"job {self.job_id}: this iterator's epoch was taken over by a newer iterator over "
+                "the same JoaderDataset (a job reads one epoch at a time, and the newest iter() "
+                "wins). Finish or delete the old iterator before starting another, or use a "
+                "second JoaderDataset for a second concurrent reader."
+            )
 
     def _raise_failure(self, failed: joader_pb2.FailedItem) -> None:
         raise DecodeError(

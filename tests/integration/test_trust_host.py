@@ -102,9 +102,9 @@ def test_a_stuck_decode_times_out_and_is_retried_elsewhere(demo_root: Path, star
 def test_thin_images_cost_bounded_work(tmp_path: Path, start_joaderd: Any) -> None:
     """Item 9: a 1x10000 PNG used to cost 8.6 s and 2.7 GB in a worker."""
     root = tmp_path / "images"
-    make_demo_data(root, 8, num_classes=2, seed=6, progress=False)
-    Image.new("RGB", (1, 10000), (200, 10, 10)).save(root / "class_00" / "thin_tall.png")
-    Image.new("RGB", (10000, 1), (10, 200, 10)).save(root / "class_01" / "thin_wide.png")
+    listing = make_demo_data(root, 8, num_classes=2, seed=6, progress=False)
+    Image.new("RGB", (1, 10000), (200, 10, 10)).save(root / listing.classes[0] / "thin_tall.png")
+    Image.new("RGB", (10000, 1), (10, 200, 10)).save(root / listing.classes[1] / "thin_wide.png")
     server = start_joaderd({"demo": root}, cache_items=16, workers=1)
     result, _ = run_client(server.address, "read", "--batch-size", "4")
     assert sorted(result["epochs"][0]) == list(range(10))
