@@ -36,8 +36,12 @@ def _bytes(n: float) -> str:
 
 def format_status(status: dict[str, Any]) -> str:
     """A human-readable table of a status snapshot."""
+    workers = status.get("workers", {})
     lines = [f"joaderd at {status.get('address', '?')} (pid {status.get('pid', '?')}), "
-             f"up {status['uptime_s']:.0f} s, {status.get('num_workers', '?')} decode workers"]
+             f"up {status['uptime_s']:.0f} s, decode workers {workers.get('alive', '?')}/"
+             f"{workers.get('configured', '?')} alive, {workers.get('busy', '?')} busy "
+             f"(replaced {workers.get('replaced', 0)}, tasks retried {workers.get('tasks_retried', 0)}, "
+             f"timed out {workers.get('tasks_timed_out', 0)})"]
     lines.append("")
     lines.append(f"{'SOURCE':<16} {'ITEMS':>9} {'CLASSES':>8} {'SIZE':>6} {'JOBS':>5}  ROOT")
     for s in status["sources"]:
@@ -60,7 +64,7 @@ def format_status(status: dict[str, Any]) -> str:
     sharing = status.get("sharing_factor")
     lines.append(
         f"items decoded {status['items_decoded']}, delivered {status['items_delivered']}, "
-        f"failed {status['items_failed']}; sharing factor "
+        f"failed {status['items_failed']} (retried {status.get('items_retried', 0)}); sharing factor "
         + (f"{sharing:.2f}" if sharing is not None else "n/a (nothing decoded yet)")
     )
     for f in status.get("failed", [])[:10]:

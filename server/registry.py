@@ -69,6 +69,7 @@ from joader.server.records import (
     Pass,
     Source,
 )
+from joader.sources.safe_open import display_path
 
 logger = logging.getLogger(__name__)
 
@@ -751,7 +752,7 @@ class Registry:
             )
             used_slots = self._num_slots - self._slots.num_free
             failed = [
-                {"source": s.name, "item_id": i, "path": s.listing.paths[i], "reason": r}
+                {"source": s.name, "item_id": i, "path": display_path(s.listing.paths[i]), "reason": display_path(r)}
                 for s in self._sources.values()
                 for i, r in sorted(s.failed.items())
             ]
@@ -760,7 +761,7 @@ class Registry:
                 "sources": [
                     {
                         "name": s.name,
-                        "root": str(s.listing.root),
+                        "root": display_path(str(s.listing.root)),
                         "num_items": s.num_items,
                         "num_classes": len(s.listing.classes),
                         "image_size": s.image_size,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -84,7 +86,10 @@ def test_non_utf8_class_and_file_names(tmp_path: Path, start_joaderd: Any) -> No
     assert "badzero\\xfe.jpg" in err  # reported, readably
     status = server.status()
     assert status["items_failed"] == 1
-    assert any("badzero" in f["path"] for f in status["failed"])
+    assert any("badzero\\xfe" in f["path"] for f in status["failed"])
+    table = subprocess.run([sys.executable, "-m", "joader.client.cli", "status", "--address", server.address],
+                           capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0 and "badzero\\xfe.jpg" in table.stdout, table.stderr
 
 
 def test_a_file_fixed_on_disk_is_served_again_after_the_retry_time(tmp_path: Path, start_joaderd: Any) -> None:
