@@ -43,10 +43,8 @@ def test_a_killed_idle_worker_is_replaced_and_jobs_finish(demo_root: Path, start
     assert before["alive"] == before["configured"] == 2
     os.kill(before["pids"][0], signal.SIGKILL)
     wait_for(lambda: (w := workers(server))["replaced"] == 1 and w["alive"] == 2, 30, "a replacement worker")
-    started = time.monotonic()
     result, _ = run_client(server.address, "read")
-    elapsed = time.monotonic() - started
-    print(f"epoch of {NUM_DEMO_ITEMS} items after an idle worker was killed: {elapsed:.2f} s")
+    print(f"epoch of {NUM_DEMO_ITEMS} items after an idle worker was killed: {result['epoch_s'][0]:.2f} s")
     assert sorted(result["epochs"][0]) == list(range(NUM_DEMO_ITEMS))
     assert server.status()["items_failed"] == 0
 

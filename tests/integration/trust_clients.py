@@ -69,17 +69,20 @@ def read(args: argparse.Namespace) -> None:
     ds = _dataset(args, indices=indices, on_error=args.on_error, name=args.name)
     _emit({"job_id": ds.job_id, "keeper_pid": ds._keeper.pid, "classes": ds.classes})
     epochs: list[list[int]] = []
+    epoch_s: list[float] = []
     try:
         for epoch in range(args.epochs):
             if args.pause and epoch:
                 sys.stdin.readline()
+            started = time.monotonic()
             epochs.append([int(i) for i, _, _ in ds])
-            _emit({"epoch": epoch + 1, "count": len(epochs[-1])})
+            epoch_s.append(time.monotonic() - started)
+            _emit({"epoch": epoch + 1, "count": len(epochs[-1]), "epoch_s": epoch_s[-1]})
     except (JoaderError, ConnectionError, TimeoutError) as error:
         _emit({"epochs": epochs, "error": {"type": type(error).__name__, "message": str(error)}})
         return
     ds.close()
-    _emit({"epochs": epochs})
+    _emit({"epochs": epochs, "epoch_s": epoch_s})
 
 
 def raise_then_hold(args: argparse.Namespace) -> None:
