@@ -335,7 +335,10 @@ class DecodePool:
         if self._workers.get(worker.index) is not worker:
             return  # already handled
         try:
-            data = worker.sock.recv(_MAX_MESSAGE)
+            # Non-blocking: what select saw may have been consumed meanwhile (see _read_control).
+            data = worker.sock.recv(_MAX_MESSAGE, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
         except OSError:
             data = b""
         if not data:
@@ -350,7 +353,11 @@ class DecodePool:
 
     def _read_control(self) -> None:
         try:
-            data = self._control.recv(_MAX_MESSAGE)
+            # Non-blocking: `_spawn` (which may run on the submitting thread, when a send finds a
+            # worker dead) can take the message select saw before this thread got the lock.
+            data = self._control.recv(_MAX_MESSAGE, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
         except OSError:
             data = b""
         if not data:
