@@ -40,8 +40,10 @@ from joader.errors import (
     JoaderError,
     PassSupersededError,
     UnknownJobError,
+    superseded_message,
 )
 from joader.proto import joader_pb2
+from joader.sources.safe_open import display_path
 
 logger = logging.getLogger(__name__)
 
@@ -329,16 +331,11 @@ class JoaderDataset(IterableDataset):
         before) must not be yielded as if its epoch went on. joaderd tells the same to readers in
         other processes (DataLoader workers) at their next request."""
         if self._current is not stream:
-            raise PassSupersededError(
-                f"job {self.job_id}: this iterator's epoch was taken over by a newer iterator over "
-                "the same JoaderDataset (a job reads one epoch at a time, and the newest iter() "
-                "wins). Finish or delete the old iterator before starting another, or use a "
-                "second JoaderDataset for a second concurrent reader."
-            )
+            raise PassSupersededError(superseded_message(self.job_id))
 
     def _raise_failure(self, failed: joader_pb2.FailedItem) -> None:
         raise DecodeError(
-            f"job {self.job_id}: item {failed.item_id} ({_display(failed.path)}) of source "
+            f"job {self.job_id}: item {failed.item_id} ({display_path(failed.path)}) of source "
             f"{self.source!r} could not be decoded: {failed.reason}. Fix or remove the file "
             "(joaderd retries it after --retry-failed-s), or pass on_error='skip' to train "
             "without it."
@@ -348,7 +345,7 @@ class JoaderDataset(IterableDataset):
         if failed.item_id not in self._warned:
             self._warned.add(failed.item_id)
             logger.warning(
-                "job %s: skipping item %d (%s): %s", self.job_id, failed.item_id, _display(failed.path), failed.reason
+                "job %s: skipping item %d (%s): %s", self.job_id, failed.item_id, display_path(failed.path), failed.reason
             )
 
 
@@ -360,11 +357,6 @@ class _Pass:
     def __init__(self, token: int, worker_id: int) -> None:
         self.token = token
         self.worker_id = worker_id
-
-
-def _display(path: bytes) -> str:
-    """A raw path for messages: non-UTF-8 bytes shown as \\xNN."""
-    return path.decode("utf-8", "backslashreplace")
 
 
 def _start_keeper(registration: dict[str, Any], timeout_s: float) -> tuple[subprocess.Popen[str], dict[str, Any]]:

@@ -62,6 +62,17 @@ class PassSupersededError(JoaderError, RuntimeError):
     status_code = "FAILED_PRECONDITION"
 
 
+def superseded_message(job_id: str, epoch: int | None = None) -> str:
+    """The one text of `PassSupersededError`, raised by joaderd and by the client alike."""
+    what = f"epoch {epoch}" if epoch is not None else "epoch"
+    return (
+        f"job {job_id}: this iterator's {what} was taken over by a newer iterator over the same "
+        "JoaderDataset (a job reads one epoch at a time, and the newest iter() wins). Finish or "
+        "delete the old iterator before starting another, or use a second JoaderDataset for a "
+        "second concurrent reader."
+    )
+
+
 class TooManyJobsError(JoaderError, OSError):
     """joaderd already serves as many jobs as `--max-jobs` allows."""
 

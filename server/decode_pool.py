@@ -58,6 +58,7 @@ from typing import Self
 import numpy as np
 
 from joader.errors import DecodeError, InvalidArgumentError, JoaderError
+from joader.sources.safe_open import display_path
 from joader.sources.stage import item_nbytes, item_shape, prepare_into
 
 __all__ = ["DecodePool", "DecodeResult", "PoolConfig", "PoolStats", "SourceSpec"]
@@ -173,7 +174,6 @@ class DecodePool:
         self._retried = 0
         self._timed_out = 0
         self._closed = False
-        self._exits: dict[int, str] = {}  # pid -> how it exited, reported by the forker
         self._control, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         parent = os.getpid()
         pid = os.fork()
@@ -263,9 +263,6 @@ class DecodePool:
     def worker_pids(self) -> list[int]:
         return list(self.stats().worker_pids)
 
-    def workers_alive(self) -> int:
-        return self.stats().workers_alive
-
     def close(self) -> None:
         """Stops every worker and the forker, and reaps them; idempotent."""
         with self._lock:
@@ -334,15 +331,11 @@ class DecodePool:
     def _read_worker(self, worker: _Worker) -> None:
         if self._workers.get(worker.index) is not worker:
             return  # already handled
-        try:
-            # Non-blocking: what select saw may have been consumed meanwhile (see _read_control).
-            data = worker.sock.recv(_MAX_MESSAGE, socket.MSG_DONTWAIT)
-        except BlockingIOError:
+        data = _recv_nowait(worker.sock)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
-            self._worker_died(worker, self._exits.pop(worker.pid, "it died"))
+            self._worker_died(worker, "its connection closed")
             return
         task_id, ok, error, path, decode_s = pickle.loads(data)
         if worker.tasks and worker.tasks[0].task_id == task_id:
@@ -352,22 +345,15 @@ class DecodePool:
         self._dispatch()
 
     def _read_control(self) -> None:
-        try:
-            # Non-blocking: `_spawn` (which may run on the submitting thread, when a send finds a
-            # worker dead) can take the message select saw before this thread got the lock.
-            data = self._control.recv(_MAX_MESSAGE, socket.MSG_DONTWAIT)
-        except BlockingIOError:
+        data = _recv_nowait(self._control)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             if not self._closed:
                 logger.critical("decode pool: the forker process died; dead workers cannot be replaced")
                 self._selector.unregister(self._control)
             return
-        kind, pid, how = pickle.loads(data)
-        if kind == "exit":
-            self._exits[pid] = how
+        _log_exit(data)
 
     def _check_timeouts(self) -> None:
         now = time.monotonic()
@@ -378,19 +364,20 @@ class DecodePool:
                 self._timed_out += 1
                 logger.error(
                     "decode pool: worker pid %d spent more than %g s (--decode-timeout-s) on %s; "
-                    "killing and replacing it", worker.pid, limit, _printable(self._path(task)),
+                    "killing and replacing it", worker.pid, limit, display_path(self._path(task)),
                 )
                 try:
                     os.kill(worker.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                task.reason = (
-                    f"decoding {_printable(self._path(task))} took longer than {limit:g} s "
+                self._worker_died(worker, "killed after the decode timeout", failure=(
+                    f"decoding {display_path(self._path(task))} took longer than {limit:g} s "
                     f"(--decode-timeout-s) {self.config.max_attempts} times; the file or its storage hangs"
-                )
-                self._worker_died(worker, "killed after the decode timeout", reason_set=True)
+                ))
 
-    def _worker_died(self, worker: _Worker, how: str, *, reason_set: bool = False) -> None:
+    def _worker_died(self, worker: _Worker, how: str, *, failure: str | None = None) -> None:
+        """Replaces `worker`; its running task is retried, or failed (with `failure` as the
+        reason if given) once it was present at `max_attempts` deaths."""
         if self._workers.get(worker.index) is not worker:
             return
         del self._workers[worker.index]
@@ -399,17 +386,16 @@ class DecodePool:
         except (KeyError, ValueError):
             pass
         worker.sock.close()
-        if not reason_set:
+        if failure is None:
             logger.error("decode pool: worker pid %d died (%s); replacing it", worker.pid, how)
         tasks = list(worker.tasks)
         if tasks:
             running = tasks[0]
             running.attempts += 1
-            if not reason_set:
-                running.reason = (
-                    f"the decode worker died {self.config.max_attempts} times while preparing "
-                    f"{_printable(self._path(running))} ({how}); the file may crash the decoder - check it"
-                )
+            running.reason = failure or (
+                f"the decode worker died {self.config.max_attempts} times while preparing "
+                f"{display_path(self._path(running))} ({how}); the file may crash the decoder - check it"
+            )
             if running.attempts >= self.config.max_attempts:
                 self._fail(running, running.reason)
                 tasks = tasks[1:]
@@ -450,9 +436,9 @@ class DecodePool:
             data, fds, _flags, _addr = socket.recv_fds(self._control, _MAX_MESSAGE, 1)
             if not data:
                 raise OSError("the forker process is gone")
-            kind, pid, how = pickle.loads(data)
+            kind, pid, _ = pickle.loads(data)
             if kind == "exit":
-                self._exits[pid] = how
+                _log_exit(data)
                 continue
             sock = socket.socket(fileno=fds[0])
             worker = _Worker(index, pid, sock)
@@ -467,7 +453,7 @@ class DecodePool:
     def _fail_all(self, reason: str) -> None:
         while self._pending:
             task = self._pending.popleft()
-            self._fail(task, f"cannot decode {_printable(self._path(task))}: {reason}")
+            self._fail(task, f"cannot decode {display_path(self._path(task))}: {reason}")
 
 
 # ----------------------------------------------------------------------------- child processes
@@ -590,10 +576,10 @@ def _run_task(
     try:
         prepare_into(path, spec.size, out.reshape(item_shape(spec.size)), root=spec.root)
     except DecodeError as exc:
-        return (task_id, False, _printable(str(exc))[:_ERROR_LIMIT], path, time.perf_counter() - start)
+        return (task_id, False, display_path(str(exc))[:_ERROR_LIMIT], path, time.perf_counter() - start)
     except Exception as exc:  # a bug must not kill the worker: report it with the task
         logging.getLogger(__name__).exception("decode worker: task %d failed", task_id)
-        return (task_id, False, _printable(f"internal error preparing {path}: {exc!r}")[:_ERROR_LIMIT], path, 0.0)
+        return (task_id, False, display_path(f"internal error preparing {path}: {exc!r}")[:_ERROR_LIMIT], path, 0.0)
     return (task_id, True, None, path, time.perf_counter() - start)
 
 
@@ -657,6 +643,22 @@ def _reap(pid: int, timeout_s: float) -> None:
         time.sleep(0.02)
 
 
-def _printable(text: str) -> str:
-    """`text` with surrogate-escaped bytes (non-UTF-8 file names) shown as \\xNN."""
-    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+def _recv_nowait(sock: socket.socket) -> bytes | None:
+    """One message, b"" at EOF (or a broken socket), None if there is none now.
+
+    Never blocks: `_spawn` (which may run on the submitting thread, when a send finds a worker
+    dead) can take the message select saw before the consumer thread got the lock.
+    """
+    try:
+        return sock.recv(_MAX_MESSAGE, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
+
+
+def _log_exit(message: bytes) -> None:
+    """The forker's notice of how a worker exited (usually after its EOF was handled)."""
+    kind, pid, how = pickle.loads(message)
+    if kind == "exit":
+        logger.info("decode pool: worker pid %d exited (%s)", pid, how)

@@ -57,6 +57,7 @@ from joader.errors import (
     TooManyJobsError,
     UnknownJobError,
     UnknownSourceError,
+    superseded_message,
 )
 from joader.server.records import (
     Batch,
@@ -334,7 +335,7 @@ class Registry:
                 raise UnknownJobError(self._gone_message(job.job_id))
             pass_ = call.pass_
             if pass_.superseded:
-                raise PassSupersededError(_superseded_message(job, pass_))
+                raise PassSupersededError(_superseded(job, pass_))
             epoch = pass_.epoch
             if job.handed[epoch] >= job.num_items:
                 return Batch(epoch, True, [], [], [], [])
@@ -401,7 +402,7 @@ class Registry:
         """The pass a request belongs to; a new token, or fresh workers, start a new one."""
         if (token, pid) in job.retired:
             pass_ = job.passes.get(token)
-            raise PassSupersededError(_superseded_message(job, pass_))
+            raise PassSupersededError(_superseded(job, pass_))
         pass_ = job.passes.get(token)
         if pass_ is not None and not pass_.superseded:
             member = pass_.members.get(worker_id)
@@ -822,14 +823,8 @@ def _id_prefix(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:40] or "job"
 
 
-def _superseded_message(job: Job, pass_: Pass | None) -> str:
-    epoch = f"epoch {pass_.epoch}" if pass_ is not None else "its epoch"
-    return (
-        f"job {job.job_id}: this iterator's {epoch} was taken over by a newer iterator over the "
-        "same JoaderDataset (a job reads one epoch at a time, and the newest iter() wins). "
-        "Finish or delete the old iterator before starting another, or use a second "
-        "JoaderDataset for a second concurrent reader."
-    )
+def _superseded(job: Job, pass_: Pass | None) -> str:
+    return superseded_message(job.job_id, pass_.epoch if pass_ is not None else None)
 
 
 def _describe_ids(ids: BitMap) -> str:

@@ -32,6 +32,7 @@ from joader.errors import InvalidArgumentError, JoaderError, UnknownJobError, st
 from joader.proto import ERROR_METADATA_KEY, MAX_MESSAGE_BYTES, joader_pb2, joader_pb2_grpc
 from joader.server.records import Batch, NextArgs
 from joader.server.registry import Registry, max_indices_bytes
+from joader.sources.safe_open import display_path
 
 logger = logging.getLogger(__name__)
 
@@ -87,14 +88,13 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
         except JoaderError as error:
             await _abort(context, error)
             return
-        loop = asyncio.get_running_loop()
         removed = asyncio.Event()
         reason: list[str] = []
+        set_removed = _threadsafe_setter(asyncio.get_running_loop(), removed)
 
         def on_removed(why: str) -> None:
             reason.append(why)
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(removed.set)
+            set_removed()
 
         job_id = job.job_id
         self._registry.on_removed(job_id, on_removed)
@@ -173,15 +173,10 @@ def _response(batch: Batch) -> joader_pb2.NextResponse:
         labels=batch.labels,
         offsets=batch.offsets,
         failed=[
-            joader_pb2.FailedItem(item_id=i, path=os.fsencode(p), reason=_encodable(r))
+            joader_pb2.FailedItem(item_id=i, path=os.fsencode(p), reason=display_path(r))
             for i, p, r in batch.failed
         ],
     )
-
-
-def _encodable(text: str) -> str:
-    """`text` with surrogate-escaped bytes (from non-UTF-8 file names) shown as \\xNN."""
-    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def _parse_indices(data: bytes, num_items: int) -> BitMap:

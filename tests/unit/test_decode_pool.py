@@ -83,7 +83,7 @@ def test_decodes_into_arena_slots(listing: SourceListing, num_workers: int) -> N
             assert (
                 not bad.ok and listing.paths[5] in bad.error and bad.path.endswith(listing.paths[5])
             )
-            assert pool.workers_alive() == num_workers  # a bad file does not kill a worker
+            assert pool.stats().workers_alive == num_workers  # a bad file does not kill a worker
         finally:
             pool.close()
             pool.close()  # idempotent
