@@ -133,6 +133,10 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
                             num_workers=args.num_workers)
     if args.start_at:  # registered already: the jobs of a sweep start reading together
         time.sleep(max(0.0, args.start_at - time.time()))
+    if args.start_file:  # registered already: start when the file appears (all jobs attached)
+        deadline = time.monotonic() + 120
+        while not args.start_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
     report: dict[str, Any] = {"name": args.name, "num_items": len(dataset), "epochs": []}
     started = time.perf_counter()
     cpu_started = _cpu_s()
@@ -188,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--step-s", type=float, default=0.0, help="emulated GPU time per batch")
     parser.add_argument("--start-delay-s", type=float, default=0.0)
+    parser.add_argument("--start-file", type=Path,
+                        help="start reading once this file exists (after registering)")
     parser.add_argument("--start-at", type=float, default=0.0,
                         help="wall-clock time (time.time()) to start at, to line up several jobs")
     parser.add_argument("--image-size", type=int, default=256)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +55,13 @@ def test_identical_jobs_share_almost_every_decode(demo_root: Path, start_joaderd
     the RefCnt cache rather than how long Python takes to import torch in each process.
     """
     server = start_joaderd({"demo": demo_root}, cache_items=64)
-    start_at = str(time.time() + 4.0)
+    # Start together once all three are attached: a fixed "now + 4 s" was sometimes too soon on
+    # a busy two-core machine, and a job half a second late shares nothing (sharing 1.7).
+    go = server.dir / "go"
     jobs = [server.job("--epochs", "1", "--batch-size", "8", "--step-s", "0.02",
-                       "--start-at", start_at, name=f"j{i}") for i in range(3)]
+                       "--start-file", str(go), name=f"j{i}") for i in range(3)]
+    wait_for(lambda: len(server.status()["jobs"]) == 3, 120, "three jobs to attach")
+    go.touch()
     for i, job in enumerate(jobs):
         assert finish(job) == 0, server.job_stderr(f"j{i}")
         assert_exactly_once(server.report(f"j{i}"), range(NUM_DEMO_ITEMS), 1)
