@@ -252,14 +252,14 @@ def _inject_fault(registry: Registry, where: str) -> None:
     `=results` in the results thread at the first finished decode. Nothing else reads it.
     """
     if where == "scheduler":
-        original_schedule = registry.schedule_once
+        original_schedule = registry._schedule  # what the scheduler thread runs, under the lock
 
-        def schedule_once() -> bool:
+        def schedule() -> bool:
             if original_schedule():
                 raise RuntimeError(f"fault injected by {FAULT_ENV}=scheduler")
             return False
 
-        registry.schedule_once = schedule_once  # type: ignore[method-assign]
+        registry._schedule = schedule  # type: ignore[method-assign]
     elif where == "results":
         def file_result(*_args: Any) -> None:
             raise RuntimeError(f"fault injected by {FAULT_ENV}=results")

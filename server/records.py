@@ -1,12 +1,15 @@
-"""The registry's records: sources, items in the cache's life cycle, job queues, passes, batches.
+"""The registry's records: sources, items in the cache's life cycle, jobs, ranks, passes, batches.
 
 Plain data with no locking of their own: the `Registry` owns every instance and guards them all
-with its one lock.
+with its one lock. Who changes what: `ItemCache` (item_cache.py) moves items and their pins;
+`JobTable` (jobs.py) owns jobs, ranks, passes and leases; `Scheduler` (scheduler.py) fills the
+ranks' queues from DSA rounds.
 """
 
 from __future__ import annotations
 
 import enum
+import random
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -80,15 +83,16 @@ class Source:
 class Item:
     """One item of one source, keyed by `source.key_base + item_id` in the registry."""
 
-    __slots__ = ("failed_s", "item_id", "pins", "slot", "source", "state", "waiters")
+    __slots__ = ("failed_s", "item_id", "key", "pins", "slot", "source", "state", "waiters")
 
     def __init__(self, source: Source, item_id: int) -> None:
         self.source = source
         self.item_id = item_id
+        self.key = source.key_base + item_id
         self.state = ItemState.WAITING
         self.slot = -1
-        # Pins (queue entries and handed-out copies) while the item is not READY; once READY the
-        # cache policy holds them, so that it never evicts a pinned item.
+        # Queue entries and handed-out, unacknowledged copies, for the item's whole life (the
+        # cache policy mirrors them while it is READY, so that it never evicts a pinned item).
         self.pins = 0
         self.failed_s = 0.0  # when it last failed (clock of the registry)
         self.waiters: list[Job] = []  # jobs with this item queued, to wake when it settles
@@ -128,8 +132,79 @@ class Pass:
 
 
 @dataclass
+class Rank:
+    """One rank of a job (a job of world size 1 has one): its queue, passes and epoch shares.
+
+    The job's sampler picks are dealt to its ranks (`Scheduler`); each rank reads its own queue,
+    one pass (one `iter()` of its dataset) per epoch, and holds its own lease.
+    """
+
+    index: int
+    last_seen_s: float
+    attached: bool = True  # its lease stream is open (ranks join a job one by one)
+    queue: deque[Entry] = field(default_factory=deque)
+    claimed_epoch: int = 0  # the epoch its current pass reads
+    passes: dict[int, Pass] = field(default_factory=dict)  # token -> pass, newest last
+    current: Pass | None = None
+    retired: dict[tuple[int, int], None] = field(default_factory=dict)  # (token, pid) of old passes
+    handed: Counter[int] = field(default_factory=Counter)  # epoch -> items handed out or skipped
+    abandoned: set[int] = field(default_factory=set)  # epochs a newer pass cut short
+
+
+@dataclass
+class EpochShare:
+    """How epoch `epoch` of a job is split between its ranks.
+
+    `target[r]` items go to rank r (the same count for every rank, less what a rank consumed
+    before a resume); picks are dealt to the rank furthest from its target, round-robin for a
+    fresh epoch; once the sampler's epoch is over, ranks still short get padding copies of the
+    epoch's first picks (as `DistributedSampler(drop_last=False)` repeats its first indices).
+    """
+
+    epoch: int
+    target: list[int]
+    assigned: list[int]
+    head: list[int] = field(default_factory=list)  # the epoch's first picks, for padding
+    complete: bool = False  # the sampler has picked all of it (padding done)
+
+    def receiver(self) -> int | None:
+        """The rank the next pick goes to, or None when every rank has its share (drop_last)."""
+        best, best_need = None, 0
+        for rank, (want, have) in enumerate(zip(self.target, self.assigned, strict=True)):
+            if want - have > best_need:
+                best, best_need = rank, want - have
+        return best
+
+
+@dataclass
+class Resume:
+    """A resumed epoch being gathered: each rank's readers report what they consumed.
+
+    StatefulDataLoader restores each DataLoader worker's own state, so each worker reports
+    only its own items; the epoch starts when every rank has `parts` reports, with the union.
+    """
+
+    epoch: int
+    parts: dict[int, int] = field(default_factory=dict)  # rank -> reports it expects
+    reports: dict[tuple[int, int], BitMap] = field(default_factory=dict)  # (rank, worker) -> ids
+
+    def complete(self, world_size: int) -> bool:
+        return all(
+            rank in self.parts and sum(1 for r, _ in self.reports if r == rank) >= self.parts[rank]
+            for rank in range(world_size)
+        )
+
+    def consumed_by(self, rank: int) -> BitMap:
+        union = BitMap()
+        for (r, _), ids in self.reports.items():
+            if r == rank:
+                union |= ids
+        return union
+
+
+@dataclass
 class Job:
-    """One registered training job."""
+    """One registered training job: one DSA job, read by `world_size` ranks."""
 
     job_id: str
     name: str
@@ -138,16 +213,17 @@ class Job:
     dataset: BitMap
     batch_size: int
     created_s: float
-    last_seen_s: float
-    queue: deque[Entry] = field(default_factory=deque)
-    queue_capacity: int = 1
-    sampler_epoch: int = 1  # the epoch the sampler is filling the queue with
-    claimed_epoch: int = 0  # the epoch the client's current pass is reading
-    passes: dict[int, Pass] = field(default_factory=dict)  # token -> pass, newest last
-    current: Pass | None = None
-    retired: dict[tuple[int, int], None] = field(default_factory=dict)  # (token, pid) of old passes
-    handed: Counter[int] = field(default_factory=Counter)  # epoch -> items handed out or skipped
-    abandoned: set[int] = field(default_factory=set)
+    world_size: int
+    drop_last: bool
+    seed: int
+    rng: random.Random
+    ranks: list[Rank]
+    group_key: tuple[object, ...] = ()
+    queue_capacity: int = 1  # per rank
+    sampler_epoch: int = 1  # the epoch the sampler is filling the queues with
+    shares: dict[int, EpochShare] = field(default_factory=dict)  # epoch -> its split
+    sampler_abandoned: set[int] = field(default_factory=set)  # epochs the sampler gave up
+    resume: Resume | None = None  # a resumed epoch still gathering its reports
     items_delivered: int = 0
     items_skipped: int = 0
     wait_s: float = 0.0
@@ -155,11 +231,26 @@ class Job:
     # waiting `Next` registers one. They must not block.
     wakers: set[Callable[[], None]] = field(default_factory=set)
     on_removed: list[Callable[[str], None]] = field(default_factory=list)
-    reading: bool = False  # rounds include a job from its first request for items on
+    reading: bool = False  # rounds include a job once all its ranks asked for items
 
     @property
     def num_items(self) -> int:
         return len(self.dataset)
+
+    @property
+    def per_rank(self) -> int:
+        """Items each rank gets in a whole epoch: ceil (padding) or floor (drop_last) of N / W."""
+        if self.drop_last:
+            return self.num_items // self.world_size
+        return -(-self.num_items // self.world_size)
+
+    @property
+    def all_attached(self) -> bool:
+        return all(rank.attached for rank in self.ranks)
+
+    @property
+    def claimed_epoch(self) -> int:
+        return max(rank.claimed_epoch for rank in self.ranks)
 
     def wake(self) -> None:
         for waker in list(self.wakers):
@@ -189,6 +280,10 @@ class NextArgs:
     acks: tuple[int, ...] = ()
     worker_id: int = 0
     pid: int = 0
+    rank: int = 0
+    resume_epoch: int = 0  # > 0: this pass resumes that epoch, minus `resume_consumed`
+    resume_consumed: BitMap | None = None
+    resume_parts: int = 1  # how many readers of this rank report a part of the resume
 
 
 @dataclass
@@ -196,6 +291,7 @@ class NextCall:
     """A `Next` in progress: `Registry.begin_next`, then `poll_next` until a batch, `end_next`."""
 
     job: Job
+    rank: Rank
     pass_: Pass
     max_items: int
     started_s: float

@@ -62,7 +62,7 @@ class FakeClock:
         return self.now
 
 
-def make_registry(num_slots: int = 20, lease_s: float = 5.0) -> tuple[Registry, FakePool, FakeClock]:
+def make_registry(num_slots: int = 20, lease_s: float = 5.0, **config: object) -> tuple[Registry, FakePool, FakeClock]:
     listing = SourceListing(
         root=Path("/nonexistent"),
         classes=("a", "b"),
@@ -71,33 +71,40 @@ def make_registry(num_slots: int = 20, lease_s: float = 5.0) -> tuple[Registry, 
         labels=np.array([i % 2 for i in range(NUM_ITEMS)], dtype=np.int32),
     )
     pool, clock = FakePool(), FakeClock()
-    config = RegistryConfig(lease_s=lease_s, next_wait_s=0.0, linger_s=0.0)
-    registry = Registry([Source("demo", listing, 8, 0, seed=3)], num_slots, 3 * 8 * 8, pool, config, clock)
+    settings = RegistryConfig(lease_s=lease_s, next_wait_s=0.0, linger_s=0.0, **config)  # type: ignore[arg-type]
+    registry = Registry([Source("demo", listing, 8, 0, seed=3)], num_slots, 3 * 8 * 8, pool, settings, clock)
     return registry, pool, clock
 
 
 SECRETS: dict[str, bytes] = {}
 
 
-def attach(registry: Registry, *args: object) -> Job:
-    job = registry.attach(*args)  # type: ignore[arg-type]
+def attach(registry: Registry, *args: object, **kwargs: object) -> Job:
+    job = registry.attach(*args, **kwargs)  # type: ignore[arg-type]
     SECRETS[job.job_id] = job.secret
+    registry.check_invariants()
     return job
 
 
 def nxt(registry: Registry, job_id: str, token: int, max_items: int, acks: list[int],
-        worker_id: int = 0, pid: int = 0) -> Batch:
-    """`Registry.next_items` with the job's secret, as the job's own client sends it."""
-    return registry.next_items(job_id, token, max_items, acks, secret=SECRETS.get(job_id, b""),
-                               worker_id=worker_id, pid=pid)
+        worker_id: int = 0, pid: int = 0, **kwargs: object) -> Batch:
+    """`Registry.next_items` with the job's secret, as the job's own client sends it; the
+    cache's books are checked against the jobs' after every call."""
+    try:
+        return registry.next_items(job_id, token, max_items, acks, secret=SECRETS.get(job_id, b""),
+                                   worker_id=worker_id, pid=pid, **kwargs)  # type: ignore[arg-type]
+    finally:
+        registry.check_invariants()
 
 
 def pump(registry: Registry, pool: FakePool, fail: set[int] = frozenset()) -> None:
     for _ in range(50):
         progressed = registry.schedule_once()
+        registry.check_invariants()
         if not progressed and not pool.submitted:
             return
         pool.finish(registry, fail)
+        registry.check_invariants()
 
 
 def read_epoch(registry: Registry, pool: FakePool, job_id: str, token: int, batch: int = 4,
@@ -138,7 +145,7 @@ def test_interleaved_jobs_get_each_item_once_per_epoch_and_release_every_pin() -
     assert status["items_decoded"] < 80  # some items served both jobs
     assert status["cache"]["used_bytes"] <= status["cache"]["capacity_bytes"]
     # Everything was acknowledged: only items in the queues (next epoch's lookahead) are pinned.
-    queued = {entry.key for job in (a, b) for entry in job.queue}
+    queued = {entry.key for job in (a, b) for entry in job.ranks[0].queue}
     assert status["cache"]["pinned"] == len(queued)
 
 
@@ -146,7 +153,7 @@ def test_a_new_pass_abandons_an_unfinished_epoch_and_starts_a_whole_one() -> Non
     registry, pool, _ = make_registry()
     job = attach(registry, "demo", BitMap(range(30)), "a", 4)
     pump(registry, pool)
-    assert not job.queue  # registered, not reading yet: no rounds, no decodes
+    assert not job.ranks[0].queue  # registered, not reading yet: no rounds, no decodes
     assert nxt(registry, job.job_id, 7, 4, []).item_ids == []  # nothing prepared yet
     pump(registry, pool)
     first = nxt(registry, job.job_id, 7, 4, [])
@@ -263,8 +270,7 @@ def test_a_job_is_reachable_only_with_its_secret() -> None:
 
 
 def test_jobs_beyond_max_jobs_are_refused_with_the_flag_named() -> None:
-    registry, _, _ = make_registry()
-    registry.config = RegistryConfig(max_jobs=2)
+    registry, _, _ = make_registry(max_jobs=2)
     for name in ("a", "b"):
         attach(registry, "demo", BitMap(range(10)), name, 4)
     with pytest.raises(TooManyJobsError, match="--max-jobs"):

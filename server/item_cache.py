@@ -1,0 +1,235 @@
+"""The item cache: every item joaderd knows of, its state, its pins, its slot, and eviction.
+
+An `Item` exists from the round that first wants it until it is evicted (READY), dropped
+unwanted (WAITING), or forever while it fails (FAILED, until retried). Its states and their
+transitions are `ItemState` (records.py); this module is the only one that moves them.
+
+Pins: `Item.pins` counts, for the item's whole life, every queue entry and every handed-out,
+unacknowledged copy of it. While the item is READY the RefCnt policy is told of every pin and
+unpin too (it must never choose a pinned victim), so `check_invariants` can compare both. The
+policy's refcount of a READY item is the number of jobs (of its source) that still need it in
+their current epoch; callers keep it current with `add_refcount` / `count_needed`.
+
+Plain logic, no lock: the `Registry` calls it under its own lock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+from pyroaring import BitMap
+
+from joader.cache.arena import SlotAllocator
+from joader.cache.policy import RefCntPolicy
+from joader.server.records import Item, ItemState, Source
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeSubmitter(Protocol):
+    """What the registry needs of the decode pool (the real one is `DecodePool`)."""
+
+    num_workers: int
+
+    @property
+    def in_flight(self) -> int: ...
+
+    def submit(self, task_id: int, source_index: int, item_id: int, slot: int) -> None: ...
+
+
+class ItemCache:
+    """Items, pins, slots and the RefCnt policy of one joaderd (see the module docstring)."""
+
+    def __init__(self, num_slots: int, slot_bytes: int, *, retry_failed_s: float,
+                 clock: Callable[[], float]) -> None:
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.retry_failed_s = retry_failed_s
+        self._clock = clock
+        self.items: dict[int, Item] = {}
+        self.policy = RefCntPolicy()
+        self._slots = SlotAllocator(num_slots)
+        self._demand: list[tuple[int, int]] = []  # (round seq, key): decode in order of need
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+        self.items_decoded = 0
+        self.items_retried = 0
+        self.decode_s = 0.0
+
+    # ----------------------------------------------------------------------------- wanting
+
+    def want(self, source: Source, item_id: int, round_seq: int, *, consumed: bool) -> Item:
+        """A queue entry now holds the item: pin it, counting a hit or a miss.
+
+        `consumed`: the pick took the item out of a job's remaining set, so a cached item loses
+        one reference (False for a padding copy, which no remaining set held).
+        """
+        key = source.key_base + item_id
+        item = self.items.get(key)
+        if item is None:
+            item = self.items[key] = Item(source, item_id)
+            heapq.heappush(self._demand, (round_seq, key))
+            self.misses += 1
+        elif item.state is ItemState.READY:
+            if consumed:
+                self.policy.add_refcount(key, -1)
+            self.hits += 1
+        elif item.state is ItemState.FAILED:
+            if self._clock() - item.failed_s >= self.retry_failed_s:
+                # Failures are not forever: the file may have been fixed (or its storage come
+                # back) since. Jobs that queued it meanwhile wait for this decode.
+                item.move(ItemState.WAITING)
+                heapq.heappush(self._demand, (round_seq, key))
+                self.items_retried += 1
+                self.misses += 1
+        else:
+            self.hits += 1
+        self.pin(item)
+        return item
+
+    def consume_unqueued(self, source: Source, item_id: int) -> None:
+        """A pick nobody receives (drop_last) left a job's remaining set: one reference less."""
+        key = source.key_base + item_id
+        item = self.items.get(key)
+        if item is not None and item.state is ItemState.READY:
+            self.policy.add_refcount(key, -1)
+
+    def pin(self, item: Item) -> None:
+        item.pins += 1
+        if item.state is ItemState.READY:
+            self.policy.pin(item.key)
+
+    def release(self, key: int) -> None:
+        """Drops one pin of `key` (a queue entry or a handed-out copy)."""
+        item = self.items.get(key)
+        if item is None:
+            return
+        if item.pins <= 0:
+            raise AssertionError(f"item {item.item_id}: released more often than pinned")
+        item.pins -= 1
+        if item.state is ItemState.READY:
+            self.policy.unpin(key)
+
+    def add_refcount(self, source: Source, ids: BitMap, delta: int) -> None:
+        """Every cached item of `ids` gains (or loses) `delta` references."""
+        base = source.key_base
+        policy = self.policy
+        for item_id in source.cached_ids & ids:
+            policy.add_refcount(base + item_id, delta)
+
+    # ----------------------------------------------------------------------------- decoding
+
+    def dispatch(self, pool: DecodeSubmitter, limit: int, source_index: Callable[[Source], int]) -> None:
+        """Hands waiting items to the pool, in order of need, while fewer than `limit` run."""
+        demand = self._demand
+        while demand and pool.in_flight < limit:
+            key = demand[0][1]
+            item = self.items.get(key)
+            if item is None or item.state is not ItemState.WAITING:
+                heapq.heappop(demand)
+                continue
+            if item.pins == 0:  # every job that wanted it left before it was decoded
+                heapq.heappop(demand)
+                del self.items[key]
+                continue
+            slot = self._slots.allocate()
+            if slot is None:
+                victim = self.policy.victim()
+                if victim is None:
+                    return  # everything cached is pinned: decoding waits for acknowledgements
+                self._evict(victim)
+                slot = self._slots.allocate()
+            heapq.heappop(demand)
+            item.move(ItemState.DECODING)
+            item.slot = slot
+            pool.submit(key, source_index(item.source), item.item_id, slot)
+
+    def _evict(self, key: int) -> None:
+        self.policy.remove(key)
+        item = self.items.pop(key)
+        item.source.cached_ids.discard(item.item_id)
+        self._slots.release(item.slot)
+        self.evictions += 1
+
+    def file_result(self, key: int, ok: bool, error: str | None, decode_s: float,
+                    refcount: Callable[[Item], int]) -> Item | None:
+        """Files a finished decode; returns the item (None for a key nobody waits for).
+
+        `refcount(item)` counts the jobs that still need it, for the policy.
+        """
+        item = self.items.get(key)
+        if item is None or item.state is not ItemState.DECODING:
+            logger.warning("decode result for unknown item key %d ignored", key)
+            return None
+        source = item.source
+        self.decode_s += decode_s
+        if ok:
+            item.move(ItemState.READY)
+            self.policy.insert(key, refcount(item), pinned=item.pins)
+            source.cached_ids.add(item.item_id)
+            if source.failed.pop(item.item_id, None) is not None:
+                logger.info("source %s: item %d decodes again", source.name, item.item_id)
+            self.items_decoded += 1
+        else:
+            item.move(ItemState.FAILED)
+            item.failed_s = self._clock()
+            self._slots.release(item.slot)
+            item.slot = -1
+            source.failed[item.item_id] = error or "unknown error"
+            logger.warning(
+                "source %s: item %d could not be prepared and is skipped (retried after %g s): %s",
+                source.name, item.item_id, self.retry_failed_s, error,
+            )
+        return item
+
+    # ----------------------------------------------------------------------------- figures
+
+    @property
+    def used_slots(self) -> int:
+        return self.num_slots - self._slots.num_free
+
+    def pinned_items(self) -> int:
+        return sum(1 for item in self.items.values() if item.pins)
+
+    def check_invariants(self, expected_pins: dict[int, int] | None = None,
+                         needed: Callable[[Item], int] | None = None) -> None:
+        """Raises AssertionError if the cache's books disagree (tests call it after every step).
+
+        - every READY item is in the policy with the same pin count, has a slot, and is listed
+          in its source's cached ids; no other item is in the policy or holds a slot;
+        - slots in use are exactly the READY and DECODING items' slots, each used once;
+        - `expected_pins` (key -> pins, from the jobs' queues and outstanding copies), if given,
+          equals every item's pin count; `needed(item)`, if given, equals each READY item's
+          refcount.
+        """
+        slots: dict[int, int] = {}
+        for key, item in self.items.items():
+            assert item.key == key, (key, item.key)
+            assert item.pins >= 0, (item.item_id, item.pins)
+            if item.state is ItemState.READY:
+                assert key in self.policy, f"READY item {item.item_id} is not in the policy"
+                assert self.policy.pin_count(key) == item.pins, (
+                    f"item {item.item_id}: {item.pins} pins, the policy has {self.policy.pin_count(key)}")
+                assert item.item_id in item.source.cached_ids, item.item_id
+                if needed is not None:
+                    assert self.policy.refcount(key) == needed(item), (
+                        f"item {item.item_id}: refcount {self.policy.refcount(key)}, "
+                        f"{needed(item)} jobs need it")
+            else:
+                assert key not in self.policy, f"{item.state.name} item {item.item_id} is in the policy"
+                assert item.item_id not in item.source.cached_ids, item.item_id
+            if item.state in (ItemState.READY, ItemState.DECODING):
+                assert item.slot >= 0 and item.slot not in slots, (item.item_id, item.slot)
+                slots[item.slot] = key
+            else:
+                assert item.slot == -1, (item.item_id, item.state, item.slot)
+        assert len(self.policy) == sum(1 for i in self.items.values() if i.state is ItemState.READY)
+        assert self.used_slots == len(slots), (self.used_slots, len(slots))
+        if expected_pins is not None:
+            actual = {key: item.pins for key, item in self.items.items() if item.pins}
+            wanted = {key: n for key, n in expected_pins.items() if n}
+            assert actual == wanted, f"pins differ: cache {actual}, jobs {wanted}"

@@ -1,0 +1,337 @@
+"""Jobs, their ranks, passes and leases.
+
+A *job* is one DSA job: a dataset read by `world_size` ranks (the processes of one DDP job, or
+one process). The ranks of one job attach one by one with the same name, source, indices and
+world size; the first creates the job, the others join it. Every rank holds its own lease (its
+lease keeper's stream); when any rank's lease ends the whole job goes, and the other ranks are
+told why at their next request (DDP cannot go on without a rank anyway).
+
+Who may read a job: whoever holds its secret, which `attach` returns to the lease holders only
+(`status` lists job ids, never secrets). Within a rank, a *pass* (one `iter()` of the dataset,
+shared by the DataLoader workers of that iterator) reads one epoch. A new pass supersedes the
+rank's current one; the old pass's next request raises `PassSupersededError` instead of ending
+quietly. Passes are named by a token the client derives from the workers' base seed; since that
+seed repeats whenever a user re-seeds torch, a known token arriving from a *new process* in a
+worker slot the pass already has is a new pass too (fresh workers), not a continuation.
+
+A pass may *resume* an epoch: its readers report the items they consumed before a checkpoint (or
+before joaderd restarted); once every rank's readers reported, the epoch goes on without them
+(`Scheduler.start_resumed`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import random
+import re
+import secrets
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+from pyroaring import BitMap
+
+from joader.errors import (
+    InvalidArgumentError,
+    PassSupersededError,
+    TooManyJobsError,
+    UnknownJobError,
+    superseded_message,
+)
+from joader.server.item_cache import ItemCache
+from joader.server.records import Job, NextArgs, Pass, Rank, Resume, Source
+from joader.server.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+_MAX_PASSES_PER_RANK = 8
+_MAX_RETIRED_PER_RANK = 256
+_MAX_REMOVED_REMEMBERED = 4096
+MAX_WORLD_SIZE = 4096
+
+
+class JobTable:
+    """The registered jobs (see the module docstring). No lock: the `Registry` holds one."""
+
+    def __init__(self, cache: ItemCache, scheduler: Scheduler, *, lease_s: float, max_jobs: int,
+                 clock: Callable[[], float]) -> None:
+        self._cache = cache
+        self._scheduler = scheduler
+        self.lease_s = lease_s
+        self.max_jobs = max_jobs
+        self._clock = clock
+        self.jobs: dict[str, Job] = {}
+        self._removed: OrderedDict[str, str] = OrderedDict()  # job id -> why it was removed
+
+    # ----------------------------------------------------------------------------- attach
+
+    def attach(self, source: Source, dataset: BitMap, name: str, batch_size: int, *, rank: int = 0,
+               world_size: int = 1, drop_last: bool = False, seed: int | None = None) -> tuple[Job, Rank]:
+        """Registers rank `rank` of a job: creates the job, or joins the one its ranks share."""
+        name = printable_name(name)
+        if batch_size < 1:
+            raise InvalidArgumentError(f"job {name!r}: batch_size must be >= 1, got {batch_size}")
+        if not 1 <= world_size <= MAX_WORLD_SIZE:
+            raise InvalidArgumentError(
+                f"job {name!r}: world_size must be in 1..{MAX_WORLD_SIZE}, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise InvalidArgumentError(
+                f"job {name!r}: rank must be in 0..{world_size - 1} for world_size {world_size}, "
+                f"got {rank}; pass the process's own rank (torch.distributed.get_rank())")
+        if world_size > 1 and not name:
+            raise InvalidArgumentError("the ranks of a job find each other by name: pass name=")
+        if drop_last and len(dataset) < world_size:
+            raise InvalidArgumentError(
+                f"job {name!r}: drop_last with {len(dataset)} items and world_size {world_size} "
+                "leaves every rank an empty epoch; use more items or drop_last=False")
+        now = self._clock()
+        key = (name, source.name, dataset.serialize(), world_size, drop_last)
+        if world_size > 1:
+            job = self._group(key, rank)
+            if job is not None:
+                if seed is not None and seed != job.seed:
+                    raise InvalidArgumentError(
+                        f"job {name!r}: rank {rank} asks for seed {seed}, but rank 0..{world_size - 1} "
+                        f"of this job started with seed {job.seed}; give every rank the same seed")
+                member = job.ranks[rank]
+                member.attached = True
+                member.last_seen_s = now
+                logger.info("job %s: rank %d of %d attached", job.job_id, rank, world_size)
+                return job, member
+        if len(self.jobs) >= self.max_jobs:
+            raise TooManyJobsError(
+                f"job {name!r}: joaderd already serves {len(self.jobs)} jobs, its limit; "
+                f"finish some jobs, or restart joaderd with a higher --max-jobs (now {self.max_jobs})"
+            )
+        job_id = f"{_id_prefix(name)}-{secrets.token_hex(4)}"
+        if seed is None:
+            seed = secrets.randbits(63)
+        ranks = [Rank(r, now, attached=(r == rank)) for r in range(world_size)]
+        job = Job(job_id, name or job_id, secrets.token_bytes(16), source, dataset, batch_size, now,
+                  world_size, drop_last, seed, random.Random(seed), ranks, group_key=key)
+        self.jobs[job_id] = job
+        self._scheduler.add(job)
+        logger.info(
+            "job %s: attached to source %s with %d items%s", job_id, source.name, len(dataset),
+            f" (rank {rank} of {world_size})" if world_size > 1 else "",
+        )
+        return job, ranks[rank]
+
+    def _group(self, key: tuple[object, ...], rank: int) -> Job | None:
+        """The job whose ranks `key` describes, still missing rank `rank`."""
+        taken = None
+        for job in self.jobs.values():
+            if job.group_key == key:
+                if not job.ranks[rank].attached and job.ranks[rank].current is None:
+                    return job
+                taken = job
+        if taken is not None:
+            raise InvalidArgumentError(
+                f"job {taken.name!r}: rank {rank} is already attached (job {taken.job_id}); every "
+                "process of a job needs its own rank (check RANK / rank=), or give a new run "
+                "another name")
+        return None
+
+    # ----------------------------------------------------------------------------- leases
+
+    def touch(self, job_id: str, rank: int = 0) -> None:
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise UnknownJobError(self.gone_message(job_id))
+        job.ranks[rank].last_seen_s = self._clock()
+
+    def expire(self) -> list[tuple[Job, str]]:
+        """Jobs with a rank whose lease expired (the caller removes them); releases the copies
+        of superseded passes whose grace time ended."""
+        now = self._clock()
+        deadline = now - self.lease_s
+        expired = []
+        for job in self.jobs.values():
+            for rank in job.ranks:
+                if rank.attached and rank.last_seen_s < deadline:
+                    what = f"rank {rank.index}: " if job.world_size > 1 else ""
+                    expired.append((job, f"{what}no request for {self.lease_s:g} s, nor a heartbeat (lease expired)"))
+                    break
+                for pass_ in rank.passes.values():
+                    if pass_.release_at_s is not None and pass_.release_at_s <= now:
+                        self.release_outstanding(pass_)
+        return expired
+
+    def remove(self, job_id: str, reason: str) -> Job | None:
+        """Forgets a job and releases everything it held; None if it was already gone."""
+        job = self.jobs.pop(job_id, None)
+        if job is None:
+            return None
+        self._removed[job_id] = reason
+        while len(self._removed) > _MAX_REMOVED_REMEMBERED:
+            self._removed.popitem(last=False)
+        for rank in job.ranks:
+            self._scheduler.drop_queue(rank, lambda entry: True)
+            for pass_ in rank.passes.values():
+                self.release_outstanding(pass_)
+        self._scheduler.remove(job)
+        return job
+
+    def lookup(self, job_id: str, secret: bytes) -> Job:
+        job = self.jobs.get(job_id)
+        # One message for "no such job" and "wrong secret": the reply must not tell a stranger
+        # which job ids are live.
+        if job is None or not hmac.compare_digest(job.secret, secret):
+            raise UnknownJobError(self.gone_message(job_id))
+        return job
+
+    def gone_message(self, job_id: str) -> str:
+        reason = self._removed.get(job_id)
+        if reason is not None:
+            return (
+                f"job {job_id!r} was removed by joaderd: {reason}. Its epoch cannot go on; "
+                "create a new JoaderDataset (and see the training process's log for why its "
+                "lease ended)."
+            )
+        return (
+            f"job {job_id!r} is not registered with this joaderd (or the request lacks the job's "
+            "secret, which only the JoaderDataset that attached it holds); create a new "
+            "JoaderDataset"
+        )
+
+    def removed_reason(self, job_id: str) -> str:
+        return self._removed.get(job_id, "removed")
+
+    # ----------------------------------------------------------------------------- passes
+
+    def rank_of(self, job: Job, args: NextArgs) -> Rank:
+        if not 0 <= args.rank < job.world_size:
+            raise InvalidArgumentError(
+                f"job {job.job_id}: rank {args.rank} is outside 0..{job.world_size - 1}")
+        return job.ranks[args.rank]
+
+    def claim(self, job: Job, rank: Rank, args: NextArgs) -> Pass:
+        """The pass a request belongs to; a new token, or fresh workers, start a new one."""
+        if (args.token, args.pid) in rank.retired:
+            raise PassSupersededError(self._superseded(job, rank.passes.get(args.token)))
+        pass_ = rank.passes.get(args.token)
+        if pass_ is not None and not pass_.superseded:
+            member = pass_.members.get(args.worker_id)
+            if member is None or member == args.pid:
+                pass_.members[args.worker_id] = args.pid
+                self._report_resume(job, rank, args, pass_.epoch)
+                return pass_
+            # The same token from a new process in a worker slot the pass already has: fresh
+            # DataLoader workers whose base seed repeated (the user re-seeded torch). A new pass.
+            logger.info(
+                "job %s: worker %d of pass %x is a new process (pid %d, was %d): a new pass",
+                job.job_id, args.worker_id, args.token, args.pid, member,
+            )
+        epoch = args.resume_epoch if args.resume_epoch > 0 else rank.claimed_epoch + 1
+        pass_ = self._start_pass(job, rank, args, epoch)
+        self._report_resume(job, rank, args, epoch)
+        return pass_
+
+    def _report_resume(self, job: Job, rank: Rank, args: NextArgs, epoch: int) -> None:
+        if args.resume_epoch <= 0 or args.resume_epoch != epoch:
+            return
+        resume = job.resume
+        if resume is None:
+            if job.shares.get(epoch) is not None and any(r.handed[epoch] for r in job.ranks):
+                return  # this epoch already resumed and is being read: a late reader joins it
+            resume = job.resume = Resume(epoch)
+        elif resume.epoch != epoch:
+            if resume.epoch > epoch:
+                return
+            resume = job.resume = Resume(epoch)  # a newer checkpoint replaces an older one
+        resume.parts[rank.index] = max(1, args.resume_parts)
+        consumed = args.resume_consumed if args.resume_consumed is not None else BitMap()
+        resume.reports[(rank.index, args.worker_id)] = consumed
+        if resume.complete(job.world_size):
+            job.resume = None
+            self._scheduler.start_resumed(job, epoch, [resume.consumed_by(r) for r in range(job.world_size)])
+            job.wake()
+
+    def _start_pass(self, job: Job, rank: Rank, args: NextArgs, epoch: int) -> Pass:
+        current = rank.current
+        if current is not None and not current.superseded:
+            self.supersede(job, rank, current)
+        rank.claimed_epoch = epoch
+        pass_ = Pass(args.token, epoch, {args.worker_id: args.pid})
+        old = rank.passes.pop(args.token, None)
+        if old is not None:
+            self.release_outstanding(old)
+        rank.passes[args.token] = pass_
+        rank.current = pass_
+        while len(rank.passes) > _MAX_PASSES_PER_RANK:
+            oldest = next(iter(rank.passes))
+            self.release_outstanding(rank.passes.pop(oldest))
+        return pass_
+
+    def supersede(self, job: Job, rank: Rank, pass_: Pass) -> None:
+        """A newer pass took over: `pass_` may read no more; its unread share is dropped."""
+        pass_.superseded = True
+        for pid in pass_.members.values():
+            rank.retired[(pass_.token, pid)] = None
+        while len(rank.retired) > _MAX_RETIRED_PER_RANK:
+            del rank.retired[next(iter(rank.retired))]
+        # Its clients may still be copying their last batch out of the arena: their copies stay
+        # pinned until acknowledged, or for one lease at most (a killed DataLoader worker never
+        # acknowledges).
+        pass_.release_at_s = self._clock() + self.lease_s
+        epoch = pass_.epoch
+        share = job.shares.get(epoch)
+        if (share is None or rank.handed[epoch] < share.target[rank.index]) and epoch not in rank.abandoned:
+            logger.info(
+                "job %s: a new pass began before epoch %d ended; dropping its unread items%s",
+                job.job_id, epoch, f" (rank {rank.index})" if job.world_size > 1 else "",
+            )
+            rank.abandoned.add(epoch)
+            self._scheduler.drop_queue(rank, lambda entry: entry.epoch == epoch)
+            self._scheduler.abandon_if_done(job, epoch)
+        job.wake()
+
+    def acknowledge(self, job: Job, pass_: Pass, acks: Iterable[int]) -> None:
+        base = job.source.key_base
+        outstanding = pass_.outstanding
+        for item_id in acks:
+            key = base + item_id
+            if outstanding[key] <= 0:
+                logger.debug("job %s: ignoring ack of item %d it does not hold", job.job_id, item_id)
+                continue
+            outstanding[key] -= 1
+            if not outstanding[key]:
+                del outstanding[key]
+            self._cache.release(key)
+
+    def release_outstanding(self, pass_: Pass) -> None:
+        for key, count in pass_.outstanding.items():
+            for _ in range(count):
+                self._cache.release(key)
+        pass_.outstanding.clear()
+        pass_.release_at_s = None
+
+    def _superseded(self, job: Job, pass_: Pass | None) -> str:
+        return superseded_message(job.job_id, pass_.epoch if pass_ is not None else None)
+
+    def superseded_error(self, job: Job, pass_: Pass) -> PassSupersededError:
+        return PassSupersededError(self._superseded(job, pass_))
+
+    # ----------------------------------------------------------------------------- checks
+
+    def expected_pins(self) -> dict[int, int]:
+        """key -> queue entries plus unacknowledged copies, over every job (for invariants)."""
+        pins: dict[int, int] = {}
+        for job in self.jobs.values():
+            for rank in job.ranks:
+                for entry in rank.queue:
+                    pins[entry.key] = pins.get(entry.key, 0) + 1
+                for pass_ in rank.passes.values():
+                    for key, count in pass_.outstanding.items():
+                        pins[key] = pins.get(key, 0) + count
+        return pins
+
+
+def printable_name(name: str, limit: int = 80) -> str:
+    """`name` with control and other unprintable characters escaped, so logs cannot be forged."""
+    cleaned = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in name)
+    return cleaned[:limit]
+
+
+def _id_prefix(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:40] or "job"

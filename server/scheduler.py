@@ -1,0 +1,196 @@
+"""The scheduler: DSA rounds that fill the ranks' queues, epoch by epoch.
+
+A round runs, per source, whenever some job's next receiving rank has fewer queued items than
+its capacity; every job whose receiving rank is below twice its capacity takes part, so jobs
+reading at about the same speed share nearly every round, and a slow job sits rounds out (it
+loses sharing, not speed). A job takes part once all its ranks attached and one of them asked
+for items, and not while a resumed epoch is still gathering its reports.
+
+Each pick of a job is dealt to one of its ranks (`EpochShare.receiver`): round-robin for a fresh
+epoch, so every rank gets `ceil(N / W)` items (padding with the epoch's first picks once the
+sampler's epoch is over) or `floor(N / W)` under drop_last (the picks no rank needs are dropped
+undecoded). A job of world size 1 has one rank that receives every pick.
+
+Refcounts: an item's refcount is the number of jobs that still need it in their current epoch.
+-1 when a round gives it to a job, +1 for every cached item of a job's new epoch, recomputed
+from the sampler when a decode lands (`needed`).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import deque
+
+from pyroaring import BitMap
+
+from joader.server.item_cache import ItemCache
+from joader.server.records import Entry, EpochShare, Job, Rank, Source
+
+logger = logging.getLogger(__name__)
+
+_SHARES_KEPT = 4  # epochs of a job whose split is remembered (the oldest pass still reading)
+
+
+class Scheduler:
+    """Drives each source's sampler for its jobs, and keeps their epochs' shares."""
+
+    def __init__(self, cache: ItemCache) -> None:
+        self._cache = cache
+        self._round_seq = 0
+
+    # ----------------------------------------------------------------------------- jobs
+
+    def add(self, job: Job) -> None:
+        """A new job: its first epoch, `job.sampler_epoch`, covers its whole dataset."""
+        job.source.sampler.add_job(job.job_id, job.dataset, rng=job.rng)
+        job.source.job_ids.append(job.job_id)
+        self._cache.add_refcount(job.source, job.dataset, 1)
+        self._open(job, job.sampler_epoch, [0] * job.world_size)
+
+    def remove(self, job: Job) -> None:
+        source = job.source
+        self._cache.add_refcount(source, source.sampler.remaining(job.job_id), -1)
+        source.sampler.remove_job(job.job_id)
+        source.job_ids.remove(job.job_id)
+
+    def needed(self, source: Source, item_id: int) -> int:
+        """How many jobs of `source` still need `item_id` in their current epoch."""
+        sampler = source.sampler
+        return sum(1 for job_id in source.job_ids if sampler.needs(job_id, item_id))
+
+    def _open(self, job: Job, epoch: int, consumed: list[int]) -> EpochShare:
+        per = job.per_rank
+        share = EpochShare(epoch, [max(0, per - k) for k in consumed], [0] * job.world_size)
+        job.shares[epoch] = share
+        for old in [e for e in job.shares if e <= epoch - _SHARES_KEPT]:
+            del job.shares[old]
+        return share
+
+    # ----------------------------------------------------------------------------- epochs
+
+    def abandon_if_done(self, job: Job, epoch: int) -> None:
+        """The sampler gives `epoch` up once every rank finished or abandoned it early.
+
+        A rank abandons an epoch when a newer pass of it starts first (its loop broke out). The
+        ranks of a DDP job break out together; until the last one has, the others keep the
+        items already queued for them.
+        """
+        if job.sampler_epoch != epoch or epoch in job.sampler_abandoned:
+            return
+        share = job.shares.get(epoch)
+        for rank in job.ranks:
+            finished = share is not None and rank.handed[epoch] >= share.target[rank.index]
+            if not finished and epoch not in rank.abandoned:
+                return
+        logger.info("job %s: epoch %d abandoned before its end; the next one starts", job.job_id, epoch)
+        job.sampler_abandoned.add(epoch)
+        source = job.source
+        sampler = source.sampler
+        before = sampler.remaining(job.job_id)
+        sampler.reset_epoch(job.job_id)
+        job.sampler_epoch += 1
+        self._cache.add_refcount(source, job.dataset - before, 1)
+        self._open(job, job.sampler_epoch, [0] * job.world_size)
+
+    def start_resumed(self, job: Job, epoch: int, consumed: list[BitMap]) -> None:
+        """Epoch `epoch` resumes without the items in `consumed` (per rank), whatever the job
+        had queued: the resumed checkpoint is the truth now."""
+        for rank in job.ranks:
+            self.drop_queue(rank, lambda entry: True)
+        union = BitMap()
+        for ids in consumed:
+            union |= ids
+        union &= job.dataset
+        remaining = job.dataset - union
+        source = job.source
+        sampler = source.sampler
+        self._cache.add_refcount(source, sampler.remaining(job.job_id), -1)
+        sampler.remove_job(job.job_id)
+        # A fresh stream for the resumed epoch: re-using the job's seed from its start would
+        # replay the first draws of the interrupted epoch over a set that lacks their items.
+        job.rng = random.Random(f"joader-resume:{job.seed}:{epoch}:{len(union)}")
+        job.shares.clear()
+        job.sampler_abandoned.clear()
+        counts = [len(ids & job.dataset) for ids in consumed]
+        if remaining:
+            sampler.add_job(job.job_id, job.dataset, remaining=remaining, rng=job.rng)
+            self._cache.add_refcount(source, remaining, 1)
+            job.sampler_epoch = epoch
+            self._open(job, epoch, counts)
+        else:  # the checkpoint came after the epoch's last item: only padding may be owed
+            sampler.add_job(job.job_id, job.dataset, rng=job.rng)
+            self._cache.add_refcount(source, job.dataset, 1)
+            share = self._open(job, epoch, counts)
+            self._complete(job, share)
+            job.sampler_epoch = epoch + 1
+            self._open(job, epoch + 1, [0] * job.world_size)
+        logger.info(
+            "job %s: epoch %d resumed with %d of its %d items left", job.job_id, epoch,
+            len(remaining), job.num_items,
+        )
+
+    def drop_queue(self, rank: Rank, drop: object) -> None:
+        """Releases and removes the queued entries of `rank` for which `drop(entry)` is true."""
+        kept: deque[Entry] = deque()
+        for entry in rank.queue:
+            if drop(entry):  # type: ignore[operator]
+                self._cache.release(entry.key)
+            else:
+                kept.append(entry)
+        rank.queue = kept
+
+    # ----------------------------------------------------------------------------- rounds
+
+    def run_round(self, source: Source, jobs: dict[str, Job]) -> bool:
+        """One DSA round over the jobs of `source`, if some job's receiving rank runs low."""
+        queued = []
+        for job_id in source.job_ids:
+            job = jobs[job_id]
+            if not (job.reading and job.all_attached and job.resume is None):
+                continue
+            share = job.shares[job.sampler_epoch]
+            receiver = share.receiver()
+            # A job whose picks are dropped (every rank has its share) runs at no cost.
+            length = len(job.ranks[receiver].queue) if receiver is not None else 0
+            queued.append((job_id, length, job.queue_capacity))
+        if not any(length < capacity for _, length, capacity in queued):
+            return False
+        participants = [job_id for job_id, length, capacity in queued if length < 2 * capacity]
+        sampler = source.sampler
+        starting = [j for j in participants if sampler.num_remaining(j) == 0]
+        picks = sampler.sample(participants)
+        for job_id in starting:
+            job = jobs[job_id]
+            job.sampler_epoch += 1
+            self._cache.add_refcount(source, job.dataset, 1)
+            self._open(job, job.sampler_epoch, [0] * job.world_size)
+        self._round_seq += 1
+        for job_id, item_id in picks.items():
+            job = jobs[job_id]
+            share = job.shares[job.sampler_epoch]
+            receiver = share.receiver()
+            if receiver is None:
+                self._cache.consume_unqueued(source, item_id)  # drop_last: nobody's share
+            else:
+                self._enqueue(job, job.ranks[receiver], share, item_id, consumed=True)
+                if len(share.head) < job.world_size:
+                    share.head.append(item_id)
+            if sampler.num_remaining(job_id) == 0:
+                self._complete(job, share)
+        return True
+
+    def _complete(self, job: Job, share: EpochShare) -> None:
+        """The sampler's epoch is over: ranks short of their share get padding copies."""
+        share.complete = True
+        head = share.head or list(job.dataset[: job.world_size])
+        for rank in job.ranks:
+            for i in range(share.target[rank.index] - share.assigned[rank.index]):
+                self._enqueue(job, rank, share, head[i % len(head)], consumed=False)
+
+    def _enqueue(self, job: Job, rank: Rank, share: EpochShare, item_id: int, *, consumed: bool) -> None:
+        item = self._cache.want(job.source, item_id, self._round_seq, consumed=consumed)
+        rank.queue.append(Entry(share.epoch, item_id, item.key))
+        share.assigned[rank.index] += 1
+        if not item.state.settled:
+            item.waiters.append(job)  # woken when it settles; settled ones: after the round
