@@ -33,6 +33,15 @@ def get_stub(address: str) -> joader_pb2_grpc.JoaderStub:
         return stub
 
 
+def reset_channel(address: str) -> None:
+    """Closes this process's channel to `address`; the next call makes a fresh one (after
+    joaderd restarted, a fresh channel connects at once instead of backing off)."""
+    with _lock:
+        cached = _channels.pop(address, None)
+    if cached is not None and cached[0] == os.getpid():
+        cached[1].close()
+
+
 def translate(error: grpc.RpcError, address: str) -> Exception:
     """The exception to raise for a failed call: a `JoaderError` subclass or `ConnectionError`."""
     code: grpc.StatusCode = error.code()  # type: ignore[attr-defined]

@@ -9,6 +9,15 @@ Pixels are copied out of joaderd's shared-memory arena, mapped read-only; the co
 acknowledged in the next request, which lets the server reuse the slot. The job itself is
 registered, and its lease held, by a small child process (`joader.client.keeper`), so this process
 creates gRPC channels only where it reads, lazily, after any fork.
+
+Real jobs (docs in the README, "Running real jobs"):
+- ranks: the processes of one DDP job attach as ranks of ONE job, and joaderd splits each epoch
+  between them (`len(ds)` items each);
+- resume: `state_dict()` records the items this process (or DataLoader worker) yielded in its
+  epoch; `load_state_dict()` makes the next pass deliver exactly the rest;
+- restart: every reader marks what it received on the client board (`joader.client.board`); when
+  joaderd restarts, the keeper attaches again and the readers resume their epoch without it;
+- audit: `epoch_order(epoch)` is the order this process yielded.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import secrets
 import select
 import subprocess
 import sys
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -32,7 +42,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from joader.address import resolve_address
 from joader.cache.arena import ArenaReader
-from joader.client.channel import PendingCall, call_async
+from joader.client.board import Board
+from joader.client.channel import PendingCall, call_async, reset_channel
 from joader.errors import (
     ERROR_CLASSES,
     DecodeError,
@@ -48,6 +59,49 @@ from joader.sources.safe_open import display_path
 logger = logging.getLogger(__name__)
 
 _TOKEN_MASK = (1 << 63) - 1
+STATE_VERSION = 1
+
+
+def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world_size): as given, else from an initialized torch.distributed, else from the
+    RANK / WORLD_SIZE environment that torchrun sets, else (0, 1)."""
+    if rank is not None and world_size is not None:
+        found_rank, found_size = rank, world_size
+    else:
+        found_rank, found_size = 0, 1
+        distributed = getattr(torch, "distributed", None)
+        if distributed is not None and distributed.is_available() and distributed.is_initialized():
+            found_rank, found_size = distributed.get_rank(), distributed.get_world_size()
+        elif "WORLD_SIZE" in os.environ:
+            try:
+                found_rank = int(os.environ.get("RANK", "0"))
+                found_size = int(os.environ["WORLD_SIZE"])
+            except ValueError:
+                raise InvalidArgumentError(
+                    f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} "
+                    "are not integers; fix the environment or pass rank= and world_size="
+                ) from None
+        found_rank = found_rank if rank is None else rank
+        found_size = found_size if world_size is None else world_size
+    if found_size < 1 or not 0 <= found_rank < found_size:
+        raise InvalidArgumentError(
+            f"rank {found_rank} is not in 0..{found_size - 1} (world_size {found_size}); pass "
+            "rank= and world_size= consistently (torch.distributed.get_rank() / get_world_size())"
+        )
+    return found_rank, found_size
+
+
+def _default_name(world_size: int) -> str:
+    script = os.path.basename(sys.argv[0] or "python")
+    if world_size == 1:
+        return f"{script}-{os.getpid()}"
+    run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT")
+    if not run or run == "none":
+        raise InvalidArgumentError(
+            f"the {world_size} ranks of a job find each other by name; pass the same name= in "
+            "every rank (torchrun sets TORCHELASTIC_RUN_ID, which would be used)"
+        )
+    return f"{script}-{run}"
 
 
 def to_bitmap(indices: Any) -> BitMap | None:
@@ -99,7 +153,16 @@ class JoaderDataset(IterableDataset):
             `transform`, if given, is applied to each image and the results are stacked.
         on_error: "skip" (default) skips files that fail to decode, logging them (the server
             counts them in its status); "raise" raises `DecodeError` naming the file.
-        timeout_s: raise `TimeoutError` if no item arrives for this long.
+        timeout_s: raise `TimeoutError` if no item arrives for this long; also how long the
+            job waits for a restarted joaderd.
+        rank, world_size: this process's place in a DDP job (default: from torch.distributed,
+            else RANK / WORLD_SIZE, else 0 and 1). The ranks of one job (same name, source,
+            indices and world_size on one joaderd) share ONE job: each epoch is split between
+            them, `len(ds)` = ceil(N / world_size) items each, padded by repeating items of the
+            epoch as DistributedSampler does. Ranks on several hosts are not supported yet.
+        drop_last: with ranks, floor(N / world_size) items each instead (no padding).
+        seed: the job's seed. A job alone on its joaderd with a seed gets the same order in
+            every run; beside other jobs the order also depends on when each job reads.
     """
 
     def __init__(
@@ -115,6 +178,10 @@ class JoaderDataset(IterableDataset):
         batched: bool = False,
         on_error: str = "skip",
         timeout_s: float = 300.0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        drop_last: bool = False,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         if on_error not in ("skip", "raise"):
@@ -129,28 +196,56 @@ class JoaderDataset(IterableDataset):
         self.batched = batched
         self.timeout_s = timeout_s
         self.address = resolve_address(address)
+        self.rank, self.world_size = resolve_rank(rank, world_size)
+        self.drop_last = drop_last
+        if seed is not None and not 0 <= seed < 2**64:
+            raise InvalidArgumentError(f"seed must be in 0..2**64-1, got {seed}")
         bitmap = to_bitmap(indices)
+        board = Board.create()
         registration = {
             "address": self.address,
             "source": source,
             "indices": base64.b64encode(bitmap.serialize() if bitmap is not None else b"").decode(),
-            "name": name or f"{os.path.basename(sys.argv[0] or 'python')}-{os.getpid()}",
+            "name": name or _default_name(self.world_size),
             "batch_size": batch_size,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "drop_last": drop_last,
+            "seed": seed,
+            "timeout_s": timeout_s,
+            "board_fd": board.fd,
         }
-        self._keeper, info = _start_keeper(registration, timeout_s=60.0)
-        self._finalizer = weakref.finalize(self, _stop_keeper, self._keeper, os.getpid())
+        try:
+            self._keeper, info = _start_keeper(registration, timeout_s=60.0, pass_fds=(board.fd,))
+        except BaseException:
+            board.close()
+            raise
+        self._finalizer = weakref.finalize(self, _stop_keeper, self._keeper, os.getpid(), board)
         self.job_id: str = info["job_id"]
         self._secret: bytes = base64.b64decode(info["job_secret"])
         self._server_uid: int | None = info.get("server_uid")
         self.classes: list[str] = list(info["classes"])
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
         self.image_size: int = int(info["image_size"])
-        self._num_items = int(info["num_items"])
+        self.seed: int = int(info["seed"])
+        self.num_job_items = int(info["num_items"])
+        self._num_items = int(info["num_rank_items"])
+        self.targets: list[int] = np.frombuffer(base64.b64decode(info["targets"]), dtype="<i4").tolist()
         self._arena_path: str = info["arena_path"]
         self._reader: tuple[int, ArenaReader] | None = None
+        board.size_for(int(info["num_source_items"]))
+        self._board: Board | None = board
+        self._generation = 0
         self._passes = 0
         self._current: _Pass | None = None  # the newest pass in this process
         self._warned: set[int] = set()
+        self._reconnect_logged = False
+        # What this process (or DataLoader worker) yielded: for state_dict and epoch_order.
+        self._epoch = 0
+        self._consumed = BitMap()
+        self._finished = False
+        self._orders: dict[int, list[int]] = {}
+        self._resume: dict[str, Any] | None = None
 
     def __len__(self) -> int:
         return self._num_items
@@ -167,12 +262,96 @@ class JoaderDataset(IterableDataset):
         self.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        # Only for the spawn start method: the lease stays with the process that created it.
+        # Only for the spawn start method: the lease stays with the process that created it, and
+        # the client board (a forked mapping) does not travel, so a spawned worker cannot resume
+        # after a joaderd restart.
         state = dict(self.__dict__)
         state["_keeper"] = None
         state["_finalizer"] = None
         state["_reader"] = None
+        state["_board"] = None
         return state
+
+    # ----------------------------------------------------------------------------- real jobs
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this reader is in its epoch: picklable, small, version-tagged.
+
+        `epoch`: the epoch of this process's newest pass; `consumed`: the ids it yielded of that
+        epoch (a serialized pyroaring BitMap), so a checkpoint taken between steps is exact.
+        Under a DataLoader with workers each worker has its own (torchdata's StatefulDataLoader
+        collects them); `parts` says how many readers reported, so that joaderd resumes with
+        all of them. A finished epoch read by one process is saved as the start of the next.
+        """
+        worker = get_worker_info()
+        parts = worker.num_workers if worker is not None else 1
+        epoch, consumed = self._epoch, self._consumed
+        if self._finished and parts == 1:
+            epoch, consumed = epoch + 1, BitMap()
+        return {
+            "version": STATE_VERSION,
+            "job": "joader",
+            "epoch": epoch,
+            "consumed": consumed.serialize(),
+            "seed": self.seed,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "parts": parts,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Makes the next `iter()` resume `state`'s epoch: exactly the items not consumed in it
+        (in a uniform random order), then whole epochs."""
+        if not isinstance(state, dict) or state.get("job") != "joader":
+            raise InvalidArgumentError(
+                "load_state_dict: this is not a JoaderDataset state (from JoaderDataset.state_dict())")
+        if state.get("version") != STATE_VERSION:
+            raise InvalidArgumentError(
+                f"load_state_dict: state version {state.get('version')!r}; this joader reads version "
+                f"{STATE_VERSION}. Resume with the joader version that saved it.")
+        if state.get("world_size") != self.world_size or state.get("rank") != self.rank:
+            raise InvalidArgumentError(
+                f"load_state_dict: the state is of rank {state.get('rank')} of {state.get('world_size')}, "
+                f"this dataset is rank {self.rank} of {self.world_size}; load each rank's own state")
+        try:
+            consumed = BitMap.deserialize(state["consumed"])
+        except Exception as error:
+            raise InvalidArgumentError(f"load_state_dict: its consumed set is unreadable ({error})") from error
+        self._epoch = int(state["epoch"])
+        self._consumed = consumed
+        self._finished = False
+        self._resume = dict(state, consumed=consumed) if self._epoch > 0 else None
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The indices this process yielded in `epoch`, in order (for epochs it read)."""
+        order = self._orders.get(epoch)
+        if order is None:
+            known = ", ".join(str(e) for e in sorted(self._orders)) or "none yet"
+            raise InvalidArgumentError(
+                f"epoch_order({epoch}): this process read no items of epoch {epoch} (epochs read: "
+                f"{known}); with DataLoader workers, each worker process records its own")
+        return list(order)
+
+    def _start_epoch(self, stream: _Pass, epoch: int) -> None:
+        """The first reply of a pass names its epoch: this process's records follow it."""
+        stream.epoch = epoch
+        if stream.resume is not None and int(stream.resume["epoch"]) == epoch:
+            consumed = stream.resume["consumed"]
+        else:
+            consumed = BitMap()
+        stream.resume = None
+        if self._current is stream:
+            self._epoch = epoch
+            self._consumed = BitMap(consumed)
+            self._finished = False
+            self._orders.setdefault(epoch, [])
+            while len(self._orders) > 1000:
+                del self._orders[min(self._orders)]
+
+    def _yielded(self, stream: _Pass, indices: list[int]) -> None:
+        if self._current is stream and stream.epoch:
+            self._consumed.update(indices)
+            self._orders[stream.epoch].extend(indices)
 
     def __iter__(self) -> Iterator[Any]:
         worker = get_worker_info()
@@ -185,7 +364,8 @@ class JoaderDataset(IterableDataset):
             # the worker's pid (fresh workers are new processes).
             token, worker_id = hash((worker.seed - worker.id, self._passes)) & _TOKEN_MASK, worker.id
         self._passes += 1
-        stream = _Pass(token, worker_id)
+        stream = _Pass(token, worker_id, worker.num_workers if worker is not None else 1)
+        stream.resume, self._resume = self._resume, None
         self._current = stream
         return self._batches(stream) if self.batched else self._items(stream)
 
@@ -198,15 +378,67 @@ class JoaderDataset(IterableDataset):
     def _next(self, stream: _Pass, acks: list[int], max_items: int) -> PendingCall:
         request = joader_pb2.NextRequest(
             job_id=self.job_id, job_secret=self._secret, token=stream.token, max_items=max_items,
-            acks=acks, worker_id=stream.worker_id, pid=os.getpid(),
+            acks=acks, worker_id=stream.worker_id, pid=os.getpid(), rank=self.rank,
         )
+        if max_items and stream.resume is not None:  # until the pass's first reply
+            request.resume_epoch = int(stream.resume["epoch"])
+            request.resume_consumed = stream.resume["consumed"].serialize()
+            request.resume_parts = int(stream.resume.get("parts", 1))
         return call_async(self.address, "Next", request, timeout_s=self.timeout_s + 30)
 
-    def _result(self, pending: PendingCall) -> Any:
+    def _result(self, pending: PendingCall, stream: _Pass) -> Any:
+        """The reply; None when joaderd restarted meanwhile and the job was attached again
+        (the caller asks again, resuming its epoch)."""
         try:
             return pending.result()
-        except UnknownJobError as error:
-            raise UnknownJobError(f"{error}{self._keeper_note()}") from None
+        except (ConnectionError, UnknownJobError) as error:
+            if self._await_reconnect(stream, error):
+                return None
+            if isinstance(error, UnknownJobError):
+                raise UnknownJobError(f"{error}{self._keeper_note()}") from None
+            raise
+
+    def _await_reconnect(self, stream: _Pass, error: Exception) -> bool:
+        """Waits while the lease keeper attaches the job to a restarted joaderd; True once it
+        did (this reader then resumes its epoch there), False if joaderd did not go away."""
+        board = self._board
+        if board is None:
+            return False
+        grace = time.monotonic() + 3.0  # the keeper's stream breaks as soon as joaderd dies
+        deadline = time.monotonic() + self.timeout_s
+        while board.generation == self._generation:
+            now = time.monotonic()
+            if not board.reconnecting and (now > grace or isinstance(error, UnknownJobError) and now > grace - 2.0):
+                return False
+            if board.reconnecting and not self._reconnect_logged:
+                self._reconnect_logged = True
+                logger.warning("job %s: joaderd at %s went away; waiting up to %g s for it to come back",
+                               self.job_id, self.address, self.timeout_s)
+            if now > deadline:
+                raise TimeoutError(
+                    f"job {self.job_id}: joaderd at {self.address} did not come back within "
+                    f"{self.timeout_s:g} s (timeout_s); restart it (`joaderd --source ...`) and the job")
+            time.sleep(0.05)
+        identity = board.identity()
+        self._generation = board.generation
+        self.job_id = identity["job_id"]
+        self._secret = base64.b64decode(identity["job_secret"])
+        self._server_uid = identity.get("server_uid")
+        self._arena_path = identity["arena_path"]  # a new server, a new arena: never the old one
+        self._reader = None
+        reset_channel(self.address)
+        # Resume this pass's epoch on the new server without what this rank already received.
+        epoch, token = board.current_pass()
+        if stream.resume is not None:
+            pass  # the pass's checkpoint was not delivered yet: send it again
+        elif stream.epoch:
+            stream.resume = {"epoch": stream.epoch, "consumed": board.received(stream.epoch), "parts": 1}
+        elif epoch and token == stream.token:  # another reader of this pass got its first items
+            stream.resume = {"epoch": epoch, "consumed": board.received(epoch), "parts": 1}
+        elif epoch:  # a new pass: the next epoch, whole, keeping the numbering
+            stream.resume = {"epoch": epoch + 1, "consumed": BitMap(), "parts": 1}
+        logger.warning("job %s: resumed on the restarted joaderd", self.job_id)
+        return True
 
     def _keeper_note(self) -> str:
         keeper = self._keeper
@@ -231,10 +463,19 @@ class JoaderDataset(IterableDataset):
         idle_s = 0.0
         try:
             while pending is not None:
-                response = self._result(pending)
+                response = self._result(pending, stream)
+                if response is None:  # joaderd restarted; the job is attached again
+                    pending = self._next(stream, [], self.batch_size)
+                    continue
                 pending = None
+                if not stream.epoch:
+                    self._start_epoch(stream, response.epoch)
                 place(response)
                 ids = list(response.item_ids)
+                board = self._board
+                if board is not None and (ids or response.failed):
+                    board.note_pass(response.epoch, stream.token)
+                    board.mark(ids + [f.item_id for f in response.failed], response.epoch)
                 if response.failed and self.on_error == "raise":
                     self._next(stream, ids, 0).result()  # nothing of this batch stays pinned
                     self._raise_failure(response.failed[0])
@@ -250,11 +491,18 @@ class JoaderDataset(IterableDataset):
                 elif not response.end_of_epoch:
                     idle_s += 1.0  # the server waited about a second for a ready item
                     if idle_s > self.timeout_s:
+                        waiting = (
+                            f" A job of {self.world_size} ranks starts once all of them attached."
+                            if self.world_size > 1 else ""
+                        )
                         raise TimeoutError(
                             f"job {self.job_id}: no item from joaderd for {self.timeout_s:g} s; "
                             "see `joader status` (is the cache too small, or a decode worker stuck?)"
+                            + waiting
                         )
                 yield
+            if self._current is stream:
+                self._finished = True
         finally:
             if pending is not None:  # the loop broke out early with a batch on its way
                 self._acknowledge_leftover(stream, pending)
@@ -290,6 +538,7 @@ class JoaderDataset(IterableDataset):
                 if self.transform is not None:
                     image = self.transform(image)
                 self._check_current(stream)
+                self._yielded(stream, [index])
                 yield (index, image, label) if self.return_index else (image, label)
 
     def _batches(self, stream: _Pass) -> Iterator[Any]:
@@ -312,10 +561,13 @@ class JoaderDataset(IterableDataset):
         for _ in self._stream(stream, place):
             while done:
                 self._check_current(stream)
-                yield self._emit(*done.pop(0))
+                images, indices, labels = done.pop(0)
+                self._yielded(stream, indices)
+                yield self._emit(images, indices, labels)
         images, indices, labels = current
         if indices:
             self._check_current(stream)
+            self._yielded(stream, indices)
             yield self._emit(images[: len(indices)], indices, labels)
 
     def _emit(self, images: torch.Tensor, indices: list[int], labels: list[int]) -> Any:
@@ -350,21 +602,27 @@ class JoaderDataset(IterableDataset):
 
 
 class _Pass:
-    """What names one pass on the wire: its token and this process's DataLoader worker id."""
+    """One pass in this process: its token and DataLoader worker id (what names it on the
+    wire), its epoch once the first reply named it, and the checkpoint it resumes, if any."""
 
-    __slots__ = ("token", "worker_id")
+    __slots__ = ("epoch", "num_workers", "resume", "token", "worker_id")
 
-    def __init__(self, token: int, worker_id: int) -> None:
+    def __init__(self, token: int, worker_id: int, num_workers: int) -> None:
         self.token = token
         self.worker_id = worker_id
+        self.num_workers = num_workers
+        self.epoch = 0
+        self.resume: dict[str, Any] | None = None
 
 
-def _start_keeper(registration: dict[str, Any], timeout_s: float) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+def _start_keeper(registration: dict[str, Any], timeout_s: float,
+                  pass_fds: tuple[int, ...] = ()) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     keeper = subprocess.Popen(
         [sys.executable, "-m", "joader.client.keeper"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        pass_fds=pass_fds,
     )
     assert keeper.stdin is not None and keeper.stdout is not None
     keeper.stdin.write(json.dumps(registration) + "\n")
@@ -389,9 +647,11 @@ def _start_keeper(registration: dict[str, Any], timeout_s: float) -> tuple[subpr
     raise ERROR_CLASSES.get(kind, JoaderError)(message)
 
 
-def _stop_keeper(keeper: subprocess.Popen[str], owner_pid: int) -> None:
+def _stop_keeper(keeper: subprocess.Popen[str], owner_pid: int, board: Board | None = None) -> None:
     if os.getpid() != owner_pid:  # a forked copy of the dataset: the lease is the parent's
         return
+    if board is not None:
+        board.close()
     try:
         if keeper.stdin is not None:
             keeper.stdin.close()

@@ -6,6 +6,11 @@ line each way: the parent writes the registration; the keeper answers with the j
 (or the error), then sends heartbeats on the `Attach` stream until its stdin reaches EOF (the
 dataset was closed, or the training process died) or its parent changes. Closing the stream makes
 joaderd remove the job and release everything it held.
+
+When joaderd goes away (the stream fails with UNAVAILABLE: a crash, an upgrade), the keeper says
+so once on stderr and attaches the job again as soon as a joaderd answers on the same address,
+for up to the dataset's `timeout_s`; it publishes the new job's identity on the client board
+(`joader.client.board`), where the readers find it and resume their epoch.
 """
 
 from __future__ import annotations
@@ -16,13 +21,15 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
 
 from joader.address import verify_server
-from joader.client.channel import get_stub, translate
+from joader.client.board import Board
+from joader.client.channel import get_stub, reset_channel, translate
 from joader.errors import JoaderError
 from joader.proto import joader_pb2
 
@@ -30,11 +37,17 @@ DEFAULT_HEARTBEAT_S = 1.0
 
 
 def _requests(registration: dict[str, Any], stop: threading.Event, interval: list[float]) -> Iterator[joader_pb2.AttachRequest]:
+    seed = registration.get("seed")
     yield joader_pb2.AttachRequest(
         source=registration["source"],
         indices=base64.b64decode(registration["indices"]),
         name=registration.get("name", ""),
         batch_size=int(registration.get("batch_size", 64)),
+        rank=int(registration.get("rank", 0)),
+        world_size=int(registration.get("world_size", 1)),
+        drop_last=bool(registration.get("drop_last", False)),
+        seed=int(seed) if seed is not None else 0,
+        has_seed=seed is not None,
     )
     parent = os.getppid()
     while not stop.wait(interval[0]):
@@ -48,41 +61,90 @@ def _reply(message: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def main() -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training script's to handle
-    registration = json.loads(sys.stdin.readline())
-    address = registration["address"]
-    try:
-        # Before a byte is sent: the socket must be served by this user's own joaderd, not by
-        # whoever squatted its directory.
-        server_uid = verify_server(address)
-    except (JoaderError, ConnectionError) as error:
-        _reply({"ok": False, "kind": type(error).__name__, "message": str(error)})
-        return 1
-    stop = threading.Event()
-    interval = [DEFAULT_HEARTBEAT_S]
-    responses = get_stub(address).Attach(_requests(registration, stop, interval))
-    try:
-        first = next(responses)
-    except grpc.RpcError as error:
-        translated = translate(error, address)
-        kind = type(translated).__name__
-        _reply({"ok": False, "kind": kind, "message": str(translated)})
-        return 1
-    interval[0] = max(0.05, min(DEFAULT_HEARTBEAT_S, first.lease_s / 4))
-    _reply({
-        "ok": True,
+def _identity(first: joader_pb2.AttachResponse, server_uid: int | None) -> dict[str, Any]:
+    return {
         "job_id": first.job_id,
         "job_secret": base64.b64encode(first.job_secret).decode(),
         "server_uid": server_uid,
         "server_pid": first.server_pid,
+        "arena_path": first.arena_path,
+    }
+
+
+def _attach(address: str, registration: dict[str, Any], stop: threading.Event,
+            interval: list[float]) -> tuple[Any, joader_pb2.AttachResponse, int | None]:
+    """Verifies the server, opens the lease stream and reads the job's description."""
+    # Before a byte is sent: the socket must be served by this user's own joaderd, not by
+    # whoever squatted its directory.
+    server_uid = verify_server(address)
+    responses = get_stub(address).Attach(_requests(registration, stop, interval))
+    first = next(responses)
+    interval[0] = max(0.05, min(DEFAULT_HEARTBEAT_S, first.lease_s / 4))
+    return responses, first, server_uid
+
+
+def _reattach(address: str, registration: dict[str, Any], stop: threading.Event,
+              interval: list[float], board: Board) -> Any | None:
+    """joaderd went away: attach again once one answers, within the dataset's timeout."""
+    timeout_s = float(registration.get("timeout_s", 300.0))
+    board.reconnecting = True
+    print(f"joader: joaderd at {address} went away; reconnecting (for up to {timeout_s:g} s)",
+          file=sys.stderr, flush=True)
+    deadline = time.monotonic() + timeout_s
+    while not stop.is_set() and time.monotonic() < deadline:
+        stop.wait(0.25)
+        reset_channel(address)
+        try:
+            responses, first, server_uid = _attach(address, registration, stop, interval)
+        except ConnectionError:
+            continue
+        except grpc.RpcError as error:
+            translated = translate(error, address)
+            if isinstance(translated, ConnectionError):
+                continue
+            print(f"joader lease keeper: joaderd is back but refused the job: {translated}",
+                  file=sys.stderr, flush=True)
+            return None
+        board.publish(_identity(first, server_uid))
+        board.reconnecting = False
+        print(f"joader: reconnected to joaderd at {address} (job {first.job_id})", file=sys.stderr, flush=True)
+        return responses
+    if not stop.is_set():
+        print(f"joader lease keeper: no joaderd at {address} within {timeout_s:g} s; giving up",
+              file=sys.stderr, flush=True)
+    return None
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training script's to handle
+    registration = json.loads(sys.stdin.readline())
+    address = registration["address"]
+    board_fd = registration.get("board_fd")
+    stop = threading.Event()
+    interval = [DEFAULT_HEARTBEAT_S]
+    try:
+        responses, first, server_uid = _attach(address, registration, stop, interval)
+    except (JoaderError, ConnectionError) as error:
+        _reply({"ok": False, "kind": type(error).__name__, "message": str(error)})
+        return 1
+    except grpc.RpcError as error:
+        translated = translate(error, address)
+        _reply({"ok": False, "kind": type(translated).__name__, "message": str(translated)})
+        return 1
+    _reply({
+        "ok": True,
+        **_identity(first, server_uid),
         "source": first.source,
         "classes": [os.fsdecode(c) for c in first.classes],
         "num_source_items": first.num_source_items,
         "num_items": first.num_items,
+        "num_rank_items": first.num_rank_items,
+        "world_size": first.world_size or 1,
+        "rank": first.rank,
+        "seed": first.seed,
+        "targets": base64.b64encode(first.targets).decode(),
         "image_size": first.image_size,
         "item_nbytes": first.item_nbytes,
-        "arena_path": first.arena_path,
         "lease_s": first.lease_s,
     })
 
@@ -91,14 +153,20 @@ def main() -> int:
         stop.set()
 
     threading.Thread(target=wait_for_eof, daemon=True).start()
-    try:
-        for _ in responses:
-            pass
-    except grpc.RpcError as error:
-        if not stop.is_set():
-            print(f"joader lease keeper: {translate(error, address)}", file=sys.stderr)
-            return 1
-    return 0
+    while True:
+        try:
+            for _ in responses:
+                pass
+            return 0
+        except grpc.RpcError as error:
+            if stop.is_set():
+                return 0
+            if error.code() != grpc.StatusCode.UNAVAILABLE or board_fd is None:  # type: ignore[attr-defined]
+                print(f"joader lease keeper: {translate(error, address)}", file=sys.stderr)
+                return 1
+        responses = _reattach(address, registration, stop, interval, Board.open(int(board_fd)))
+        if responses is None:
+            return 0 if stop.is_set() else 1
 
 
 if __name__ == "__main__":

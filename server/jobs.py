@@ -214,6 +214,8 @@ class JobTable:
             member = pass_.members.get(args.worker_id)
             if member is None or member == args.pid:
                 pass_.members[args.worker_id] = args.pid
+                if 0 < args.resume_epoch != pass_.epoch and not rank.handed[pass_.epoch]:
+                    self._relabel(job, rank, pass_, args.resume_epoch)
                 self._report_resume(job, rank, args, pass_.epoch)
                 return pass_
             # The same token from a new process in a worker slot the pass already has: fresh
@@ -227,10 +229,38 @@ class JobTable:
         self._report_resume(job, rank, args, epoch)
         return pass_
 
+    def _relabel(self, job: Job, rank: Rank, pass_: Pass, epoch: int) -> None:
+        """A reader with a checkpoint joined a pass that readers without one started (the
+        DataLoader workers of one iterator ask in any order) before anything was handed out:
+        the pass resumes `epoch`, and its earlier readers count as having consumed nothing."""
+        logger.info("job %s: pass %x resumes epoch %d", job.job_id, pass_.token, epoch)
+        pass_.epoch = epoch
+        rank.claimed_epoch = epoch
+        resume = job.resume = Resume(epoch)
+        for worker_id in pass_.members:
+            resume.reports[(rank.index, worker_id)] = BitMap()
+
     def _report_resume(self, job: Job, rank: Rank, args: NextArgs, epoch: int) -> None:
-        if args.resume_epoch <= 0 or args.resume_epoch != epoch:
+        pending = job.resume
+        if args.resume_epoch <= 0:
+            if pending is None:
+                return
+            if pending.epoch == epoch and (rank.index, args.worker_id) not in pending.reports:
+                # Another reader of the resuming pass with nothing to report: a DataLoader
+                # worker that had yielded no batch before the checkpoint has no saved state.
+                pending.reports[(rank.index, args.worker_id)] = BitMap()
+                self._start_if_complete(job)
+            elif pending.epoch != epoch:
+                # A new pass that resumes nothing: the checkpoint's iterator was dropped before
+                # its readers all reported (StatefulDataLoader does that after a finished
+                # epoch). The job goes on with a whole epoch under the new pass's number.
+                job.resume = None
+                self._scheduler.start_resumed(job, epoch, [BitMap()] * job.world_size)
+                job.wake()
             return
-        resume = job.resume
+        if args.resume_epoch != epoch:
+            return
+        resume = pending
         if resume is None:
             if job.shares.get(epoch) is not None and any(r.handed[epoch] for r in job.ranks):
                 return  # this epoch already resumed and is being read: a late reader joins it
@@ -242,9 +272,14 @@ class JobTable:
         resume.parts[rank.index] = max(1, args.resume_parts)
         consumed = args.resume_consumed if args.resume_consumed is not None else BitMap()
         resume.reports[(rank.index, args.worker_id)] = consumed
-        if resume.complete(job.world_size):
+        self._start_if_complete(job)
+
+    def _start_if_complete(self, job: Job) -> None:
+        resume = job.resume
+        if resume is not None and resume.complete(job.world_size):
             job.resume = None
-            self._scheduler.start_resumed(job, epoch, [resume.consumed_by(r) for r in range(job.world_size)])
+            consumed = [resume.consumed_by(r) for r in range(job.world_size)]
+            self._scheduler.start_resumed(job, resume.epoch, consumed)
             job.wake()
 
     def _start_pass(self, job: Job, rank: Rank, args: NextArgs, epoch: int) -> Pass:

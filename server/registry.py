@@ -151,6 +151,12 @@ class Registry:
             self._cond.notify_all()
             return job
 
+    def job_source(self, job_id: str) -> Source | None:
+        """The source of a live job (to bound what its requests may carry), else None."""
+        with self._cond:
+            job = self.jobs.jobs.get(job_id)
+            return job.source if job is not None else None
+
     def touch(self, job_id: str, rank: int = 0) -> None:
         """Renews a rank's lease (its lease stream sent a heartbeat)."""
         with self._cond:
@@ -244,18 +250,26 @@ class Registry:
             left = self._left(job, rank, epoch)
             if left == 0:
                 return Batch(epoch, True, [], [], [], [])
-            wanted = min(call.max_items, left if left is not None else call.max_items, job.queue_capacity)
+            wanted = min(call.max_items, left if left is not None else call.max_items)
+            # Whole batches: a reply holds `max_items` items (the rest of the epoch at its end),
+            # so each DataLoader worker collates whole batches and an epoch has exactly
+            # len(loader) of them. Only a queue smaller than a batch (a cache too small for
+            # the jobs' batch sizes) forces partial replies, after `linger_s`.
+            partial_ok = wanted > job.queue_capacity
+            wanted = min(wanted, job.queue_capacity)
             ready = self._count_ready(rank, epoch, wanted)
             if ready and call.linger_until_s is None:
                 call.linger_until_s = now + self.config.linger_s
             linger = call.linger_until_s
-            if ready >= wanted or (ready and (linger is not None and now >= linger or self._stopped)):
+            lingered = partial_ok and linger is not None and now >= linger
+            if ready >= wanted or (ready and (lingered or self._stopped)):
                 batch = self._take_ready(job, rank, pass_, call.max_items)
                 assert batch is not None
                 return batch
             if now >= call.deadline_s or self._stopped:
                 return Batch(epoch, False, [], [], [], [])
-            return max(0.0, min(call.deadline_s, linger if linger is not None else call.deadline_s) - now)
+            wake_s = linger if partial_ok and linger is not None else call.deadline_s
+            return max(0.0, min(call.deadline_s, wake_s) - now)
 
     def _left(self, job: Job, rank: Rank, epoch: int) -> int | None:
         """Items of `epoch` the rank has yet to receive; None while that is not known yet."""

@@ -84,7 +84,12 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
         try:
             source = self._registry.source(first.source)
             indices = _parse_indices(first.indices, source.num_items) if first.indices else None
-            job = self._registry.attach(first.source, indices, first.name, first.batch_size or 64)
+            rank = first.rank
+            job = self._registry.attach(
+                first.source, indices, first.name, first.batch_size or 64, rank=rank,
+                world_size=first.world_size or 1, drop_last=first.drop_last,
+                seed=first.seed if first.has_seed else None,
+            )
         except JoaderError as error:
             await _abort(context, error)
             return
@@ -111,8 +116,13 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
                 arena_path=self._arena_path,
                 lease_s=self._registry.config.lease_s,
                 server_pid=os.getpid(),
+                world_size=job.world_size,
+                rank=rank,
+                num_rank_items=job.per_rank,
+                seed=job.seed,
+                targets=source.listing.labels[job.dataset.to_array()].astype("<i4").tobytes(),
             )
-            heartbeats = asyncio.ensure_future(self._heartbeats(job_id, request_iterator))
+            heartbeats = asyncio.ensure_future(self._heartbeats(job_id, rank, request_iterator))
             gone = asyncio.ensure_future(removed.wait())
             try:
                 await asyncio.wait({heartbeats, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -125,13 +135,15 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"job {job_id} was removed: {reason[0]}")
         finally:
             # The stream ended: the client closed it (its process exited) or it was cancelled.
-            self._registry.remove_job(job_id, "its lease stream closed: the lease keeper process "
+            who = f"rank {rank}'s" if job.world_size > 1 else "its"
+            self._registry.remove_job(job_id, f"{who} lease stream closed: the lease keeper process "
                                       "of the training job exited or lost its connection")
 
-    async def _heartbeats(self, job_id: str, request_iterator: AsyncIterator[joader_pb2.AttachRequest]) -> None:
+    async def _heartbeats(self, job_id: str, rank: int,
+                          request_iterator: AsyncIterator[joader_pb2.AttachRequest]) -> None:
         try:
             async for _ in request_iterator:
-                self._registry.touch(job_id)
+                self._registry.touch(job_id, rank)
         except UnknownJobError:
             return  # removed meanwhile: the removal ends the stream
         except grpc.RpcError:
@@ -141,9 +153,14 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
     async def Next(self, request: joader_pb2.NextRequest, context: grpc.aio.ServicerContext) -> joader_pb2.NextResponse:
         registry = self._registry
         event = asyncio.Event()
+        consumed = None
+        if request.resume_epoch:
+            job_source = registry.job_source(request.job_id)
+            consumed = _parse_indices(request.resume_consumed, job_source.num_items) if job_source else BitMap()
         args = NextArgs(
             request.job_id, request.job_secret, request.token, request.max_items,
-            tuple(request.acks), request.worker_id, request.pid,
+            tuple(request.acks), request.worker_id, request.pid, request.rank,
+            request.resume_epoch, consumed, request.resume_parts or 1,
         )  # fmt: skip
         call = registry.begin_next(args, _threadsafe_setter(asyncio.get_running_loop(), event))
         if isinstance(call, Batch):

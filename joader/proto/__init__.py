@@ -8,4 +8,8 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # A restarted joaderd must be found within about a second, not after gRPC's default
+    # reconnect backoff (which grows to two minutes).
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]

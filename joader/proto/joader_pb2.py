@@ -24,27 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19joader/proto/joader.proto\x12\x06joader\"e\n\rAttachRequest\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0f\n\x07indices\x18\x02 \x01(\x0c\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x12\n\nbatch_size\x18\x04 \x01(\r\x12\x11\n\theartbeat\x18\x05 \x01(\x08\"\xe4\x01\n\x0e\x41ttachResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0f\n\x07\x63lasses\x18\x03 \x03(\x0c\x12\x18\n\x10num_source_items\x18\x04 \x01(\x04\x12\x11\n\tnum_items\x18\x05 \x01(\x04\x12\x12\n\nimage_size\x18\x06 \x01(\r\x12\x13\n\x0bitem_nbytes\x18\x07 \x01(\x04\x12\x12\n\narena_path\x18\x08 \x01(\t\x12\x0f\n\x07lease_s\x18\t \x01(\x01\x12\x12\n\njob_secret\x18\n \x01(\x0c\x12\x12\n\nserver_pid\x18\x0b \x01(\x04\"\x81\x01\n\x0bNextRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x04\x12\x11\n\tmax_items\x18\x03 \x01(\r\x12\x0c\n\x04\x61\x63ks\x18\x04 \x03(\x04\x12\x12\n\njob_secret\x18\x05 \x01(\x0c\x12\x11\n\tworker_id\x18\x06 \x01(\r\x12\x0b\n\x03pid\x18\x07 \x01(\x04\";\n\nFailedItem\x12\x0f\n\x07item_id\x18\x01 \x01(\x04\x12\x0c\n\x04path\x18\x02 \x01(\x0c\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x8a\x01\n\x0cNextResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x14\n\x0c\x65nd_of_epoch\x18\x02 \x01(\x08\x12\x10\n\x08item_ids\x18\x03 \x03(\x04\x12\x0e\n\x06labels\x18\x04 \x03(\x03\x12\x0f\n\x07offsets\x18\x05 \x03(\x04\x12\"\n\x06\x66\x61iled\x18\x06 \x03(\x0b\x32\x12.joader.FailedItem\"\x0f\n\rStatusRequest\"\x1e\n\x0eStatusResponse\x12\x0c\n\x04json\x18\x01 \x01(\t2\xb1\x01\n\x06Joader\x12;\n\x06\x41ttach\x12\x15.joader.AttachRequest\x1a\x16.joader.AttachResponse(\x01\x30\x01\x12\x31\n\x04Next\x12\x13.joader.NextRequest\x1a\x14.joader.NextResponse\x12\x37\n\x06Status\x12\x15.joader.StatusRequest\x1a\x16.joader.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19joader/proto/joader.proto\x12\x06joader\"\xba\x01\n\rAttachRequest\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\x0f\n\x07indices\x18\x02 \x01(\x0c\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x12\n\nbatch_size\x18\x04 \x01(\r\x12\x11\n\theartbeat\x18\x05 \x01(\x08\x12\x0c\n\x04rank\x18\x06 \x01(\r\x12\x12\n\nworld_size\x18\x07 \x01(\r\x12\x11\n\tdrop_last\x18\x08 \x01(\x08\x12\x0c\n\x04seed\x18\t \x01(\x04\x12\x10\n\x08has_seed\x18\n \x01(\x08\"\xbd\x02\n\x0e\x41ttachResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x0f\n\x07\x63lasses\x18\x03 \x03(\x0c\x12\x18\n\x10num_source_items\x18\x04 \x01(\x04\x12\x11\n\tnum_items\x18\x05 \x01(\x04\x12\x12\n\nimage_size\x18\x06 \x01(\r\x12\x13\n\x0bitem_nbytes\x18\x07 \x01(\x04\x12\x12\n\narena_path\x18\x08 \x01(\t\x12\x0f\n\x07lease_s\x18\t \x01(\x01\x12\x12\n\njob_secret\x18\n \x01(\x0c\x12\x12\n\nserver_pid\x18\x0b \x01(\x04\x12\x12\n\nworld_size\x18\x0c \x01(\r\x12\x0c\n\x04rank\x18\r \x01(\r\x12\x16\n\x0enum_rank_items\x18\x0e \x01(\x04\x12\x0c\n\x04seed\x18\x0f \x01(\x04\x12\x0f\n\x07targets\x18\x10 \x01(\x0c\"\xd4\x01\n\x0bNextRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x04\x12\x11\n\tmax_items\x18\x03 \x01(\r\x12\x0c\n\x04\x61\x63ks\x18\x04 \x03(\x04\x12\x12\n\njob_secret\x18\x05 \x01(\x0c\x12\x11\n\tworker_id\x18\x06 \x01(\r\x12\x0b\n\x03pid\x18\x07 \x01(\x04\x12\x0c\n\x04rank\x18\x08 \x01(\r\x12\x14\n\x0cresume_epoch\x18\t \x01(\x04\x12\x17\n\x0fresume_consumed\x18\n \x01(\x0c\x12\x14\n\x0cresume_parts\x18\x0b \x01(\r\";\n\nFailedItem\x12\x0f\n\x07item_id\x18\x01 \x01(\x04\x12\x0c\n\x04path\x18\x02 \x01(\x0c\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x8a\x01\n\x0cNextResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x14\n\x0c\x65nd_of_epoch\x18\x02 \x01(\x08\x12\x10\n\x08item_ids\x18\x03 \x03(\x04\x12\x0e\n\x06labels\x18\x04 \x03(\x03\x12\x0f\n\x07offsets\x18\x05 \x03(\x04\x12\"\n\x06\x66\x61iled\x18\x06 \x03(\x0b\x32\x12.joader.FailedItem\"\x0f\n\rStatusRequest\"\x1e\n\x0eStatusResponse\x12\x0c\n\x04json\x18\x01 \x01(\t2\xb1\x01\n\x06Joader\x12;\n\x06\x41ttach\x12\x15.joader.AttachRequest\x1a\x16.joader.AttachResponse(\x01\x30\x01\x12\x31\n\x04Next\x12\x13.joader.NextRequest\x1a\x14.joader.NextResponse\x12\x37\n\x06Status\x12\x15.joader.StatusRequest\x1a\x16.joader.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'joader.proto.joader_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ATTACHREQUEST']._serialized_start=37
-  _globals['_ATTACHREQUEST']._serialized_end=138
-  _globals['_ATTACHRESPONSE']._serialized_start=141
-  _globals['_ATTACHRESPONSE']._serialized_end=369
-  _globals['_NEXTREQUEST']._serialized_start=372
-  _globals['_NEXTREQUEST']._serialized_end=501
-  _globals['_FAILEDITEM']._serialized_start=503
-  _globals['_FAILEDITEM']._serialized_end=562
-  _globals['_NEXTRESPONSE']._serialized_start=565
-  _globals['_NEXTRESPONSE']._serialized_end=703
-  _globals['_STATUSREQUEST']._serialized_start=705
-  _globals['_STATUSREQUEST']._serialized_end=720
-  _globals['_STATUSRESPONSE']._serialized_start=722
-  _globals['_STATUSRESPONSE']._serialized_end=752
-  _globals['_JOADER']._serialized_start=755
-  _globals['_JOADER']._serialized_end=932
+  _globals['_ATTACHREQUEST']._serialized_start=38
+  _globals['_ATTACHREQUEST']._serialized_end=224
+  _globals['_ATTACHRESPONSE']._serialized_start=227
+  _globals['_ATTACHRESPONSE']._serialized_end=544
+  _globals['_NEXTREQUEST']._serialized_start=547
+  _globals['_NEXTREQUEST']._serialized_end=759
+  _globals['_FAILEDITEM']._serialized_start=761
+  _globals['_FAILEDITEM']._serialized_end=820
+  _globals['_NEXTRESPONSE']._serialized_start=823
+  _globals['_NEXTRESPONSE']._serialized_end=961
+  _globals['_STATUSREQUEST']._serialized_start=963
+  _globals['_STATUSREQUEST']._serialized_end=978
+  _globals['_STATUSRESPONSE']._serialized_start=980
+  _globals['_STATUSRESPONSE']._serialized_end=1010
+  _globals['_JOADER']._serialized_start=1013
+  _globals['_JOADER']._serialized_end=1190
 # @@protoc_insertion_point(module_scope)

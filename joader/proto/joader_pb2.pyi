@@ -7,21 +7,31 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AttachRequest(_message.Message):
-    __slots__ = ("source", "indices", "name", "batch_size", "heartbeat")
+    __slots__ = ("source", "indices", "name", "batch_size", "heartbeat", "rank", "world_size", "drop_last", "seed", "has_seed")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DROP_LAST_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    HAS_SEED_FIELD_NUMBER: _ClassVar[int]
     source: str
     indices: bytes
     name: str
     batch_size: int
     heartbeat: bool
-    def __init__(self, source: _Optional[str] = ..., indices: _Optional[bytes] = ..., name: _Optional[str] = ..., batch_size: _Optional[int] = ..., heartbeat: _Optional[bool] = ...) -> None: ...
+    rank: int
+    world_size: int
+    drop_last: bool
+    seed: int
+    has_seed: bool
+    def __init__(self, source: _Optional[str] = ..., indices: _Optional[bytes] = ..., name: _Optional[str] = ..., batch_size: _Optional[int] = ..., heartbeat: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("job_id", "source", "classes", "num_source_items", "num_items", "image_size", "item_nbytes", "arena_path", "lease_s", "job_secret", "server_pid")
+    __slots__ = ("job_id", "source", "classes", "num_source_items", "num_items", "image_size", "item_nbytes", "arena_path", "lease_s", "job_secret", "server_pid", "world_size", "rank", "num_rank_items", "seed", "targets")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     CLASSES_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +43,11 @@ class AttachResponse(_message.Message):
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     JOB_SECRET_FIELD_NUMBER: _ClassVar[int]
     SERVER_PID_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_RANK_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     source: str
     classes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -44,10 +59,15 @@ class AttachResponse(_message.Message):
     lease_s: float
     job_secret: bytes
     server_pid: int
-    def __init__(self, job_id: _Optional[str] = ..., source: _Optional[str] = ..., classes: _Optional[_Iterable[bytes]] = ..., num_source_items: _Optional[int] = ..., num_items: _Optional[int] = ..., image_size: _Optional[int] = ..., item_nbytes: _Optional[int] = ..., arena_path: _Optional[str] = ..., lease_s: _Optional[float] = ..., job_secret: _Optional[bytes] = ..., server_pid: _Optional[int] = ...) -> None: ...
+    world_size: int
+    rank: int
+    num_rank_items: int
+    seed: int
+    targets: bytes
+    def __init__(self, job_id: _Optional[str] = ..., source: _Optional[str] = ..., classes: _Optional[_Iterable[bytes]] = ..., num_source_items: _Optional[int] = ..., num_items: _Optional[int] = ..., image_size: _Optional[int] = ..., item_nbytes: _Optional[int] = ..., arena_path: _Optional[str] = ..., lease_s: _Optional[float] = ..., job_secret: _Optional[bytes] = ..., server_pid: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., num_rank_items: _Optional[int] = ..., seed: _Optional[int] = ..., targets: _Optional[bytes] = ...) -> None: ...
 
 class NextRequest(_message.Message):
-    __slots__ = ("job_id", "token", "max_items", "acks", "job_secret", "worker_id", "pid")
+    __slots__ = ("job_id", "token", "max_items", "acks", "job_secret", "worker_id", "pid", "rank", "resume_epoch", "resume_consumed", "resume_parts")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     MAX_ITEMS_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +75,10 @@ class NextRequest(_message.Message):
     JOB_SECRET_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RESUME_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RESUME_CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    RESUME_PARTS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     token: int
     max_items: int
@@ -62,7 +86,11 @@ class NextRequest(_message.Message):
     job_secret: bytes
     worker_id: int
     pid: int
-    def __init__(self, job_id: _Optional[str] = ..., token: _Optional[int] = ..., max_items: _Optional[int] = ..., acks: _Optional[_Iterable[int]] = ..., job_secret: _Optional[bytes] = ..., worker_id: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    rank: int
+    resume_epoch: int
+    resume_consumed: bytes
+    resume_parts: int
+    def __init__(self, job_id: _Optional[str] = ..., token: _Optional[int] = ..., max_items: _Optional[int] = ..., acks: _Optional[_Iterable[int]] = ..., job_secret: _Optional[bytes] = ..., worker_id: _Optional[int] = ..., pid: _Optional[int] = ..., rank: _Optional[int] = ..., resume_epoch: _Optional[int] = ..., resume_consumed: _Optional[bytes] = ..., resume_parts: _Optional[int] = ...) -> None: ...
 
 class FailedItem(_message.Message):
     __slots__ = ("item_id", "path", "reason")

@@ -10,13 +10,26 @@ Epoch numbering: `epoch(job)` is the number of epochs the job has *started*, and
 when the job receives its first item of it. So it is 0 after `add_job` (R = D, nothing received
 yet), 1 from the first pick on, 2 from the first pick after the whole dataset was received, and
 so on. `reset_epoch(job)` abandons the current epoch (R = D); the next pick starts a new epoch.
+
+Resumed epochs: `add_job(job, D, remaining=R0)` and `reset_epoch(job, remaining=R0)` make the
+next epoch cover R0 only, a non-empty subset of D (the items a checkpointed run had not received
+yet). It is counted like any other epoch: it starts with its first item (so a job added with
+`remaining` is at epoch 0, then 1), and the epochs after it cover the whole dataset again.
+
+Randomness: `add_job(..., rng=random.Random(seed))` gives the job a stream of its own; jobs added
+without one use the sampler's stream. Which stream a round draws from is each sampler's business
+(see its module). In both samplers, a job that is the only participant of its rounds gets picks
+that depend only on its own stream and its own remaining sets (the independent sampler: in every
+round), so a job alone with `rng=random.Random(7)` gets the same picks in every run.
 """
 
 from __future__ import annotations
 
 import abc
 import logging
+import random
 from collections.abc import Iterable, Sequence
+from itertools import islice
 
 from pyroaring import AbstractBitMap, BitMap, FrozenBitMap
 
@@ -69,17 +82,29 @@ class Sampler(abc.ABC):
 
     # ----------------------------------------------------------------------------- changes
     @abc.abstractmethod
-    def add_job(self, job_id: str, dataset: AbstractBitMap | Iterable[int]) -> None:
-        """Register a job; its first epoch covers `dataset` (copied, so later changes to the
-        caller's bitmap do not leak in)."""
+    def add_job(
+        self,
+        job_id: str,
+        dataset: AbstractBitMap | Iterable[int],
+        *,
+        remaining: AbstractBitMap | Iterable[int] | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        """Register a job; its first epoch covers `remaining` if given (a non-empty subset of
+        `dataset`: a resumed epoch), else `dataset`; later epochs cover `dataset`. Both are
+        copied, so later changes to the caller's bitmaps do not leak in. `rng` is the job's own
+        random stream (default: the sampler's)."""
 
     @abc.abstractmethod
     def remove_job(self, job_id: str) -> None:
         """Forget a job, in the middle of its epoch or not."""
 
     @abc.abstractmethod
-    def reset_epoch(self, job_id: str) -> None:
-        """Abandon the job's current epoch: R = D, and its next item starts a new epoch."""
+    def reset_epoch(
+        self, job_id: str, remaining: AbstractBitMap | Iterable[int] | None = None
+    ) -> None:
+        """Abandon the job's current epoch: R = `remaining` (a non-empty subset of D, copied)
+        or D, and its next item starts a new epoch."""
 
     @abc.abstractmethod
     def sample(self, job_ids: Sequence[str]) -> dict[str, int]:
@@ -98,8 +123,15 @@ class Sampler(abc.ABC):
             )
         return job_id
 
-    def _register(self, job_id: str, dataset: AbstractBitMap | Iterable[int]) -> FrozenBitMap:
-        """Check and record a new job's dataset; returns the frozen copy."""
+    def _register(
+        self,
+        job_id: str,
+        dataset: AbstractBitMap | Iterable[int],
+        remaining: AbstractBitMap | Iterable[int] | None = None,
+        rng: random.Random | None = None,
+    ) -> tuple[FrozenBitMap, BitMap]:
+        """Check and record a new job's dataset; returns its frozen copy and the job's first
+        remaining set (a new mutable bitmap). Nothing is recorded if a check fails."""
         if not isinstance(job_id, str) or not job_id:
             raise InvalidArgumentError(
                 f"add_job: job id must be a non-empty string, got {job_id!r}"
@@ -109,16 +141,74 @@ class Sampler(abc.ABC):
                 f"add_job: job {job_id!r} is already registered; remove_job({job_id!r}) first, "
                 "or pick another id"
             )
+        if rng is not None and not isinstance(rng, random.Random):
+            raise InvalidArgumentError(
+                f"add_job: job {job_id!r}: rng must be a random.Random, got "
+                f"{type(rng).__name__}; pass random.Random(seed), or rng=None for the "
+                "sampler's own stream"
+            )
         frozen = frozen_without_runs(dataset)
         if not frozen:
             raise InvalidArgumentError(
                 f"add_job: job {job_id!r} has an empty dataset; give it at least one item id"
             )
+        first = self._checked_remaining("add_job", job_id, frozen, remaining)
         self._datasets[job_id] = frozen
         self._epochs[job_id] = 0
         self._pending_start.add(job_id)
-        logger.debug("job %s added with %d items", job_id, len(frozen))
-        return frozen
+        logger.debug("job %s added with %d items, %d in its first epoch", job_id, len(frozen),
+                     len(first))
+        return frozen, first
+
+    def _reset(self, job_id: str, remaining: AbstractBitMap | Iterable[int] | None) -> BitMap:
+        """Check a reset_epoch call and mark the job's next item as an epoch start; returns the
+        job's new remaining set (a new mutable bitmap). Nothing changes if a check fails."""
+        dataset = self._datasets[self._known(job_id, "reset_epoch")]
+        fresh = self._checked_remaining("reset_epoch", job_id, dataset, remaining)
+        self._pending_start.add(job_id)
+        logger.debug("job %s: epoch reset, %d items in the next one", job_id, len(fresh))
+        return fresh
+
+    @staticmethod
+    def _checked_remaining(
+        action: str,
+        job_id: str,
+        dataset: FrozenBitMap,
+        remaining: AbstractBitMap | Iterable[int] | None,
+    ) -> BitMap:
+        """`remaining` as a new mutable bitmap (the whole `dataset` if None), checked to be a
+        non-empty subset of the dataset."""
+        if remaining is None:
+            return copy_bitmap(dataset)
+        if isinstance(remaining, (str, bytes)) or not isinstance(
+            remaining, (AbstractBitMap, Iterable)
+        ):
+            raise InvalidArgumentError(
+                f"{action}: job {job_id!r}: remaining must be a set of item ids, got "
+                f"{type(remaining).__name__}; pass a BitMap or an iterable of ints, or "
+                "remaining=None for a whole epoch"
+            )
+        try:
+            fresh = copy_bitmap(frozen_without_runs(remaining))
+        except (TypeError, ValueError, OverflowError) as error:
+            raise InvalidArgumentError(
+                f"{action}: job {job_id!r}: remaining must hold item ids (ints in "
+                f"[0, 2**32)): {error}; pass a BitMap or an iterable of ints, or "
+                "remaining=None for a whole epoch"
+            ) from None
+        if not fresh:
+            raise InvalidArgumentError(
+                f"{action}: job {job_id!r}: remaining is empty, an epoch with nothing left to "
+                "receive; pass remaining=None to start a whole epoch instead"
+            )
+        outside = fresh - dataset
+        if outside:
+            raise InvalidArgumentError(
+                f"{action}: job {job_id!r}: remaining has {len(outside)} item(s) outside the "
+                f"job's dataset of {len(dataset)}, e.g. {list(islice(outside, 5))}; pass a "
+                "subset of the dataset (the items the job has not received yet this epoch)"
+            )
+        return fresh
 
     def _unregister(self, job_id: str) -> None:
         del self._datasets[job_id]

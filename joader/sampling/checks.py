@@ -1,7 +1,8 @@
 """Checks of the sampling guarantees, shared by the statistical tests and `joader verify`.
 
 - `EpochRecorder` records what each job received, split into epochs, and checks that every
-  complete epoch is a permutation of the job's dataset (exactly once).
+  complete epoch is a permutation of the job's dataset (exactly once), or of the remaining set
+  it was resumed with (`EpochRecorder.resumed`).
 - `position_table` and `permutation_chi2` test marginal uniformity: over E independent epochs of
   a job with N items, the table C[position, item] should look like a sum of E uniform random
   permutation matrices.
@@ -53,6 +54,8 @@ class EpochRecorder:
     streams: dict[str, dict[int, list[int]]] = field(default_factory=dict)
     # (job, epoch) pairs abandoned by reset_epoch or by remove_job: never complete
     abandoned: set[tuple[str, int]] = field(default_factory=set)
+    # (job, epoch) -> the items a resumed epoch covers (it is not the whole dataset)
+    resumed_sets: dict[tuple[str, int], AbstractBitMap] = field(default_factory=dict)
 
     def record(self, sampler: Sampler, picks: Mapping[str, int]) -> None:
         """Call after every `sampler.sample(...)` with its result."""
@@ -67,11 +70,22 @@ class EpochRecorder:
         unfinished, will never complete."""
         epoch = sampler.epoch(job_id)
         received = self.streams.get(job_id, {}).get(epoch, [])
-        if len(received) < len(sampler.dataset(job_id)):
+        if len(received) < len(self._epoch_items(job_id, epoch, sampler.dataset(job_id))):
             self.abandoned.add((job_id, epoch))
 
+    def resumed(self, sampler: Sampler, job_id: str) -> None:
+        """Call right after `add_job(job_id, ..., remaining=R)` or `reset_epoch(job_id, R)`:
+        the job's next epoch covers R, not the whole dataset."""
+        self.datasets.setdefault(job_id, sampler.dataset(job_id))
+        self.resumed_sets[(job_id, sampler.epoch(job_id) + 1)] = sampler.remaining(job_id)
+
+    def _epoch_items(self, job_id: str, epoch: int, dataset: AbstractBitMap) -> AbstractBitMap:
+        """The items the job's epoch must deliver: its resumed set, or the dataset."""
+        return self.resumed_sets.get((job_id, epoch), dataset)
+
     def complete_epochs(self, job_id: str) -> list[list[int]]:
-        """The job's epochs that ran to their end (not the current one, not abandoned ones)."""
+        """The job's whole-dataset epochs that ran to their end (not the current one, not
+        abandoned ones, not resumed ones: those cover less than the dataset)."""
         if job_id not in self.datasets:  # never received anything
             return []
         dataset_size = len(self.datasets[job_id])
@@ -79,32 +93,35 @@ class EpochRecorder:
             items
             for epoch, items in sorted(self.streams.get(job_id, {}).items())
             if len(items) == dataset_size and (job_id, epoch) not in self.abandoned
+            and (job_id, epoch) not in self.resumed_sets
         ]
 
     def exactly_once_problems(self, job_id: str) -> list[str]:
         """Violations of "each epoch delivers every item exactly once"; empty if none.
 
-        Every epoch must be free of repeats and inside the dataset; every epoch except the
-        job's last one must be complete unless it was abandoned.
+        Every epoch must be free of repeats and inside the dataset (inside its remaining set,
+        for a resumed epoch); every epoch except the job's last one must be complete unless it
+        was abandoned.
         """
         if job_id not in self.datasets:
             return []
-        dataset = self.datasets[job_id]
         epochs = sorted(self.streams.get(job_id, {}).items())
         problems = []
         for index, (epoch, items) in enumerate(epochs):
+            covers = self._epoch_items(job_id, epoch, self.datasets[job_id])
+            what = "the dataset" if covers is self.datasets[job_id] else "its resumed set"
             distinct = set(items)
             if len(distinct) != len(items):
                 problems.append(f"job {job_id} epoch {epoch}: {len(items) - len(distinct)} "
                                 "items received twice")
-            outside = [x for x in distinct if x not in dataset]
+            outside = [x for x in distinct if x not in covers]
             if outside:
-                problems.append(f"job {job_id} epoch {epoch}: items outside the dataset, "
+                problems.append(f"job {job_id} epoch {epoch}: items outside {what}, "
                                 f"e.g. {outside[:5]}")
             last = index == len(epochs) - 1
-            if not last and (job_id, epoch) not in self.abandoned and len(items) != len(dataset):
+            if not last and (job_id, epoch) not in self.abandoned and len(items) != len(covers):
                 problems.append(f"job {job_id} epoch {epoch} ended after {len(items)} of "
-                                f"{len(dataset)} items")
+                                f"{len(covers)} items")
         return problems
 
 

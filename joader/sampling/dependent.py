@@ -50,14 +50,38 @@ Incremental update, after item x went to the set G of jobs (O(n) bitmap adds and
   with j_m in H. A unit test checks this against `build_chain` after random rounds.
 
 Epochs: a participant whose R is empty at the start of a round gets R = D (a new epoch); this,
-add_job, remove_job and reset_epoch rebuild the chain in the ascending size order.
+add_job, remove_job and reset_epoch rebuild the chain in the ascending size order. A resumed epoch
+(add_job or reset_epoch with `remaining`) is just a starting R smaller than D; nothing above
+assumes R = D at an epoch's start, so its order is a uniform permutation of that R.
+
+Random streams. Each job has a stream: its own `rng` from add_job, or the sampler's. A round
+draws every number it needs (each node's u, each index) from the stream of its root-most
+participant: the participant that comes first in chain order. Why the proof above still holds:
+it needs only that each u and each index draw is uniform on [0, 1) and independent of everything
+before it (earlier rounds, and earlier nodes of the same round). Model the streams as independent
+sequences of independent uniforms. The stream of a round is chosen from the participant list and
+the chain order, both fixed before the round's first draw: the list comes from the caller (who
+must not choose it by looking at future draws, the condition the proof already had), the order is
+a function of the remaining sets, i.e. of the past. A rule that picks which stream to read next
+from the past only never sees the number it is about to read, so that number is still uniform and
+independent of every number used so far, from its own stream or from others. So every draw of
+the round is a fresh uniform given the past, whichever stream it came from, and the induction goes
+through unchanged; jobs sharing a stream (all those without `rng` share the sampler's) are the old
+single-stream case. (What would break it: choosing the stream after peeking at its next value.)
+
+A round with a single participant j skips the walk: one draw picks x uniformly from R_j (the
+distribution the walk gives, by the claim above), then the same incremental update runs, with x
+found in the one vertex I_1..I_{k_j} or leaf L_{k_j} that holds it. The joint law of everything
+is unchanged, and a job alone in its rounds gets picks that depend only on its own remaining sets
+and its own stream, whatever other jobs are registered: with `rng=random.Random(7)`, the same
+picks in every run. With several participants the picks also depend on the other jobs' sets.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from pyroaring import AbstractBitMap, BitMap, FrozenBitMap
@@ -82,14 +106,16 @@ class ChainNode:
 class DependentSampler(Sampler):
     """DSA over the chain tree: correlated per-job epochs that share as many rounds as possible.
 
-    `seed` (or `rng`, a `random.Random`) fixes every draw: the same seed and the same calls give
-    the same picks.
+    `seed` (or `rng`, a `random.Random`) fixes the sampler's stream, used by the jobs added
+    without an `rng` of their own: the same seeds and the same calls give the same picks. Each
+    round draws from the stream of its root-most participant (module docstring).
     """
 
     def __init__(self, seed: int | None = None, *, rng: random.Random | None = None) -> None:
         super().__init__()
         self._rng = rng if rng is not None else random.Random(seed)
         self._remaining: dict[str, BitMap] = {}
+        self._job_rngs: dict[str, random.Random] = {}  # the job's rng, or the sampler's
         # The chain, by position: job ids, their remaining sets and sizes, vertices and leaves
         # with their sizes kept as ints, so a round never calls len() on a bitmap.
         self._order: list[str] = []
@@ -100,6 +126,7 @@ class DependentSampler(Sampler):
         self._isizes: list[int] = []
         self._leaves: list[BitMap] = []
         self._lsizes: list[int] = []
+        self._rands: list[Callable[[], float]] = []  # each position's job's rng.random
 
     # ----------------------------------------------------------------------------- queries
     def remaining(self, job_id: str) -> FrozenBitMap:
@@ -119,22 +146,30 @@ class DependentSampler(Sampler):
         ]
 
     # ----------------------------------------------------------------------------- changes
-    def add_job(self, job_id: str, dataset: AbstractBitMap | Iterable[int]) -> None:
-        frozen = self._register(job_id, dataset)
-        self._remaining[job_id] = copy_bitmap(frozen)
+    def add_job(
+        self,
+        job_id: str,
+        dataset: AbstractBitMap | Iterable[int],
+        *,
+        remaining: AbstractBitMap | Iterable[int] | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        _, first = self._register(job_id, dataset, remaining, rng)
+        self._remaining[job_id] = first
+        self._job_rngs[job_id] = rng if rng is not None else self._rng
         self._rebuild()
 
     def remove_job(self, job_id: str) -> None:
         self._known(job_id, "remove_job")
         self._unregister(job_id)
         del self._remaining[job_id]
+        del self._job_rngs[job_id]
         self._rebuild()
 
-    def reset_epoch(self, job_id: str) -> None:
-        self._known(job_id, "reset_epoch")
-        self._remaining[job_id] = copy_bitmap(self._datasets[job_id])
-        self._pending_start.add(job_id)
-        logger.debug("job %s: epoch reset", job_id)
+    def reset_epoch(
+        self, job_id: str, remaining: AbstractBitMap | Iterable[int] | None = None
+    ) -> None:
+        self._remaining[job_id] = self._reset(job_id, remaining)
         self._rebuild()
 
     def _rebuild(self) -> None:
@@ -147,6 +182,8 @@ class DependentSampler(Sampler):
         self._inner, self._leaves = build_chain(self._rsets)
         self._isizes = [len(b) for b in self._inner]
         self._lsizes = [len(b) for b in self._leaves]
+        job_rngs = self._job_rngs
+        self._rands = [job_rngs[job_id].random for job_id in order]
 
     def _refill(self, positions: list[int]) -> None:
         """Start a new epoch (R = D) for the jobs at these chain positions, then rebuild."""
@@ -178,13 +215,15 @@ class DependentSampler(Sampler):
             rsizes = self._rsizes
             active = [pos[job_id] for job_id in job_ids]
         active.sort()
+        rand = self._rands[active[0]]  # the root-most participant's stream, for the whole round
+        if len(active) == 1:
+            return self._sample_alone(active[0], rand)
 
         order = self._order
         inner = self._inner
         isizes = self._isizes
         leaves = self._leaves
         lsizes = self._lsizes
-        rand = self._rng.random
         picks: dict[str, int] = {}
         # (node, item, selector positions); None for a leaf draw. Applied after the walk.
         deliveries: list[tuple[int, int, list[int] | None]] = []
@@ -222,6 +261,22 @@ class DependentSampler(Sampler):
 
         self._apply(deliveries)
         return picks
+
+    def _sample_alone(self, p: int, rand: Callable[[], float]) -> dict[str, int]:
+        """The round of a single participant, at chain position p: x uniform in R_p, one draw
+        (module docstring), then the update of the vertex or leaf that held x."""
+        size = self._rsizes[p]
+        index = int(rand() * size)
+        item = self._rsets[p][index if index < size else size - 1]
+        if item in self._leaves[p]:
+            self._apply([(p, item, None)])
+        else:
+            inner = self._inner
+            k = 0
+            while item not in inner[k]:  # R_p = I_1 ⊔ ... ⊔ I_p ⊔ L_p: it is in one of them
+                k += 1
+            self._apply([(k, item, [p])])
+        return {self._order[p]: item}
 
     def _apply(self, deliveries: list[tuple[int, int, list[int] | None]]) -> None:
         """The incremental update of the module docstring, for each delivery of the round."""

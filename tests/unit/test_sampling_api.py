@@ -17,8 +17,8 @@ from joader.sampling import (
     Sampler,
     make_sampler,
 )
-from joader.sampling.chain import build_chain
-from joader.sampling.checks import chi2_sf
+from joader.sampling.chain import build_chain, chain_order
+from joader.sampling.checks import EpochRecorder, chi2_sf
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -251,3 +251,261 @@ def test_equal_sizes_are_ordered_so_the_identical_pair_shares_every_round() -> N
             for picks in (sampler.sample([first, second, other]) for _ in range(50 * 20))
         )
         assert shared == 50 * 20, names
+
+# ------------------------------------------------------------------------------------------------
+# Resumed epochs (`remaining=`) and per-job random streams (`rng=`). The uniformity of a resumed
+# epoch's order is tested in tests/statistical/test_sampling_resume.py.
+
+RESUME_DATASET = BitMap(range(20))
+RESUME_SET = BitMap([3, 5, 7, 11, 13])
+
+
+def draw(sampler: Sampler, job_id: str, count: int) -> list[int]:
+    return [sampler.sample([job_id])[job_id] for _ in range(count)]
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+def test_add_job_with_remaining_resumes_then_runs_whole_epochs(name: str) -> None:
+    sampler = make_sampler(name, 0)
+    sampler.add_job("a", RESUME_DATASET, remaining=RESUME_SET)
+    assert sampler.epoch("a") == 0 and sampler.num_remaining("a") == 5
+    assert sampler.remaining("a") == RESUME_SET and sampler.dataset("a") == RESUME_DATASET
+    assert sampler.needs("a", 3) and not sampler.needs("a", 4)
+    first = draw(sampler, "a", 5)
+    assert sorted(first) == list(RESUME_SET) and sampler.epoch("a") == 1
+    assert sampler.num_remaining("a") == 0
+    for epoch in (2, 3):
+        assert sorted(draw(sampler, "a", 20)) == list(RESUME_DATASET) and sampler.epoch("a") == epoch
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+def test_remaining_is_copied(name: str) -> None:
+    remaining = BitMap(RESUME_SET)
+    sampler = make_sampler(name, 0)
+    sampler.add_job("a", RESUME_DATASET, remaining=remaining)
+    remaining.add(4)
+    remaining.remove(3)
+    assert sampler.remaining("a") == RESUME_SET
+    sampler.reset_epoch("a", remaining)
+    remaining.clear()
+    assert sampler.num_remaining("a") == 5 and sampler.needs("a", 4)
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_resumed_job_among_others_is_exactly_once(name: str, seed: int) -> None:
+    """A job resumed mid-run next to overlapping jobs (everyone sitting out at random): its
+    first epoch is exactly R, later ones the whole dataset; the others are unaffected."""
+    rng = random.Random(seed)
+    sampler = make_sampler(name, seed)
+    sampler.add_job("b", BitMap(range(5, 30)))
+    sampler.add_job("c", BitMap(range(0, 12)))
+    recorder = EpochRecorder()
+    active = ["b", "c"]
+    for round_index in range(400):
+        if round_index == 37:
+            sampler.add_job("a", RESUME_DATASET, remaining=RESUME_SET, rng=random.Random(seed))
+            recorder.resumed(sampler, "a")
+            active.append("a")
+        participants = [j for j in active if rng.random() < 0.7]
+        rng.shuffle(participants)
+        recorder.record(sampler, sampler.sample(participants))
+    for job_id in ("a", "b", "c"):
+        assert recorder.exactly_once_problems(job_id) == []
+    assert sorted(recorder.streams["a"][1]) == list(RESUME_SET)
+    assert len(recorder.complete_epochs("a")) >= 5  # whole epochs 2, 3, ...
+    for items in recorder.complete_epochs("a"):
+        assert sorted(items) == list(RESUME_DATASET)
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+def test_reset_epoch_with_remaining(name: str) -> None:
+    sampler = make_sampler(name, 0)
+    sampler.add_job("a", RESUME_DATASET)
+    sampler.reset_epoch("a", RESUME_SET)  # before any item: still epoch 0, and R is the subset
+    assert sampler.epoch("a") == 0 and sampler.remaining("a") == RESUME_SET
+    assert sorted(draw(sampler, "a", 5)) == list(RESUME_SET) and sampler.epoch("a") == 1
+    got = draw(sampler, "a", 7)  # epoch 2, the whole dataset, cut short
+    assert sampler.epoch("a") == 2
+    sampler.reset_epoch("a", [1, 2, got[0]])  # items already received may come back
+    assert sampler.epoch("a") == 2 and sampler.num_remaining("a") == len({1, 2, got[0]})
+    assert sorted(draw(sampler, "a", 3)) == sorted({1, 2, got[0]}) and sampler.epoch("a") == 3
+    assert sorted(draw(sampler, "a", 20)) == list(RESUME_DATASET) and sampler.epoch("a") == 4
+    draw(sampler, "a", 2)
+    sampler.reset_epoch("a")  # the default is still the whole dataset
+    assert sampler.remaining("a") == RESUME_DATASET
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+def test_bad_remaining_and_rng_are_refused_with_the_fix(name: str) -> None:
+    sampler = make_sampler(name, 0)
+    sampler.add_job("a", RESUME_DATASET)
+    got = draw(sampler, "a", 3)
+    before = sampler.remaining("a")
+    cases = [
+        (BitMap(), r"'x': remaining is empty.*pass remaining=None to start a whole epoch"),
+        ([], r"remaining is empty"),
+        ([5, 20, 21], r"2 item\(s\) outside the job's dataset of 20, e\.g\. \[20, 21\]; pass a "
+                      r"subset of the dataset"),
+        ([-1], r"item ids.*pass a BitMap or an iterable of ints"),
+        (["a"], r"item ids.*pass a BitMap"),
+        (7, r"must be a set of item ids, got int; pass a BitMap"),
+        ("12", r"must be a set of item ids, got str"),
+    ]
+    for remaining, message in cases:
+        with pytest.raises(InvalidArgumentError, match=message):
+            sampler.add_job("x", RESUME_DATASET, remaining=remaining)
+        with pytest.raises(InvalidArgumentError, match=message.replace("'x'", "'a'")):
+            sampler.reset_epoch("a", remaining)
+    with pytest.raises(InvalidArgumentError) as info:  # house style: the fix comes last
+        sampler.add_job("x", RESUME_DATASET, remaining=[])
+    assert str(info.value).endswith("; pass remaining=None to start a whole epoch instead")
+    with pytest.raises(InvalidArgumentError, match=r"rng must be a random.Random, got int; "
+                                                   r"pass random.Random\(seed\)"):
+        sampler.add_job("x", RESUME_DATASET, rng=7)  # type: ignore[arg-type]
+    with pytest.raises(UnknownJobError, match=r"'zz'.*add_job"):
+        sampler.reset_epoch("zz", RESUME_SET)
+    # the failed calls changed nothing: no job x, a's epoch goes on where it was
+    assert sampler.jobs() == ["a"] and sampler.remaining("a") == before
+    rest = draw(sampler, "a", 17)
+    assert sorted(got + rest) == list(RESUME_DATASET) and sampler.epoch("a") == 1
+    sampler.add_job("x", RESUME_DATASET, remaining=[1])  # the id is free
+    assert sampler.remaining("x") == BitMap([1])
+
+
+def solo_picks(sampler: Sampler, others_before: bool, others_after: bool) -> list[int]:
+    """Three epochs of job "solo" (rng=Random(7)) in `sampler`; other jobs on overlapping
+    datasets may be registered before and after it, and take rounds of their own in between."""
+    other_rng = random.Random(99)
+    others = []
+    if others_before:
+        sampler.add_job("before", BitMap(range(10, 40)))
+        sampler.add_job("before2", BitMap(range(0, 25)), rng=random.Random(1))
+        others += ["before", "before2"]
+    sampler.add_job("solo", BitMap(range(30)), rng=random.Random(7))
+    if others_after:
+        sampler.add_job("after", BitMap(range(5, 15)))
+        others.append("after")
+    picks = []
+    for _ in range(3 * 30):
+        if others and other_rng.random() < 0.5:
+            sampler.sample(other_rng.sample(others, other_rng.randint(1, len(others))))
+        picks.append(sampler.sample(["solo"])["solo"])
+    assert sampler.epoch("solo") == 3
+    return picks
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+def test_solo_job_with_its_own_rng_gets_the_same_picks_in_every_run(name: str) -> None:
+    reference = solo_picks(make_sampler(name, 0), False, False)
+    for seed in range(3):
+        assert solo_picks(make_sampler(name, seed), False, False) == reference
+        # alone in its rounds: the other jobs' sets and streams do not matter either
+        assert solo_picks(make_sampler(name, seed), True, False) == reference
+        assert solo_picks(make_sampler(name, seed), False, True) == reference
+        assert solo_picks(make_sampler(name, seed), True, True) == reference
+    for epoch in range(3):
+        assert sorted(reference[30 * epoch: 30 * (epoch + 1)]) == list(range(30))
+    other = make_sampler(name, 0)
+    other.add_job("solo", BitMap(range(30)), rng=random.Random(8))
+    assert draw(other, "solo", 90) != reference
+
+
+def test_independent_job_stream_ignores_the_other_participants() -> None:
+    def run(with_others: bool) -> list[int]:
+        sampler = make_sampler("independent", 3)
+        sampler.add_job("a", BitMap(range(50)), rng=random.Random(7))
+        sampler.add_job("b", BitMap(range(25, 75)))
+        return [sampler.sample(["b", "a"] if with_others else ["a"])["a"] for _ in range(120)]
+
+    assert run(True) == run(False)
+
+
+def test_a_round_draws_from_the_root_most_participants_stream() -> None:
+    """Every number of a round comes from the stream of the participant first in chain order
+    (the smallest remaining set); the other streams are not touched."""
+    small_rng, big_rng, sampler_rng = random.Random(1), random.Random(2), random.Random(3)
+    sampler = DependentSampler(rng=sampler_rng)
+    sampler.add_job("big", BitMap(range(0, 60)), rng=big_rng)
+    sampler.add_job("small", BitMap(range(20, 40)), rng=small_rng)
+    sampler.add_job("plain", BitMap(range(10, 50)))  # no rng: the sampler's stream
+    assert [node.job_id for node in sampler.tree()] == ["small", "plain", "big"]  # by size
+    roots = set()
+    for round_index in range(200):
+        participants = random.Random(round_index).sample(["big", "small", "plain"],
+                                                         1 + round_index % 3)
+        # the chain order of the round: the sampler's (possibly stale) order, unless a
+        # participant's epoch is over; then the refill rebuilds the chain first
+        order = [node.job_id for node in sampler.tree()]
+        if any(not sampler.num_remaining(job_id) for job_id in participants):
+            order = chain_order({
+                job_id: sampler.dataset(job_id)
+                if job_id in participants and not sampler.num_remaining(job_id)
+                else sampler.remaining(job_id)
+                for job_id in sampler.jobs()
+            })
+        root_most = min(participants, key=order.index)
+        roots.add(root_most)
+        stream = {"small": small_rng, "big": big_rng, "plain": sampler_rng}
+        states = {job_id: rng.getstate() for job_id, rng in stream.items()}
+        sampler.sample(participants)
+        for job_id, rng in stream.items():
+            assert (rng.getstate() != states[job_id]) == (job_id == root_most), (
+                round_index, participants, order)
+    assert roots == {"small", "plain", "big"}
+
+
+def check_chain(sampler: DependentSampler) -> None:
+    """The incrementally updated chain equals a rebuild, and partitions every R."""
+    nodes = sampler.tree()
+    remaining = [sampler.remaining(node.job_id) for node in nodes]
+    inner, leaves = build_chain(remaining)
+    assert [node.vertex for node in nodes] == inner
+    assert [node.leaf for node in nodes] == leaves
+    for k, node in enumerate(nodes):
+        union = BitMap(node.leaf)
+        for vertex in inner[: k + 1]:
+            assert not (union & vertex)
+            union |= vertex
+        assert union == remaining[k]
+        assert sampler.num_remaining(node.job_id) == len(remaining[k])
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_own_streams_resumes_and_resets_keep_the_invariants(name: str, seed: int) -> None:
+    """Jobs with streams of their own (and some without), resumed and reset with subsets,
+    sitting out at random (single-participant rounds included): exactly once per epoch, and
+    (dependent) the chain kept up to date equals a rebuild after every round."""
+    rng = random.Random(seed)
+    for trial in range(15):
+        sampler = make_sampler(name, trial)
+        recorder = EpochRecorder()
+        datasets = {}
+        for i in range(rng.randint(2, 5)):
+            job_id = f"j{i}"
+            density = rng.uniform(0.2, 1.0)
+            datasets[job_id] = BitMap(x for x in range(40) if rng.random() < density) or BitMap([3])
+            own = random.Random(rng.random()) if rng.random() < 0.7 else None
+            if rng.random() < 0.5:
+                subset = BitMap(x for x in datasets[job_id] if rng.random() < 0.5)
+                sampler.add_job(job_id, datasets[job_id], remaining=subset or None, rng=own)
+                if subset:
+                    recorder.resumed(sampler, job_id)
+            else:
+                sampler.add_job(job_id, datasets[job_id], rng=own)
+        names = list(datasets)
+        for step in range(200):
+            if step % 41 == 40:
+                job_id = rng.choice(names)
+                subset = BitMap(x for x in datasets[job_id] if rng.random() < 0.3)
+                recorder.abandon(sampler, job_id)
+                sampler.reset_epoch(job_id, subset or None)
+                if subset:
+                    recorder.resumed(sampler, job_id)
+            participants = [j for j in names if rng.random() < 0.6]
+            recorder.record(sampler, sampler.sample(participants))
+            if isinstance(sampler, DependentSampler):
+                check_chain(sampler)
+        for job_id in names:
+            assert recorder.exactly_once_problems(job_id) == [], (trial, job_id)

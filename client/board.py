@@ -1,0 +1,133 @@
+"""The client board: what the readers of one rank know together, shared with its lease keeper.
+
+A JoaderDataset's readers are the training process and its DataLoader workers (forked); its
+lease keeper is a separate program. When joaderd restarts, the keeper attaches the job again and
+the readers resume their epoch on the new server, which must learn which items this rank has
+already received in it, from *all* its readers. So each reader marks the items it receives here,
+and the keeper publishes the new job's identity here.
+
+It is a memfd (`memfd_create`): an anonymous file that the forked workers inherit as a shared
+mapping and the keeper receives as a descriptor (`pass_fds`). Nothing is left behind when the
+processes die, however they die, and no other user can open it.
+
+Layout (native-endian): generation u64 at 0 (bumped by the keeper after each re-attach),
+reconnecting u64 at 8 (1 while the keeper looks for joaderd), epoch u64 at 16 and token u64 at 24
+(the newest pass any reader of this rank received items of), identity length u32 at 32 and the
+identity JSON after it (job id, secret, arena path, server uid); from byte 4096 one u32 per item of
+the source: the epoch in which this rank last received it (0: never).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from typing import Any
+
+import numpy as np
+from pyroaring import BitMap
+
+_HEADER = 4096
+_IDENTITY_AT = 36
+_U64 = struct.Struct("=Q")
+
+
+class Board:
+    """A mapping of the board; `create` in the dataset, `open` in the keeper."""
+
+    def __init__(self, fd: int, owner: bool) -> None:
+        self.fd = fd
+        self._owner = owner
+        self._map: mmap.mmap | None = None
+        self._items: np.ndarray | None = None
+
+    @classmethod
+    def create(cls) -> Board:
+        fd = os.memfd_create("joader-board", 0)  # inheritable only where passed (pass_fds)
+        os.ftruncate(fd, _HEADER)
+        return cls(fd, owner=True)
+
+    @classmethod
+    def open(cls, fd: int) -> Board:
+        return cls(fd, owner=False)
+
+    def size_for(self, num_source_items: int) -> None:
+        """Makes room for one entry per item of the source (called once, after attach)."""
+        os.ftruncate(self.fd, _HEADER + 4 * num_source_items)
+        self._remap()
+
+    def _remap(self) -> mmap.mmap:
+        size = os.fstat(self.fd).st_size
+        if self._map is None or len(self._map) != size:
+            if self._map is not None:
+                self._items = None
+                self._map.close()
+            self._map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            count = (size - _HEADER) // 4
+            self._items = np.frombuffer(self._map, dtype=np.uint32, count=count, offset=_HEADER)
+        return self._map
+
+    def _get(self, offset: int) -> int:
+        return _U64.unpack_from(self._remap(), offset)[0]
+
+    def _set(self, offset: int, value: int) -> None:
+        _U64.pack_into(self._remap(), offset, value)
+
+    # ----------------------------------------------------------------------------- keeper
+    @property
+    def generation(self) -> int:
+        return self._get(0)
+
+    @property
+    def reconnecting(self) -> bool:
+        return bool(self._get(8))
+
+    @reconnecting.setter
+    def reconnecting(self, value: bool) -> None:
+        self._set(8, int(value))
+
+    def publish(self, identity: dict[str, Any]) -> None:
+        """The keeper attached the job again: new identity, then a new generation."""
+        data = json.dumps(identity).encode()
+        mapping = self._remap()
+        if _IDENTITY_AT + len(data) > _HEADER:
+            raise ValueError("joader board: identity too large")
+        mapping[_IDENTITY_AT:_IDENTITY_AT + len(data)] = data
+        struct.pack_into("=I", mapping, 32, len(data))
+        self._set(0, self.generation + 1)
+
+    def identity(self) -> dict[str, Any]:
+        mapping = self._remap()
+        (length,) = struct.unpack_from("=I", mapping, 32)
+        return json.loads(bytes(mapping[_IDENTITY_AT:_IDENTITY_AT + length]))
+
+    # ----------------------------------------------------------------------------- readers
+    def current_pass(self) -> tuple[int, int]:
+        """(epoch, token) of the newest pass a reader of this rank received items of."""
+        return self._get(16), self._get(24)
+
+    def note_pass(self, epoch: int, token: int) -> None:
+        if (epoch, token) != self.current_pass():
+            self._set(24, token)
+            self._set(16, epoch)
+
+    def mark(self, item_ids: list[int], epoch: int) -> None:
+        """These items reached a reader in `epoch`."""
+        self._remap()
+        assert self._items is not None
+        self._items[np.asarray(item_ids, dtype=np.int64)] = epoch
+
+    def received(self, epoch: int) -> BitMap:
+        """The items this rank's readers received in `epoch`."""
+        self._remap()
+        assert self._items is not None
+        return BitMap(np.flatnonzero(self._items == epoch).astype(np.uint32))
+
+    def close(self) -> None:
+        self._items = None
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        if self._owner:
+            os.close(self.fd)
