@@ -95,11 +95,13 @@ def _default_name(world_size: int) -> str:
     script = os.path.basename(sys.argv[0] or "python")
     if world_size == 1:
         return f"{script}-{os.getpid()}"
-    run = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT")
-    if not run or run == "none":
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run in ("", "none"):  # torchrun without --rdzv-id says "none"; its master port is unique
+        run = os.environ.get("MASTER_PORT", "")
+    if not run:
         raise InvalidArgumentError(
             f"the {world_size} ranks of a job find each other by name; pass the same name= in "
-            "every rank (torchrun sets TORCHELASTIC_RUN_ID, which would be used)"
+            "every rank (under torchrun, TORCHELASTIC_RUN_ID or MASTER_PORT names the job)"
         )
     return f"{script}-{run}"
 

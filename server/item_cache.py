@@ -195,6 +195,9 @@ class ItemCache:
     def pinned_items(self) -> int:
         return sum(1 for item in self.items.values() if item.pins)
 
+    def pins(self) -> int:
+        return sum(item.pins for item in self.items.values())
+
     def check_invariants(self, expected_pins: dict[int, int] | None = None,
                          needed: Callable[[Item], int] | None = None) -> None:
         """Raises AssertionError if the cache's books disagree (tests call it after every step).

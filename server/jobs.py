@@ -262,8 +262,8 @@ class JobTable:
             return
         resume = pending
         if resume is None:
-            if job.shares.get(epoch) is not None and any(r.handed[epoch] for r in job.ranks):
-                return  # this epoch already resumed and is being read: a late reader joins it
+            if job.resumed_epoch == epoch:
+                return  # this epoch already resumed: a late (or repeated) report joins it
             resume = job.resume = Resume(epoch)
         elif resume.epoch != epoch:
             if resume.epoch > epoch:
@@ -278,6 +278,7 @@ class JobTable:
         resume = job.resume
         if resume is not None and resume.complete(job.world_size):
             job.resume = None
+            job.resumed_epoch = resume.epoch
             consumed = [resume.consumed_by(r) for r in range(job.world_size)]
             self._scheduler.start_resumed(job, resume.epoch, consumed)
             job.wake()

@@ -224,6 +224,7 @@ class Job:
     shares: dict[int, EpochShare] = field(default_factory=dict)  # epoch -> its split
     sampler_abandoned: set[int] = field(default_factory=set)  # epochs the sampler gave up
     resume: Resume | None = None  # a resumed epoch still gathering its reports
+    resumed_epoch: int = 0  # the last epoch that resumed (later reports of it are late)
     items_delivered: int = 0
     items_skipped: int = 0
     wait_s: float = 0.0

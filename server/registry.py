@@ -507,7 +507,8 @@ class Registry:
                     "num_slots": cache.num_slots,
                     "used_bytes": cache.used_slots * cache.slot_bytes,
                     "items": policy_stats.num_items,
-                    "pinned": cache.pinned_items(),  # items, not pins
+                    "pinned": cache.pinned_items(),  # items with a pin
+                    "pins": cache.pins(),  # queue entries plus unacknowledged copies
                     "hits": cache.hits,
                     "misses": cache.misses,
                     "evictions": cache.evictions,

@@ -207,9 +207,9 @@ def test_raising_on_a_bad_file_leaves_nothing_pinned(tmp_path: Path, start_joade
         status = server.status()
         jobs = status["jobs"]
         queued = sum(j["queued"] for j in jobs)
-        return status if jobs and status["cache"]["pinned"] == queued else None
+        return status if jobs and status["cache"]["pins"] == queued else None
 
-    wait_for(settled, 20, "pins to equal the job's queued lookahead (no handed-out batch pinned)")
+    wait_for(settled, 20, "pins to equal the job's queued entries (no handed-out batch pinned)")
     end(proc)  # closes its stdin: the client closes the dataset and exits
 
 

@@ -291,3 +291,142 @@ def test_indices_bound_admits_every_subset_of_the_source() -> None:
         for bitmap in (dense, sparse):
             assert len(bitmap.serialize()) <= max_indices_bytes(num_items)
     assert max_indices_bytes(300) < 16_384
+
+
+# ----------------------------------------------------------------------------- real jobs
+
+
+def read_ranks(registry: Registry, pool: FakePool, job: Job, token: int, batch: int = 3,
+               rng: random.Random | None = None) -> list[list[int]]:
+    """One epoch of every rank of `job`, the ranks taking turns at random speeds."""
+    rng = rng or random.Random(0)
+    orders: list[list[int]] = [[] for _ in range(job.world_size)]
+    acks: list[list[int]] = [[] for _ in range(job.world_size)]
+    done = [False] * job.world_size
+    for _ in range(10_000):
+        if all(done):
+            for rank in range(job.world_size):
+                nxt(registry, job.job_id, token + rank, 0, acks[rank], rank=rank)
+            return orders
+        pump(registry, pool)
+        rank = rng.choice([r for r in range(job.world_size) if not done[r]])
+        result = nxt(registry, job.job_id, token + rank, batch, acks[rank], rank=rank)
+        acks[rank] = result.item_ids
+        orders[rank] += result.item_ids
+        done[rank] = result.end_of_epoch
+    raise AssertionError("epoch did not end")
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_ranks_of_one_job_split_each_epoch_evenly(drop_last: bool) -> None:
+    registry, pool, _ = make_registry(num_slots=30)
+    dataset = BitMap(range(5, 26))  # 21 items, 2 ranks: 11 each (one padded) or 10 each
+    job = attach(registry, "demo", dataset, "ddp", 4, rank=0, world_size=2, drop_last=drop_last)
+    same = attach(registry, "demo", dataset, "ddp", 4, rank=1, world_size=2, drop_last=drop_last)
+    assert same is job and registry.status()["jobs"][0]["ranks_attached"] == 2
+    for epoch in range(3):
+        orders = read_ranks(registry, pool, job, token=100 * epoch, rng=random.Random(epoch))
+        per_rank = 10 if drop_last else 11
+        assert [len(o) for o in orders] == [per_rank, per_rank]
+        union = orders[0] + orders[1]
+        if drop_last:
+            assert len(set(union)) == 20 and set(union) <= set(dataset)
+        else:
+            assert set(union) == set(dataset)
+            (duplicate,) = [i for i in set(union) if union.count(i) > 1]  # the one padding copy
+            assert union.count(duplicate) == 2
+    registry.remove_job(job.job_id, "test")
+    assert registry.status()["cache"]["pins"] == 0
+
+
+def test_a_rank_reads_nothing_until_every_rank_attached_and_one_lost_lease_ends_all() -> None:
+    registry, pool, clock = make_registry(lease_s=5.0)
+    job = attach(registry, "demo", BitMap(range(20)), "ddp", 4, rank=1, world_size=2)
+    pump(registry, pool)
+    assert nxt(registry, job.job_id, 1, 4, [], rank=1).item_ids == []  # rank 0 is missing
+    with pytest.raises(InvalidArgumentError, match="already attached"):
+        attach(registry, "demo", BitMap(range(20)), "ddp", 4, rank=1, world_size=2)
+    attach(registry, "demo", BitMap(range(20)), "ddp", 4, rank=0, world_size=2)
+    pump(registry, pool)
+    assert len(nxt(registry, job.job_id, 1, 4, [], rank=1).item_ids) == 4
+    clock.now += 3.0
+    registry.touch(job.job_id, 1)
+    clock.now += 3.0  # rank 0 never asked: its lease ends, and with it the job
+    registry.schedule_once()
+    with pytest.raises(UnknownJobError, match="rank 0"):
+        nxt(registry, job.job_id, 1, 4, [], rank=1)
+    assert registry.status()["cache"]["pins"] == 0
+
+
+def test_replies_hold_whole_batches_until_the_last() -> None:
+    registry, pool, _ = make_registry(num_slots=40)
+    job = attach(registry, "demo", BitMap(range(23)), "a", 4)
+    sizes, acks = [], []
+    while True:
+        pump(registry, pool)
+        result = nxt(registry, job.job_id, 1, 4, acks)
+        acks = result.item_ids
+        if result.item_ids:
+            sizes.append(len(result.item_ids))
+        if result.end_of_epoch:
+            break
+    assert sizes == [4, 4, 4, 4, 4, 3]
+
+
+def test_a_resumed_epoch_delivers_exactly_what_was_not_consumed_then_whole_epochs() -> None:
+    registry, pool, _ = make_registry(num_slots=30)
+    before = attach(registry, "demo", BitMap(range(30)), "a", 4)
+    pump(registry, pool)
+    nxt(registry, before.job_id, 1, 4, [])
+    pump(registry, pool)
+    consumed = nxt(registry, before.job_id, 1, 4, []).item_ids + nxt(registry, before.job_id, 1, 4, []).item_ids
+    registry.remove_job(before.job_id, "the training process was killed")
+    job = attach(registry, "demo", BitMap(range(30)), "a", 4)
+    order, acks = [], []
+    while True:
+        pump(registry, pool)
+        result = nxt(registry, job.job_id, 9, 4, acks, resume_epoch=3, resume_consumed=BitMap(consumed))
+        assert result.epoch == 3  # the checkpoint's numbering goes on
+        acks = result.item_ids
+        order += result.item_ids
+        if result.end_of_epoch:
+            break
+    assert sorted(order + consumed) == list(range(30))
+    assert sorted(read_epoch(registry, pool, job.job_id, token=10)) == list(range(30))
+
+
+def test_a_resume_waits_for_every_worker_in_any_order() -> None:
+    """StatefulDataLoader restores each worker's own state; a worker that had yielded nothing
+    has none, and may ask first."""
+    registry, pool, _ = make_registry(num_slots=30)
+    job = attach(registry, "demo", BitMap(range(24)), "a", 4)
+    pump(registry, pool)
+    first = nxt(registry, job.job_id, 5, 4, [], worker_id=0, pid=10)  # no state: a plain pass
+    assert first.item_ids == []  # nothing prepared yet, so nothing handed out
+    # worker 1 brings the checkpoint: the pass becomes epoch 4 resumed, both reports counted
+    orders: dict[int, list[int]] = {0: [], 1: []}
+    acks: dict[int, list[int]] = {0: [], 1: []}
+    done = {0: False, 1: False}
+    while not all(done.values()):
+        pump(registry, pool)
+        for worker in (1, 0):
+            if done[worker]:
+                continue
+            extra = {"resume_epoch": 4, "resume_consumed": BitMap(range(6)), "resume_parts": 2} if worker else {}
+            result = nxt(registry, job.job_id, 5, 4, acks[worker], worker_id=worker, pid=10 + worker, **extra)
+            assert result.epoch == 4
+            acks[worker] = result.item_ids
+            orders[worker] += result.item_ids
+            done[worker] = result.end_of_epoch
+    assert sorted(orders[0] + orders[1]) == list(range(6, 24))
+
+
+def test_a_solo_job_with_a_seed_gets_the_same_order_in_every_run() -> None:
+    def run(seed: int) -> list[int]:
+        registry, pool, _ = make_registry(num_slots=30)
+        job = attach(registry, "demo", BitMap(range(40)), "a", 4, seed=seed)
+        assert job.seed == seed
+        return read_epoch(registry, pool, job.job_id, 1) + read_epoch(registry, pool, job.job_id, 2)
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
