@@ -656,6 +656,7 @@ def _stop_keeper(keeper: subprocess.Popen[str], owner_pid: int, board: Board | N
         board.close()
     try:
         if keeper.stdin is not None:
+            keeper.stdin.write("close\n")  # a clean end: the job's other ranks go on
             keeper.stdin.close()
         keeper.wait(timeout=5)
     except (OSError, subprocess.TimeoutExpired):

@@ -36,6 +36,11 @@ from joader.proto import joader_pb2
 DEFAULT_HEARTBEAT_S = 1.0
 
 
+# Set when the dataset said "close" before its stdin ended: the lease ends on purpose, not by a
+# death, and the job's other ranks (if any) go on.
+closing = threading.Event()
+
+
 def _requests(registration: dict[str, Any], stop: threading.Event, interval: list[float]) -> Iterator[joader_pb2.AttachRequest]:
     seed = registration.get("seed")
     yield joader_pb2.AttachRequest(
@@ -54,6 +59,8 @@ def _requests(registration: dict[str, Any], stop: threading.Event, interval: lis
         if os.getppid() != parent:  # the training process died; its pipe may still be held open
             return
         yield joader_pb2.AttachRequest(heartbeat=True)
+    if closing.is_set():
+        yield joader_pb2.AttachRequest(closing=True)
 
 
 def _reply(message: dict[str, Any]) -> None:
@@ -149,7 +156,8 @@ def main() -> int:
     })
 
     def wait_for_eof() -> None:
-        sys.stdin.read()
+        if "close" in sys.stdin.read():
+            closing.set()
         stop.set()
 
     threading.Thread(target=wait_for_eof, daemon=True).start()

@@ -122,7 +122,8 @@ class JobTable:
         taken = None
         for job in self.jobs.values():
             if job.group_key == key:
-                if not job.ranks[rank].attached and job.ranks[rank].current is None:
+                member = job.ranks[rank]
+                if not member.attached and not member.closed and member.current is None:
                     return job
                 taken = job
         if taken is not None:
@@ -139,6 +140,17 @@ class JobTable:
         if job is None:
             raise UnknownJobError(self.gone_message(job_id))
         job.ranks[rank].last_seen_s = self._clock()
+
+    def close_rank(self, job: Job, index: int) -> bool:
+        """Rank `index` is done (closed its lease on purpose); True once every rank is."""
+        rank = job.ranks[index]
+        rank.attached = False
+        rank.closed = True
+        self._scheduler.drop_queue(rank, lambda entry: True)
+        for pass_ in rank.passes.values():
+            self.release_outstanding(pass_)
+        logger.info("job %s: rank %d closed", job.job_id, index)
+        return all(r.closed for r in job.ranks)
 
     def expire(self) -> list[tuple[Job, str]]:
         """Jobs with a rank whose lease expired (the caller removes them); releases the copies

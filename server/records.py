@@ -142,6 +142,7 @@ class Rank:
     index: int
     last_seen_s: float
     attached: bool = True  # its lease stream is open (ranks join a job one by one)
+    closed: bool = False  # it closed its lease on purpose: done, its picks are not queued
     queue: deque[Entry] = field(default_factory=deque)
     claimed_epoch: int = 0  # the epoch its current pass reads
     passes: dict[int, Pass] = field(default_factory=dict)  # token -> pass, newest last
@@ -247,7 +248,7 @@ class Job:
 
     @property
     def all_attached(self) -> bool:
-        return all(rank.attached for rank in self.ranks)
+        return all(rank.attached or rank.closed for rank in self.ranks)
 
     @property
     def claimed_epoch(self) -> int:

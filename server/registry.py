@@ -176,6 +176,17 @@ class Registry:
         with self._cond:
             return self._remove(job_id, reason)
 
+    def close_rank(self, job_id: str, rank: int) -> None:
+        """A rank closed its lease on purpose: the job ends once all its ranks did."""
+        with self._cond:
+            job = self.jobs.jobs.get(job_id)
+            if job is None:
+                return
+            if self.jobs.close_rank(job, rank):
+                self._remove(job_id, "closed by its client" if job.world_size == 1 else "all its ranks closed")
+            else:
+                self._cond.notify_all()
+
     def _remove(self, job_id: str, reason: str) -> bool:
         job = self.jobs.remove(job_id, reason)
         if job is None:

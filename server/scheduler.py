@@ -63,7 +63,9 @@ class Scheduler:
         per = job.per_rank
         share = EpochShare(epoch, [max(0, per - k) for k in consumed], [0] * job.world_size)
         job.shares[epoch] = share
-        for old in [e for e in job.shares if e <= epoch - _SHARES_KEPT]:
+        # The oldest pass still reading (a superseded one, or a slower rank) needs its share.
+        oldest = min(rank.claimed_epoch for rank in job.ranks) - _SHARES_KEPT
+        for old in [e for e in job.shares if e < oldest]:
             del job.shares[old]
         return share
 
@@ -149,6 +151,8 @@ class Scheduler:
             job = jobs[job_id]
             if not (job.reading and job.all_attached and job.resume is None):
                 continue
+            if job.sampler_epoch > job.claimed_epoch and source.sampler.num_remaining(job_id) == 0:
+                continue  # prepared a whole epoch ahead of its readers: enough lookahead
             share = job.shares[job.sampler_epoch]
             receiver = share.receiver()
             # A job whose picks are dropped (every rank has its share) runs at no cost.
@@ -189,8 +193,12 @@ class Scheduler:
                 self._enqueue(job, rank, share, head[i % len(head)], consumed=False)
 
     def _enqueue(self, job: Job, rank: Rank, share: EpochShare, item_id: int, *, consumed: bool) -> None:
+        share.assigned[rank.index] += 1
+        if rank.closed:  # the rank is done: its share is not prepared
+            if consumed:
+                self._cache.consume_unqueued(job.source, item_id)
+            return
         item = self._cache.want(job.source, item_id, self._round_seq, consumed=consumed)
         rank.queue.append(Entry(share.epoch, item_id, item.key))
-        share.assigned[rank.index] += 1
         if not item.state.settled:
             item.waiters.append(job)  # woken when it settles; settled ones: after the round

@@ -122,7 +122,8 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
                 seed=job.seed,
                 targets=source.listing.labels[job.dataset.to_array()].astype("<i4").tobytes(),
             )
-            heartbeats = asyncio.ensure_future(self._heartbeats(job_id, rank, request_iterator))
+            closed: list[bool] = []
+            heartbeats = asyncio.ensure_future(self._heartbeats(job_id, rank, request_iterator, closed))
             gone = asyncio.ensure_future(removed.wait())
             try:
                 await asyncio.wait({heartbeats, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -134,15 +135,23 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
                 context.set_trailing_metadata(((ERROR_METADATA_KEY, "UnknownJobError"),))
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"job {job_id} was removed: {reason[0]}")
         finally:
-            # The stream ended: the client closed it (its process exited) or it was cancelled.
-            who = f"rank {rank}'s" if job.world_size > 1 else "its"
-            self._registry.remove_job(job_id, f"{who} lease stream closed: the lease keeper process "
-                                      "of the training job exited or lost its connection")
+            # The stream ended: the client closed it on purpose (`closing`), or its process died
+            # or lost its connection, or the call was cancelled.
+            if closed:
+                self._registry.close_rank(job_id, rank)
+            else:
+                who = f"rank {rank}'s" if job.world_size > 1 else "its"
+                self._registry.remove_job(job_id, f"{who} lease stream closed: the lease keeper "
+                                          "process of the training job exited or lost its connection")
 
     async def _heartbeats(self, job_id: str, rank: int,
-                          request_iterator: AsyncIterator[joader_pb2.AttachRequest]) -> None:
+                          request_iterator: AsyncIterator[joader_pb2.AttachRequest],
+                          closed: list[bool]) -> None:
         try:
-            async for _ in request_iterator:
+            async for request in request_iterator:
+                if request.closing:
+                    closed.append(True)
+                    return
                 self._registry.touch(job_id, rank)
         except UnknownJobError:
             return  # removed meanwhile: the removal ends the stream

@@ -430,3 +430,14 @@ def test_a_solo_job_with_a_seed_gets_the_same_order_in_every_run() -> None:
 
     assert run(7) == run(7)
     assert run(7) != run(8)
+
+
+def test_a_dataset_smaller_than_the_queue_is_prepared_one_epoch_ahead_at_most() -> None:
+    registry, pool, _ = make_registry(num_slots=200)
+    job = attach(registry, "demo", BitMap(range(6)), "tiny", 64)
+    nxt(registry, job.job_id, 1, 64, [])  # starts reading: rounds run
+    for _ in range(20):
+        pump(registry, pool)
+    assert len(job.ranks[0].queue) <= 2 * 6  # this epoch and the next, not dozens of epochs
+    for token in (1, 2, 3):
+        assert sorted(read_epoch(registry, pool, job.job_id, token, batch=64)) == list(range(6))
