@@ -60,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 _TOKEN_MASK = (1 << 63) - 1
 STATE_VERSION = 1
+_UNREACHABLE_GRACE_S = 5.0
 
 
 def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -241,7 +242,6 @@ class JoaderDataset(IterableDataset):
         self._passes = 0
         self._current: _Pass | None = None  # the newest pass in this process
         self._warned: set[int] = set()
-        self._reconnect_logged = False
         # What this process (or DataLoader worker) yielded: for state_dict and epoch_order.
         self._epoch = 0
         self._consumed = BitMap()
@@ -369,6 +369,13 @@ class JoaderDataset(IterableDataset):
         stream = _Pass(token, worker_id, worker.num_workers if worker is not None else 1)
         stream.resume, self._resume = self._resume, None
         self._current = stream
+        board = self._board
+        if board is not None and board.generation != self._generation:
+            # joaderd restarted since this process last read (a DataLoader worker forked from a
+            # main process that never reads itself): take the job's new identity first.
+            self._adopt_identity(board)
+            if stream.resume is None:
+                stream.resume = self._resume_point(board, stream)
         return self._batches(stream) if self.batched else self._items(stream)
 
     def _arena(self) -> ArenaReader:
@@ -389,58 +396,79 @@ class JoaderDataset(IterableDataset):
         return call_async(self.address, "Next", request, timeout_s=self.timeout_s + 30)
 
     def _result(self, pending: PendingCall, stream: _Pass) -> Any:
-        """The reply; None when joaderd restarted meanwhile and the job was attached again
-        (the caller asks again, resuming its epoch)."""
+        """The reply; None when the caller should ask again: joaderd restarted meanwhile and
+        the job was attached again (the pass then resumes its epoch), or joaderd was briefly
+        unreachable."""
         try:
-            return pending.result()
+            response = pending.result()
         except (ConnectionError, UnknownJobError) as error:
             if self._await_reconnect(stream, error):
                 return None
             if isinstance(error, UnknownJobError):
                 raise UnknownJobError(f"{error}{self._keeper_note()}") from None
             raise
+        stream.unreachable_since = None
+        return response
 
     def _await_reconnect(self, stream: _Pass, error: Exception) -> bool:
-        """Waits while the lease keeper attaches the job to a restarted joaderd; True once it
-        did (this reader then resumes its epoch there), False if joaderd did not go away."""
+        """Whether to ask again after `error`: waits while the lease keeper attaches the job to
+        a restarted joaderd (then this pass resumes its epoch there), and retries a refused
+        connection for a few seconds (the first call after a restart can race the server's
+        start). False: joaderd did not go away, the error stands."""
         board = self._board
         if board is None:
             return False
-        grace = time.monotonic() + 3.0  # the keeper's stream breaks as soon as joaderd dies
-        deadline = time.monotonic() + self.timeout_s
+        now = time.monotonic()
+        if board.generation == self._generation and not board.reconnecting:
+            if stream.unreachable_since is None:
+                stream.unreachable_since = now
+            if now - stream.unreachable_since < _UNREACHABLE_GRACE_S:
+                # The keeper's stream breaks as soon as joaderd dies; until it says so, or
+                # after joaderd came back, a refused call is worth repeating.
+                time.sleep(0.2)
+                reset_channel(self.address)
+                return True
+            return False
+        deadline = now + self.timeout_s
+        logger.debug("job %s: waiting for the lease keeper to attach the job again", self.job_id)
         while board.generation == self._generation:
-            now = time.monotonic()
-            if not board.reconnecting and (now > grace or isinstance(error, UnknownJobError) and now > grace - 2.0):
-                return False
-            if board.reconnecting and not self._reconnect_logged:
-                self._reconnect_logged = True
-                logger.warning("job %s: joaderd at %s went away; waiting up to %g s for it to come back",
-                               self.job_id, self.address, self.timeout_s)
-            if now > deadline:
+            if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"job {self.job_id}: joaderd at {self.address} did not come back within "
                     f"{self.timeout_s:g} s (timeout_s); restart it (`joaderd --source ...`) and the job")
+            if not board.reconnecting and board.generation == self._generation:
+                return False  # the keeper gave up (its stderr says why)
             time.sleep(0.05)
+        self._adopt_identity(board)
+        stream.unreachable_since = None
+        if stream.resume is None:  # else: the pass's checkpoint was not delivered yet; again
+            stream.resume = self._resume_point(board, stream)
+        return True
+
+    def _adopt_identity(self, board: Board) -> None:
+        """The job as the keeper attached it again: its id, secret and the new server's arena
+        (never the old one's)."""
         identity = board.identity()
         self._generation = board.generation
         self.job_id = identity["job_id"]
         self._secret = base64.b64decode(identity["job_secret"])
         self._server_uid = identity.get("server_uid")
-        self._arena_path = identity["arena_path"]  # a new server, a new arena: never the old one
+        self._arena_path = identity["arena_path"]
         self._reader = None
         reset_channel(self.address)
-        # Resume this pass's epoch on the new server without what this rank already received.
+        logger.debug("job %s: attached again to the restarted joaderd", self.job_id)
+
+    def _resume_point(self, board: Board, stream: _Pass) -> dict[str, Any] | None:
+        """What `stream` tells a restarted joaderd: its epoch, without what this rank received
+        of it (from every reader, on the board); for a pass with no item yet, the next epoch."""
         epoch, token = board.current_pass()
-        if stream.resume is not None:
-            pass  # the pass's checkpoint was not delivered yet: send it again
-        elif stream.epoch:
-            stream.resume = {"epoch": stream.epoch, "consumed": board.received(stream.epoch), "parts": 1}
-        elif epoch and token == stream.token:  # another reader of this pass got its first items
-            stream.resume = {"epoch": epoch, "consumed": board.received(epoch), "parts": 1}
-        elif epoch:  # a new pass: the next epoch, whole, keeping the numbering
-            stream.resume = {"epoch": epoch + 1, "consumed": BitMap(), "parts": 1}
-        logger.warning("job %s: resumed on the restarted joaderd", self.job_id)
-        return True
+        if stream.epoch:
+            return {"epoch": stream.epoch, "consumed": board.received(stream.epoch), "parts": 1}
+        if epoch and token == stream.token:  # another reader of this pass got its first items
+            return {"epoch": epoch, "consumed": board.received(epoch), "parts": 1}
+        if epoch:  # a new pass: the next epoch, whole, keeping the numbering
+            return {"epoch": epoch + 1, "consumed": BitMap(), "parts": 1}
+        return None
 
     def _keeper_note(self) -> str:
         keeper = self._keeper
@@ -607,7 +635,7 @@ class _Pass:
     """One pass in this process: its token and DataLoader worker id (what names it on the
     wire), its epoch once the first reply named it, and the checkpoint it resumes, if any."""
 
-    __slots__ = ("epoch", "num_workers", "resume", "token", "worker_id")
+    __slots__ = ("epoch", "num_workers", "resume", "token", "unreachable_since", "worker_id")
 
     def __init__(self, token: int, worker_id: int, num_workers: int) -> None:
         self.token = token
@@ -615,6 +643,7 @@ class _Pass:
         self.num_workers = num_workers
         self.epoch = 0
         self.resume: dict[str, Any] | None = None
+        self.unreachable_since: float | None = None
 
 
 def _start_keeper(registration: dict[str, Any], timeout_s: float,

@@ -111,6 +111,7 @@ def _reattach(address: str, registration: dict[str, Any], stop: threading.Event,
                 continue
             print(f"joader lease keeper: joaderd is back but refused the job: {translated}",
                   file=sys.stderr, flush=True)
+            board.reconnecting = False  # the readers' errors stand
             return None
         board.publish(_identity(first, server_uid))
         board.reconnecting = False
@@ -119,6 +120,7 @@ def _reattach(address: str, registration: dict[str, Any], stop: threading.Event,
     if not stop.is_set():
         print(f"joader lease keeper: no joaderd at {address} within {timeout_s:g} s; giving up",
               file=sys.stderr, flush=True)
+    board.reconnecting = False
     return None
 
 

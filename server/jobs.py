@@ -236,6 +236,12 @@ class JobTable:
                 "job %s: worker %d of pass %x is a new process (pid %d, was %d): a new pass",
                 job.job_id, args.worker_id, args.token, args.pid, member,
             )
+        if (args.resume_epoch == rank.claimed_epoch + 1 and job.resume is None and job.world_size == 1
+                and not args.resume_consumed and args.resume_parts <= 1):
+            # A new pass that resumes nothing (a client keeping its epoch numbers across a
+            # joaderd restart, after this server's numbering caught up): a plain new pass.
+            args = NextArgs(args.job_id, args.secret, args.token, args.max_items, args.acks,
+                            args.worker_id, args.pid, args.rank)
         epoch = args.resume_epoch if args.resume_epoch > 0 else rank.claimed_epoch + 1
         pass_ = self._start_pass(job, rank, args, epoch)
         self._report_resume(job, rank, args, epoch)
@@ -274,8 +280,11 @@ class JobTable:
             return
         resume = pending
         if resume is None:
-            if job.resumed_epoch == epoch:
-                return  # this epoch already resumed: a late (or repeated) report joins it
+            if job.resumed_epoch == epoch or any(r.handed[epoch] for r in job.ranks):
+                return  # this epoch already resumed, or is being read: a late report joins it
+            if (job.world_size == 1 and args.resume_parts <= 1 and not args.resume_consumed
+                    and epoch == job.sampler_epoch):
+                return  # nothing to resume: the epoch is whole already
             resume = job.resume = Resume(epoch)
         elif resume.epoch != epoch:
             if resume.epoch > epoch:

@@ -12,4 +12,7 @@ GRPC_OPTIONS = [
     # reconnect backoff (which grows to two minutes).
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # A fresh channel gets fresh connections: the process-wide subchannel pool would hand it
+    # the old channel's, still backing off after the outage, and its first call would fail.
+    ("grpc.use_local_subchannel_pool", 1),
 ]

@@ -52,6 +52,10 @@ class Joaderd:
     def __init__(self, sources: dict[str, Path], cache_items: int, *, lease_s: float = 3.0,
                  workers: int = 2, listen: str | None = None, extra: Sequence[str] = (),
                  env: dict[str, str] | None = None) -> None:
+        # What `start_joaderd.restart(server)` needs to start the same server again.
+        self.options: dict[str, Any] = {"sources": dict(sources), "cache_items": cache_items,
+                                        "lease_s": lease_s, "workers": workers, "listen": listen,
+                                        "extra": tuple(extra), "env": env}
         self.dir = Path(tempfile.mkdtemp(prefix="jd-", dir="/tmp"))  # short: sun_path is 108 bytes
         self.log_path = self.dir / "joaderd.log"
         self.expected_exit_code = 0  # a test that kills the server on purpose changes it
@@ -117,7 +121,13 @@ def demo_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def start_joaderd() -> Iterator[Any]:
-    """`start_joaderd(sources, cache_items, ...)` -> Joaderd; stopped and checked afterwards."""
+    """`start_joaderd(sources, cache_items, ...)` -> Joaderd; stopped and checked afterwards.
+
+    `start_joaderd.restart(server)` starts a new joaderd like `server` (same sources, cache size
+    and options) on the same address, as a restart after a crash does; `server` must have exited.
+    Servers are stopped newest first: a restarted one serves on a socket in its predecessor's
+    directory, which goes with the predecessor's cleanup.
+    """
     servers: list[Joaderd] = []
 
     def start(sources: dict[str, Path], cache_items: int, **kwargs: Any) -> Joaderd:
@@ -125,9 +135,15 @@ def start_joaderd() -> Iterator[Any]:
         servers.append(server)
         return server
 
+    def restart(server: Joaderd, **overrides: Any) -> Joaderd:
+        assert server.proc.poll() is not None, "restart(server) needs the old joaderd gone"
+        options = {**server.options, "listen": server.address, **overrides}
+        return start(options.pop("sources"), options.pop("cache_items"), **options)
+
+    start.restart = restart  # type: ignore[attr-defined]
     yield start
     problems = []
-    for server in servers:
+    for server in reversed(servers):
         try:
             code = server.stop()
             if code != server.expected_exit_code:
