@@ -49,9 +49,11 @@ def format_status(status: dict[str, Any]) -> str:
                      f"{s['image_size']:>6} {s['num_jobs']:>5}  {s['root']}")
     lines.append("")
     if status["jobs"]:
-        lines.append(f"{'JOB':<28} {'SOURCE':<12} {'ITEMS':>8} {'EPOCH':>6} {'DELIVERED':>10} {'WAIT_S':>8}")
+        lines.append(f"{'JOB':<28} {'SOURCE':<12} {'ITEMS':>8} {'RANKS':>6} {'EPOCH':>6} {'DELIVERED':>10} "
+                     f"{'WAIT_S':>8}")
         for j in status["jobs"]:
-            lines.append(f"{j['name'][:28]:<28} {j['source'][:12]:<12} {j['num_items']:>8} "
+            ranks = f"{j.get('ranks_attached', 1)}/{j.get('world_size', 1)}"
+            lines.append(f"{j['name'][:28]:<28} {j['source'][:12]:<12} {j['num_items']:>8} {ranks:>6} "
                          f"{j['epoch']:>6} {j['items_delivered']:>10} {j['wait_s']:>8.1f}")
     else:
         lines.append("no jobs")

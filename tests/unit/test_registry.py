@@ -441,3 +441,15 @@ def test_a_dataset_smaller_than_the_queue_is_prepared_one_epoch_ahead_at_most() 
     assert len(job.ranks[0].queue) <= 2 * 6  # this epoch and the next, not dozens of epochs
     for token in (1, 2, 3):
         assert sorted(read_epoch(registry, pool, job.job_id, token, batch=64)) == list(range(6))
+
+
+def test_a_pending_resume_gives_way_to_a_new_pass_that_resumes_nothing() -> None:
+    """StatefulDataLoader drops the iterator of a finished epoch's checkpoint and starts a fresh
+    one: a resume still waiting for its second worker must not hold the job forever."""
+    registry, pool, _ = make_registry(num_slots=30)
+    job = attach(registry, "demo", BitMap(range(20)), "a", 4)
+    nxt(registry, job.job_id, 5, 4, [], worker_id=1, pid=11,
+        resume_epoch=2, resume_consumed=BitMap(range(20)), resume_parts=2)
+    assert job.resume is not None  # waiting for worker 0's report
+    order = read_epoch(registry, pool, job.job_id, token=6)  # a new iterator, no checkpoint
+    assert sorted(order) == list(range(20)) and job.resume is None
