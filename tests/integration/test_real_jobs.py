@@ -323,6 +323,23 @@ def test_a_rank_that_finishes_first_does_not_end_the_others(demo_root: Path, sta
     _check_ranks([proc.report() for proc in ranks], _subset(indices), epochs=2, drop_last=False)
 
 
+def test_a_rank_that_dies_ends_the_job_for_the_others_with_its_rank_named(
+        demo_root: Path, start_joaderd: Any, clients: Clients) -> None:
+    """Rank 1 is SIGKILLed mid-epoch (it kills itself after its 3rd batch): rank 0's next read
+    raises UnknownJobError saying that rank 1's lease ended, instead of waiting forever."""
+    server = start_joaderd({"demo": demo_root}, cache_items=64)
+    common = ["--indices", "20:121", "--world-size", "2", "--name", "dies", "--batch-size", "4"]
+    survivor = clients.start("job", server, "rank0", *common, "--rank", "0", "--epochs", "3", "--sleep", "0.1")
+    victim = clients.start("job", server, "rank1", *common, "--rank", "1", "--epochs", "3",
+                           "--save-after", "3", "--state", str(clients.dir / "rank1.state"))
+    clients.wait(victim, 40, expect=-signal.SIGKILL)
+    code = clients.wait(survivor, 40, expect=None)
+    err = survivor.stderr()
+    assert code != 0, "rank 0 finished its epochs although rank 1 died"
+    assert "UnknownJobError" in err and "rank 1" in err, err[-3000:]
+    assert not server.status()["jobs"]
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Checkpoint, crash, resume
 
