@@ -43,10 +43,12 @@ def format_status(status: dict[str, Any]) -> str:
              f"(replaced {workers.get('replaced', 0)}, tasks retried {workers.get('tasks_retried', 0)}, "
              f"timed out {workers.get('tasks_timed_out', 0)})"]
     lines.append("")
-    lines.append(f"{'SOURCE':<16} {'ITEMS':>9} {'CLASSES':>8} {'SIZE':>6} {'JOBS':>5}  ROOT")
+    lines.append(f"{'SOURCE':<16} {'ITEMS':>9} {'CLASSES':>8} {'KIND':<11} {'STAGE':<22} {'JOBS':>5}  ROOT")
     for s in status["sources"]:
-        lines.append(f"{s['name']:<16} {s['num_items']:>9} {s['num_classes']:>8} "
-                     f"{s['image_size']:>6} {s['num_jobs']:>5}  {s['root']}")
+        lines.append(f"{s['name']:<16} {s['num_items']:>9} {s['num_classes']:>8} {s.get('kind', '?'):<11} "
+                     f"{s.get('stage', '?')[:22]:<22} {s['num_jobs']:>5}  {s['root']}")
+        if s.get("small_items"):
+            lines.append(f"  {s['small_items']} images smaller than the stage's size, served at their own size")
     lines.append("")
     if status["jobs"]:
         lines.append(f"{'JOB':<28} {'SOURCE':<12} {'ITEMS':>8} {'RANKS':>6} {'EPOCH':>6} {'DELIVERED':>10} "
@@ -63,6 +65,11 @@ def format_status(status: dict[str, Any]) -> str:
         f"cache: {_bytes(c['used_bytes'])} of {_bytes(c['capacity_bytes'])} used, {c['items']} items "
         f"({c['pinned']} pinned); hits {c['hits']}, misses {c['misses']}, evictions {c['evictions']}"
     )
+    if "largest_free_bytes" in c:
+        lines.append(
+            f"       items hold {_bytes(c['items_bytes'])}; free {_bytes(c['free_bytes'])}, largest "
+            f"free block {_bytes(c['largest_free_bytes'])} (fragmentation {c['fragmentation']:.0%})"
+        )
     sharing = status.get("sharing_factor")
     lines.append(
         f"items decoded {status['items_decoded']}, delivered {status['items_delivered']}, "

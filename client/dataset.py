@@ -53,7 +53,7 @@ from joader.errors import (
     UnknownJobError,
     superseded_message,
 )
-from joader.proto import joader_pb2
+from joader.proto import DTYPES, joader_pb2
 from joader.sources.safe_open import display_path
 
 logger = logging.getLogger(__name__)
@@ -230,6 +230,15 @@ class JoaderDataset(IterableDataset):
         self.classes: list[str] = list(info["classes"])
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
         self.image_size: int = int(info["image_size"])
+        self.stage: str = info.get("stage", "")
+        self.item_shape: tuple[int, ...] | None = tuple(info.get("item_shape") or ()) or None
+        self.item_dtype: str = info.get("item_dtype") or ""
+        if batched and (self.item_shape is None or not self.item_dtype):
+            _stop_keeper(self._keeper, os.getpid(), board)
+            raise InvalidArgumentError(
+                f"batched=True needs a fixed-size stage, and source {source!r} uses {self.stage!r}, "
+                "whose items vary in size; use batched=False (each item its own tensor), or serve "
+                "the source with a fixed-size stage (center-crop, or a user stage with a spec)")
         self.seed: int = int(info["seed"])
         self.num_job_items = int(info["num_items"])
         self._num_items = int(info["num_rank_items"])
@@ -551,16 +560,18 @@ class JoaderDataset(IterableDataset):
 
     def _items(self, stream: _Pass) -> Iterator[Any]:
         arena = self._arena()
-        shape = (3, self.image_size, self.image_size)
         placed: list[tuple[int, torch.Tensor, int]] = []
 
         def place(response: Any) -> None:
             # One tensor per item, not views of one batch tensor: torch.stack (in the
             # DataLoader's collate) is ~30x slower on views that share a storage.
-            for index, label, offset in zip(response.item_ids, response.labels, response.offsets, strict=True):
-                image = torch.empty(shape, dtype=torch.uint8)
-                arena.copy_into(offset, image.numpy())
-                placed.append((index, image, label))
+            for index, label, offset, shape, dtype in zip(
+                response.item_ids, response.labels, response.offsets, _shapes(response),
+                _dtypes(response), strict=True,
+            ):
+                array = np.empty(shape, dtype=dtype)
+                arena.copy_into(offset, array)
+                placed.append((index, torch.from_numpy(array), label))
 
         for _ in self._stream(stream, place):
             items, placed[:] = list(placed), []
@@ -573,20 +584,33 @@ class JoaderDataset(IterableDataset):
 
     def _batches(self, stream: _Pass) -> Iterator[Any]:
         arena = self._arena()
-        shape = (3, self.image_size, self.image_size)
+        assert self.item_shape is not None
+        shape = self.item_shape
+        dtype = np.dtype(self.item_dtype)
         size = self.batch_size
         done: list[tuple[torch.Tensor, list[int], list[int]]] = []
-        current: list[Any] = [torch.empty((size, *shape), dtype=torch.uint8), [], []]
+
+        def fresh() -> list[Any]:
+            return [torch.from_numpy(np.empty((size, *shape), dtype=dtype)), [], []]
+
+        current: list[Any] = fresh()
 
         def place(response: Any) -> None:
-            for index, label, offset in zip(response.item_ids, response.labels, response.offsets, strict=True):
+            for index, label, offset, item_shape in zip(
+                response.item_ids, response.labels, response.offsets, _shapes(response), strict=True,
+            ):
+                if item_shape != shape:
+                    raise InvalidArgumentError(
+                        f"job {self.job_id}: item {index} of {self.source!r} has shape {item_shape}, "
+                        f"not the stage's {shape} (an image smaller than the stage's size is served "
+                        "as it is); set upscale = true for the source, or use batched=False")
                 images, indices, labels = current
                 arena.copy_into(offset, images[len(indices)].numpy())
                 indices.append(index)
                 labels.append(label)
                 if len(indices) == size:
                     done.append((images, indices, labels))
-                    current[:] = [torch.empty((size, *shape), dtype=torch.uint8), [], []]
+                    current[:] = fresh()
 
         for _ in self._stream(stream, place):
             while done:
@@ -629,6 +653,22 @@ class JoaderDataset(IterableDataset):
             logger.warning(
                 "job %s: skipping item %d (%s): %s", self.job_id, failed.item_id, display_path(failed.path), failed.reason
             )
+
+
+def _shapes(response: Any) -> list[tuple[int, ...]]:
+    """Each item's shape, from the response's flat `dims` and per-item `ndims`."""
+    dims, shapes, at = response.dims, [], 0
+    for ndim in response.ndims:
+        shapes.append(tuple(dims[at:at + ndim]))
+        at += ndim
+    return shapes
+
+
+def _dtypes(response: Any) -> list[np.dtype]:
+    return [_NUMPY_DTYPES[code] for code in response.dtypes]
+
+
+_NUMPY_DTYPES = [np.dtype(name) for name in DTYPES]
 
 
 class _Pass:

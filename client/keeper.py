@@ -154,6 +154,9 @@ def main() -> int:
         "targets": base64.b64encode(first.targets).decode(),
         "image_size": first.image_size,
         "item_nbytes": first.item_nbytes,
+        "stage": first.stage,
+        "item_shape": list(first.item_shape),
+        "item_dtype": first.item_dtype,
         "lease_s": first.lease_s,
     })
 

@@ -16,9 +16,16 @@ TOML (`--config FILE`), every key optional, command-line flags win:
     max_jobs = 1024            # jobs attached at once; more are refused
     ready_file = "/run/joaderd.ready"   # JSON written once joaderd serves (joader.launch)
 
+    decoder = "pil"            # default decoder of the built-in stages: pil | turbo
+
     [sources.imagenet]
-    path = "/data/imagenet/train"
-    image_size = 224
+    path = "/data/imagenet/train"  # an ImageFolder tree, a .tsv/.csv list, or .tar shards
+    stage = "resize"           # center-crop (default) | resize | max-side | "package.module:factory"
+    image_size = 224           # S of the built-in stages
+    mode = "RGB"               # or "L": grayscale stays one channel
+    upscale = false            # true: images smaller than S are upscaled to S
+    decoder = "turbo"          # this source's decoder (default: the top-level one)
+    options = { n_mels = 64 }  # passed to a user stage's factory (server config only)
 
 Why so strict: a misspelt key (`cache-size`) that is silently ignored leaves joaderd running
 with a default the user thinks they changed, and a wrong type used to surface as a traceback
@@ -47,6 +54,10 @@ from joader.cache.arena import parse_size
 from joader.errors import InvalidArgumentError
 
 DEFAULT_IMAGE_SIZE = 256
+DEFAULT_STAGE = "center-crop"
+DEFAULT_DECODER = "pil"
+DECODERS = ("pil", "turbo")
+MODES = ("RGB", "L")
 DEFAULT_CACHE_SIZE = "1GiB"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -67,6 +78,11 @@ class SourceConfig:
     name: str
     path: Path
     image_size: int = DEFAULT_IMAGE_SIZE
+    stage: str = DEFAULT_STAGE
+    mode: str = "RGB"
+    upscale: bool = False
+    decoder: str = DEFAULT_DECODER
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -152,6 +168,18 @@ def _path(value: Any, where: str, example: str) -> Path:
     return Path(_string(value, where, example)).expanduser()
 
 
+def _choice(value: Any, where: str, example: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise _fail(where, " or ".join(repr(c) for c in choices), value, example)
+    return str(value)
+
+
+def _table(value: Any, where: str, example: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _fail(where, "a table", value, example)
+    return dict(value)
+
+
 def _bool(value: Any, where: str, example: str) -> bool:
     if not isinstance(value, bool):
         raise _fail(where, "true or false", value, example)
@@ -194,8 +222,18 @@ _KEYS: dict[str, _Key] = {
     "max_jobs": _Key("--max-jobs", _positive_int, "1024"),
     "ready_file": _Key("--ready-file", _path, '"/run/user/1000/joaderd.ready"'),
 }
+_KEYS["decoder"] = _Key("--decoder", lambda v, w, e: _choice(v, w, e, DECODERS), '"turbo"')
 _TOML_KEYS = (*_KEYS, "sources")
-_SOURCE_KEYS = {"path": _Key("--source", _string, '"/data/train"'), "image_size": _KEYS["image_size"]}
+_SOURCE_KEYS = {
+    "path": _Key("--source", _string, '"/data/train"'),
+    "image_size": _KEYS["image_size"],
+    "stage": _Key("--stage", _string, '"resize"'),
+    "mode": _Key("--mode", lambda v, w, e: _choice(v, w, e, MODES), '"L"'),
+    "upscale": _Key("--upscale", _bool, "true"),
+    "decoder": _KEYS["decoder"],
+    "options": _Key("options", _table, "{ n_mels = 64 }"),
+}
+
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,9 +245,19 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--config", type=Path, help="a TOML file with the settings below")
     add("--source", action="append", default=[], metavar="NAME=PATH",
-        help="serve the ImageFolder tree at PATH as NAME (repeatable)")
+        help="serve PATH as NAME (repeatable): an ImageFolder tree, a .tsv/.csv list of "
+        "path<TAB>label lines, or a folder (or glob) of .tar shards")
     add("--image-size", action="append", default=[], metavar="[NAME=]S",
-        help="side S of the prepared square images, for all sources or for NAME (default 256)")
+        help="S of the built-in stages, for all sources or for NAME (default 256)")
+    add("--stage", action="append", default=[], metavar="[NAME=]STAGE[:S]",
+        help="the shared stage, for all sources or NAME: center-crop (default), resize, max-side, "
+        "or package.module:factory; e.g. --stage imagenet=resize:256")
+    add("--mode", action="append", default=[], metavar="[NAME=]MODE",
+        help="RGB (default) or L (grayscale stays one channel), for all sources or NAME")
+    add("--upscale", action="append", default=[], metavar="NAME",
+        help="upscale NAME's images smaller than S (default: served at their own size)")
+    add("--decoder", choices=DECODERS,
+        help=f"the built-in stages' decoder: pil (exact) or turbo (simplejpeg + OpenCV) (default {DEFAULT_DECODER})")
     add("--listen", metavar="ADDRESS",
         help="unix:/path.sock or 127.0.0.1:PORT (default: $JOADER_ADDRESS, else a per-user socket)")
     add("--allow-remote", action="store_true", default=None,
@@ -239,12 +287,20 @@ def load_config(argv: list[str] | None = None) -> ServerConfig:
         settings, sources = _read_toml(args.config)
     for key, spec in _KEYS.items():
         value = getattr(args, key, None)
-        if value is not None and key != "image_size":
+        if value is not None and key not in ("image_size", "decoder"):
             settings[key] = spec.check(value, spec.flag, spec.cli_example())
     _add_cli_sources(args.source, sources)
     default_size = _apply_image_sizes(args.image_size, settings.pop("image_size", DEFAULT_IMAGE_SIZE), sources)
+    defaults = {"image_size": default_size, "decoder": args.decoder or settings.pop("decoder", DEFAULT_DECODER)}
+    settings.pop("decoder", None)
+    defaults.update(_apply_per_source(args.stage, "--stage", sources, _stage_value))
+    defaults.update(_apply_per_source(args.mode, "--mode", sources, _mode_value))
+    for name in args.upscale:
+        if name not in sources:
+            raise InvalidArgumentError(f"--upscale {name!r}: no source named {name!r}; known: {', '.join(sources) or 'none'}")
+        sources[name]["upscale"] = True
     config = ServerConfig(
-        sources=_source_configs(sources, default_size),
+        sources=_source_configs(sources, defaults),
         listen=settings.get("listen"),
         cache_size_bytes=settings.get("cache_size", parse_size(DEFAULT_CACHE_SIZE)),
         num_workers=settings.get("workers") or default_num_workers(),
@@ -284,7 +340,7 @@ def _toml_sources(tables: Any, path: Path) -> dict[str, dict[str, Any]]:
     for name, table in tables.items():
         where = f"[sources.{name}] in {path}"
         if not isinstance(table, dict):
-            raise _fail(where, "a table with path (and image_size)", table, example)
+            raise _fail(where, "a table with path (and stage, image_size, mode, ...)", table, example)
         _refuse_unknown(table, tuple(_SOURCE_KEYS), f"in {where}")
         sources[name] = {
             key: _SOURCE_KEYS[key].check(value, f"{key} of {where}", f"{key} = {_SOURCE_KEYS[key].example}")
@@ -325,11 +381,39 @@ def _apply_image_sizes(specs: list[str], default_size: int, sources: dict[str, d
     return default_size
 
 
-def _source_configs(sources: dict[str, dict[str, Any]], default_size: int) -> tuple[SourceConfig, ...]:
+def _stage_value(text: str) -> dict[str, Any]:
+    """`--stage resize:256` -> stage and image_size; `--stage pkg.mod:factory` -> stage."""
+    kind, sep, size = text.rpartition(":")
+    if sep and size.isdigit() and "." not in kind:
+        return {"stage": kind, "image_size": _positive_int(int(size), "--stage", "--stage resize:256")}
+    return {"stage": text}
+
+
+def _mode_value(text: str) -> dict[str, Any]:
+    return {"mode": _choice(text, "--mode", "--mode L or --mode NAME=L", MODES)}
+
+
+def _apply_per_source(specs: list[str], flag: str, sources: dict[str, dict[str, Any]],
+                      parse: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
+    """Applies `FLAG [NAME=]VALUE` flags; returns the defaults set for all sources."""
+    defaults: dict[str, Any] = {}
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        if sep and name in sources:
+            sources[name].update(parse(value))
+        elif sep:
+            raise InvalidArgumentError(f"{flag} {spec!r}: no source named {name!r}; "
+                                       f"known: {', '.join(sources) or 'none'}")
+        else:
+            defaults.update(parse(spec))
+    return defaults
+
+
+def _source_configs(sources: dict[str, dict[str, Any]], defaults: dict[str, Any]) -> tuple[SourceConfig, ...]:
     if not sources:
         raise InvalidArgumentError(
-            "joaderd has nothing to serve: give --source NAME=PATH (an ImageFolder tree), "
-            "e.g. joaderd --source demo=./demo-data"
+            "joaderd has nothing to serve: give --source NAME=PATH (an ImageFolder tree, a "
+            ".tsv list or a folder of .tar shards), e.g. joaderd --source demo=./demo-data"
         )
     configs = []
     for name, spec in sources.items():
@@ -338,7 +422,13 @@ def _source_configs(sources: dict[str, dict[str, Any]], default_size: int) -> tu
                 f"source {name!r} has no path; add path = \"/data/...\" to [sources.{name}] or "
                 f"pass --source {name}=PATH"
             )
-        configs.append(SourceConfig(name, Path(spec["path"]).expanduser(), spec.get("image_size", default_size)))
+        merged = {**defaults, **spec}
+        configs.append(SourceConfig(
+            name, Path(merged["path"]).expanduser(), merged.get("image_size", DEFAULT_IMAGE_SIZE),
+            stage=merged.get("stage", DEFAULT_STAGE), mode=merged.get("mode", "RGB"),
+            upscale=merged.get("upscale", False), decoder=merged.get("decoder", DEFAULT_DECODER),
+            options=merged.get("options", {}),
+        ))
     return tuple(configs)
 
 

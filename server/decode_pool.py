@@ -1,7 +1,10 @@
 """The decode workers: the shared stage, run in parallel, writing into the arena.
 
-Each worker maps the arena file read-write itself and writes a prepared sample straight into its
-slot: only small task and result tuples cross sockets, never pixels.
+Each worker reads an item's bytes from its source (`ItemSource.read`), runs the source's stage
+(`Stage.prepare`), and writes the result into the byte range joaderd allocated for it (the
+stage's upper bound; joaderd shrinks it to the real size when the result arrives). Each worker
+maps the arena file read-write itself: only small task and result tuples cross sockets, never
+pixels.
 
 Three processes kinds, and why:
 
@@ -53,13 +56,13 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Self
+from typing import Any, Self
 
 import numpy as np
 
 from joader.errors import DecodeError, InvalidArgumentError, JoaderError
+from joader.proto import DTYPE_CODES
 from joader.sources.safe_open import display_path
-from joader.sources.stage import item_nbytes, item_shape, prepare_into
 
 __all__ = ["DecodePool", "DecodeResult", "PoolConfig", "PoolStats", "SourceSpec"]
 
@@ -76,11 +79,11 @@ _PR_SET_PDEATHSIG = 1
 
 @dataclass(frozen=True)
 class SourceSpec:
-    """What a worker needs to find and prepare items of one source."""
+    """What a worker needs to prepare items of one source (inherited through fork, never
+    pickled): the items (`joader.sources.base.ItemSource`) and the stage (`joader.stages.Stage`)."""
 
-    root: str
-    paths: tuple[str, ...]  # relative to root; item id = position
-    size: int  # side of the prepared sample
+    source: Any
+    stage: Any
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,9 @@ class DecodeResult:
     error: str | None  # set when ok is False: names the file and the reason
     path: str
     decode_s: float
+    shape: tuple[int, ...] = ()  # of the prepared item, when ok
+    dtype: str = ""
+    nbytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -114,18 +120,19 @@ class PoolStats:
 
 
 class _Task:
-    __slots__ = ("attempts", "item_id", "reason", "slot", "source_index", "task_id")
+    __slots__ = ("attempts", "capacity", "item_id", "offset", "reason", "source_index", "task_id")
 
-    def __init__(self, task_id: int, source_index: int, item_id: int, slot: int) -> None:
+    def __init__(self, task_id: int, source_index: int, item_id: int, offset: int, capacity: int) -> None:
         self.task_id = task_id
         self.source_index = source_index
         self.item_id = item_id
-        self.slot = slot
+        self.offset = offset
+        self.capacity = capacity
         self.attempts = 0  # deaths or timeouts of workers while running it
         self.reason = ""
 
     def message(self) -> bytes:
-        return pickle.dumps((self.task_id, self.source_index, self.item_id, self.slot))
+        return pickle.dumps((self.task_id, self.source_index, self.item_id, self.offset, self.capacity))
 
 
 class _Worker:
@@ -140,34 +147,26 @@ class _Worker:
 
 
 class DecodePool:
-    """Worker processes preparing items into arena slots; see the module docstring."""
+    """Worker processes preparing items into the arena; see the module docstring."""
 
-    def __init__(
-        self, config: PoolConfig, arena_path: str, slot_bytes: int, sources: Sequence[SourceSpec]
-    ) -> None:
+    def __init__(self, config: PoolConfig, arena_path: str, sources: Sequence[SourceSpec]) -> None:
         if config.num_workers <= 0:
             raise InvalidArgumentError(f"num_workers must be positive, got {config.num_workers}")
         if config.decode_timeout_s <= 0:
             raise InvalidArgumentError(f"decode_timeout_s must be positive, got {config.decode_timeout_s}")
-        for spec in sources:
-            if item_nbytes(spec.size) > slot_bytes:
-                raise InvalidArgumentError(
-                    f"samples of size {spec.size} need {item_nbytes(spec.size)} bytes, more "
-                    f"than a cache slot ({slot_bytes} bytes)"
-                )
         try:
             arena_bytes = os.path.getsize(arena_path)
         except FileNotFoundError:
             raise JoaderError(f"decode pool: arena {arena_path} does not exist") from None
         self.config = config
         self.num_workers = config.num_workers
-        self.num_slots = arena_bytes // slot_bytes
+        self.arena_bytes = arena_bytes
         self._sources = tuple(sources)
         self._lock = threading.RLock()
         self._tasks: dict[int, _Task] = {}  # submitted, no final result taken yet
         self._pending: deque[_Task] = deque()  # not sent to a worker yet
         self._ready: deque[DecodeResult] = deque()
-        self._workers: dict[int, _Worker] = {}  # by slot index 0..num_workers-1
+        self._workers: dict[int, _Worker] = {}  # by worker index 0..num_workers-1
         self._selector = selectors.DefaultSelector()
         self._replacements: deque[float] = deque()
         self._replaced = 0
@@ -180,7 +179,7 @@ class DecodePool:
         if pid == 0:  # the forker
             try:
                 child_end_fd = child_end.fileno()
-                _forker_main(child_end, _WorkerContext(arena_path, slot_bytes, self._sources), parent, keep={child_end_fd})
+                _forker_main(child_end, _WorkerContext(arena_path, self._sources), parent, keep={child_end_fd})
             finally:
                 os._exit(0)
         child_end.close()
@@ -201,21 +200,22 @@ class DecodePool:
         """Tasks submitted whose result has not been taken yet."""
         return len(self._tasks)
 
-    def submit(self, task_id: int, source_index: int, item_id: int, slot: int) -> None:
-        """Queue one item for preparation into `slot`; never blocks."""
+    def submit(self, task_id: int, source_index: int, item_id: int, offset: int, capacity: int) -> None:
+        """Queue one item for preparation into `capacity` bytes at `offset`; never blocks."""
         if not 0 <= source_index < len(self._sources):
             raise InvalidArgumentError(f"decode pool: no source with index {source_index}")
-        num_items = len(self._sources[source_index].paths)
+        num_items = len(self._sources[source_index].source.paths)
         if not 0 <= item_id < num_items:
             raise InvalidArgumentError(f"decode pool: item id {item_id} out of range 0..{num_items - 1}")
-        if not 0 <= slot < self.num_slots:
-            raise InvalidArgumentError(f"decode pool: slot {slot} out of range 0..{self.num_slots - 1}")
+        if offset < 0 or capacity <= 0 or offset + capacity > self.arena_bytes:
+            raise InvalidArgumentError(
+                f"decode pool: {capacity} bytes at {offset} are outside the arena ({self.arena_bytes} bytes)")
         with self._lock:
             if self._closed:
                 raise JoaderError("decode pool is closed")
             if task_id in self._tasks:
                 raise InvalidArgumentError(f"decode pool: task id {task_id} is already in flight")
-            task = _Task(task_id, source_index, item_id, slot)
+            task = _Task(task_id, source_index, item_id, offset, capacity)
             self._tasks[task_id] = task
             self._pending.append(task)
             self._dispatch()
@@ -305,8 +305,7 @@ class DecodePool:
         return result
 
     def _path(self, task: _Task) -> str:
-        spec = self._sources[task.source_index]
-        return os.path.join(spec.root, spec.paths[task.item_id])
+        return str(self._sources[task.source_index].source.paths[task.item_id])
 
     def _dispatch(self) -> None:
         """Send pending tasks to the least loaded live workers."""
@@ -337,11 +336,11 @@ class DecodePool:
         if not data:
             self._worker_died(worker, "its connection closed")
             return
-        task_id, ok, error, path, decode_s = pickle.loads(data)
-        if worker.tasks and worker.tasks[0].task_id == task_id:
+        result = DecodeResult(*pickle.loads(data))
+        if worker.tasks and worker.tasks[0].task_id == result.task_id:
             worker.tasks.popleft()
         worker.started_s = time.monotonic()  # the next queued task starts now
-        self._ready.append(DecodeResult(task_id, ok, error, path, decode_s))
+        self._ready.append(result)
         self._dispatch()
 
     def _read_control(self) -> None:
@@ -464,7 +463,6 @@ class _WorkerContext:
     """What every worker inherits through fork (never pickled)."""
 
     arena_path: str
-    slot_bytes: int
     sources: tuple[SourceSpec, ...]
 
 
@@ -555,7 +553,7 @@ def _worker_main(sock: socket.socket, ctx: _WorkerContext, keep: set[int]) -> No
         task = pickle.loads(data)
         if task is None:
             return
-        result = _run_task(task, arena, ctx.slot_bytes, ctx.sources)
+        result = _run_task(task, arena, ctx.sources)
         try:
             sock.send(pickle.dumps(result))
         except OSError:
@@ -563,24 +561,41 @@ def _worker_main(sock: socket.socket, ctx: _WorkerContext, keep: set[int]) -> No
 
 
 def _run_task(
-    task: tuple[int, int, int, int],
+    task: tuple[int, int, int, int, int],
     arena: mmap.mmap,
-    slot_bytes: int,
     sources: tuple[SourceSpec, ...],
-) -> tuple[int, bool, str | None, str, float]:
-    task_id, source_index, item_id, slot = task
+) -> tuple[Any, ...]:
+    """Reads, prepares and writes one item; returns a `DecodeResult`'s fields."""
+    task_id, source_index, item_id, offset, capacity = task
     spec = sources[source_index]
-    path = os.path.join(spec.root, spec.paths[item_id])
+    path = str(spec.source.paths[item_id])
     start = time.perf_counter()
-    out = np.frombuffer(arena, np.uint8, item_nbytes(spec.size), slot * slot_bytes)
     try:
-        prepare_into(path, spec.size, out.reshape(item_shape(spec.size)), root=spec.root)
+        array = np.ascontiguousarray(spec.stage.prepare(spec.source.read(item_id), path))
+        problem = _check_output(array, spec.stage, capacity)
+        if problem:
+            raise DecodeError(f"cannot prepare {path}: {problem}")
+        np.frombuffer(arena, np.uint8, array.nbytes, offset)[:] = array.reshape(-1).view(np.uint8)
     except DecodeError as exc:
         return (task_id, False, display_path(str(exc))[:_ERROR_LIMIT], path, time.perf_counter() - start)
-    except Exception as exc:  # a bug must not kill the worker: report it with the task
+    except Exception as exc:  # a bug (or a user stage's error) must not kill the worker
         logging.getLogger(__name__).exception("decode worker: task %d failed", task_id)
-        return (task_id, False, display_path(f"internal error preparing {path}: {exc!r}")[:_ERROR_LIMIT], path, 0.0)
-    return (task_id, True, None, path, time.perf_counter() - start)
+        message = f"stage {spec.stage.name} failed on {path}: {type(exc).__name__}: {exc}"
+        return (task_id, False, display_path(message)[:_ERROR_LIMIT], path, time.perf_counter() - start)
+    return (task_id, True, None, path, time.perf_counter() - start, tuple(array.shape), array.dtype.name, array.nbytes)
+
+
+def _check_output(array: np.ndarray, stage: Any, capacity: int) -> str | None:
+    """Why a stage's output cannot be cached, or None."""
+    if array.dtype.name not in DTYPE_CODES:
+        return f"stage {stage.name} returned dtype {array.dtype}; use one of {', '.join(DTYPE_CODES)}"
+    fixed = stage.spec.shape
+    if fixed is not None and tuple(array.shape) != tuple(fixed):
+        return f"stage {stage.name} returned shape {tuple(array.shape)}, not its declared {tuple(fixed)}"
+    if array.nbytes > capacity:
+        return (f"stage {stage.name} returned {array.nbytes} bytes, more than its declared bound "
+                f"({capacity}); raise the stage's max_item_bytes")
+    return None
 
 
 def _close_inherited(keep: set[int]) -> None:

@@ -1,4 +1,4 @@
-"""The item cache: every item joaderd knows of, its state, its pins, its slot, and eviction.
+"""The item cache: every item joaderd knows of, its state, its pins, its bytes, and eviction.
 
 An `Item` exists from the round that first wants it until it is evicted (READY), dropped
 unwanted (WAITING), or forever while it fails (FAILED, until retried). Its states and their
@@ -9,6 +9,11 @@ unacknowledged copy of it. While the item is READY the RefCnt policy is told of 
 unpin too (it must never choose a pinned victim), so `check_invariants` can compare both. The
 policy's refcount of a READY item is the number of jobs (of its source) that still need it in
 their current epoch; callers keep it current with `add_refcount` / `count_needed`.
+
+Bytes: an item's range of the arena comes from a `ByteAllocator`. A decode is given its source's
+upper bound (`Source.max_item_bytes`: exact for fixed-size stages) and the range is shrunk to the
+item's real size when it lands. When no hole fits, victims are evicted (RefCnt order) until one
+does; with everything pinned, decoding waits for acknowledgements.
 
 Plain logic, no lock: the `Registry` calls it under its own lock.
 """
@@ -22,7 +27,7 @@ from typing import Protocol
 
 from pyroaring import BitMap
 
-from joader.cache.arena import SlotAllocator
+from joader.cache.allocator import ByteAllocator
 from joader.cache.policy import RefCntPolicy
 from joader.server.records import Item, ItemState, Source
 
@@ -37,21 +42,19 @@ class DecodeSubmitter(Protocol):
     @property
     def in_flight(self) -> int: ...
 
-    def submit(self, task_id: int, source_index: int, item_id: int, slot: int) -> None: ...
+    def submit(self, task_id: int, source_index: int, item_id: int, offset: int, capacity: int) -> None: ...
 
 
 class ItemCache:
-    """Items, pins, slots and the RefCnt policy of one joaderd (see the module docstring)."""
+    """Items, pins, arena bytes and the RefCnt policy of one joaderd (see the module docstring)."""
 
-    def __init__(self, num_slots: int, slot_bytes: int, *, retry_failed_s: float,
-                 clock: Callable[[], float]) -> None:
-        self.num_slots = num_slots
-        self.slot_bytes = slot_bytes
+    def __init__(self, capacity_bytes: int, *, retry_failed_s: float, clock: Callable[[], float]) -> None:
         self.retry_failed_s = retry_failed_s
         self._clock = clock
         self.items: dict[int, Item] = {}
         self.policy = RefCntPolicy()
-        self._slots = SlotAllocator(num_slots)
+        self.allocator = ByteAllocator(capacity_bytes)
+        self.capacity_bytes = self.allocator.capacity
         self._demand: list[tuple[int, int]] = []  # (round seq, key): decode in order of need
         self.hits = 0
         self.misses = 0
@@ -136,30 +139,42 @@ class ItemCache:
                 heapq.heappop(demand)
                 del self.items[key]
                 continue
-            slot = self._slots.allocate()
-            if slot is None:
-                victim = self.policy.victim()
-                if victim is None:
-                    return  # everything cached is pinned: decoding waits for acknowledgements
-                self._evict(victim)
-                slot = self._slots.allocate()
+            bound = item.source.max_item_bytes
+            offset = self._allocate(bound)
+            if offset is None:
+                return  # everything cached is pinned: decoding waits for acknowledgements
             heapq.heappop(demand)
             item.move(ItemState.DECODING)
-            item.slot = slot
-            pool.submit(key, source_index(item.source), item.item_id, slot)
+            item.offset = offset
+            pool.submit(key, source_index(item.source), item.item_id, offset, bound)
+
+    def _allocate(self, nbytes: int) -> int | None:
+        """A range of `nbytes`, evicting in RefCnt order until a hole fits; None when every
+        cached item is pinned (or `nbytes` exceeds the whole arena)."""
+        allocator = self.allocator
+        offset = allocator.allocate(nbytes)
+        while offset is None:
+            victim = self.policy.victim()
+            if victim is None:
+                return None
+            self._evict(victim)
+            offset = allocator.allocate(nbytes)
+        return offset
 
     def _evict(self, key: int) -> None:
         self.policy.remove(key)
         item = self.items.pop(key)
         item.source.cached_ids.discard(item.item_id)
-        self._slots.release(item.slot)
+        self.allocator.free(item.offset)
         self.evictions += 1
 
     def file_result(self, key: int, ok: bool, error: str | None, decode_s: float,
-                    refcount: Callable[[Item], int]) -> Item | None:
+                    refcount: Callable[[Item], int], *, shape: tuple[int, ...] = (),
+                    dtype: str = "uint8", nbytes: int = 0) -> Item | None:
         """Files a finished decode; returns the item (None for a key nobody waits for).
 
-        `refcount(item)` counts the jobs that still need it, for the policy.
+        `refcount(item)` counts the jobs that still need it, for the policy; `shape`, `dtype`
+        and `nbytes` describe what the worker wrote at the item's offset.
         """
         item = self.items.get(key)
         if item is None or item.state is not ItemState.DECODING:
@@ -169,6 +184,8 @@ class ItemCache:
         self.decode_s += decode_s
         if ok:
             item.move(ItemState.READY)
+            item.shape, item.dtype, item.nbytes = tuple(shape), dtype, nbytes
+            self.allocator.shrink(item.offset, max(nbytes, 1))
             self.policy.insert(key, refcount(item), pinned=item.pins)
             source.cached_ids.add(item.item_id)
             if source.failed.pop(item.item_id, None) is not None:
@@ -177,8 +194,8 @@ class ItemCache:
         else:
             item.move(ItemState.FAILED)
             item.failed_s = self._clock()
-            self._slots.release(item.slot)
-            item.slot = -1
+            self.allocator.free(item.offset)
+            item.offset = -1
             source.failed[item.item_id] = error or "unknown error"
             logger.warning(
                 "source %s: item %d could not be prepared and is skipped (retried after %g s): %s",
@@ -188,9 +205,10 @@ class ItemCache:
 
     # ----------------------------------------------------------------------------- figures
 
-    @property
-    def used_slots(self) -> int:
-        return self.num_slots - self._slots.num_free
+    def items_bytes(self) -> int:
+        """Bytes of the cached items themselves (the allocator's `used_bytes` adds alignment
+        and the bounds of decodes in flight)."""
+        return sum(item.nbytes for item in self.items.values() if item.state is ItemState.READY)
 
     def pinned_items(self) -> int:
         return sum(1 for item in self.items.values() if item.pins)
@@ -202,14 +220,17 @@ class ItemCache:
                          needed: Callable[[Item], int] | None = None) -> None:
         """Raises AssertionError if the cache's books disagree (tests call it after every step).
 
-        - every READY item is in the policy with the same pin count, has a slot, and is listed
-          in its source's cached ids; no other item is in the policy or holds a slot;
-        - slots in use are exactly the READY and DECODING items' slots, each used once;
+        - every READY item is in the policy with the same pin count and is listed in its
+          source's cached ids; no other item is in the policy;
+        - allocations are exactly the READY items' (their size, rounded) and the DECODING
+          items' (their source's bound), and the allocator's books tile the arena;
         - `expected_pins` (key -> pins, from the jobs' queues and outstanding copies), if given,
           equals every item's pin count; `needed(item)`, if given, equals each READY item's
           refcount.
         """
-        slots: dict[int, int] = {}
+        allocator = self.allocator
+        allocator.check()
+        wanted: dict[int, int] = {}
         for key, item in self.items.items():
             assert item.key == key, (key, item.key)
             assert item.pins >= 0, (item.item_id, item.pins)
@@ -222,16 +243,16 @@ class ItemCache:
                     assert self.policy.refcount(key) == needed(item), (
                         f"item {item.item_id}: refcount {self.policy.refcount(key)}, "
                         f"{needed(item)} jobs need it")
+                wanted[item.offset] = allocator.rounded(max(item.nbytes, 1))
             else:
                 assert key not in self.policy, f"{item.state.name} item {item.item_id} is in the policy"
                 assert item.item_id not in item.source.cached_ids, item.item_id
-            if item.state in (ItemState.READY, ItemState.DECODING):
-                assert item.slot >= 0 and item.slot not in slots, (item.item_id, item.slot)
-                slots[item.slot] = key
-            else:
-                assert item.slot == -1, (item.item_id, item.state, item.slot)
+                if item.state is ItemState.DECODING:
+                    wanted[item.offset] = allocator.rounded(item.source.max_item_bytes)
+                else:
+                    assert item.offset == -1, (item.item_id, item.state, item.offset)
+        assert allocator.allocations() == wanted, "the allocator's ranges are not the items'"
         assert len(self.policy) == sum(1 for i in self.items.values() if i.state is ItemState.READY)
-        assert self.used_slots == len(slots), (self.used_slots, len(slots))
         if expected_pins is not None:
             actual = {key: item.pins for key, item in self.items.items() if item.pins}
             wanted = {key: n for key, n in expected_pins.items() if n}

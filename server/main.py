@@ -29,13 +29,14 @@ from collections.abc import Callable
 from typing import Any
 
 from joader.address import is_loopback, prepare_server_socket, resolve_address, socket_path
-from joader.cache.arena import Arena, remove_stale_arenas
+from joader.cache.arena import Arena, format_size, remove_stale_arenas
 from joader.errors import JoaderError
 from joader.launch import write_ready_file
 from joader.server.config import ServerConfig, load_config
 from joader.server.decode_pool import DecodePool, PoolConfig, SourceSpec
 from joader.server.registry import Registry, RegistryConfig, Source
-from joader.sources.imagefolder import list_image_folder
+from joader.sources.base import open_source
+from joader.stages import build_stage
 
 logger = logging.getLogger("joader.server")
 
@@ -118,25 +119,27 @@ def run(config: ServerConfig) -> int:
     specs: list[SourceSpec] = []
     key_base = 0
     for i, source_config in enumerate(config.sources):
-        listing = list_image_folder(source_config.path)
-        sources.append(Source(source_config.name, listing, source_config.image_size, key_base, config.seed + i))
-        specs.append(SourceSpec(str(listing.root), listing.paths, source_config.image_size))
+        listing = open_source(source_config.path)
+        stage = build_stage(
+            source_config.stage, size=source_config.image_size, mode=source_config.mode,
+            upscale=source_config.upscale, decoder=source_config.decoder, options=source_config.options,
+        )
+        sources.append(Source(source_config.name, listing, stage, key_base, config.seed + i))
+        specs.append(SourceSpec(listing, stage))
         key_base += len(listing.paths)
         logger.info(
-            "source %s: %d items in %d classes at %s, prepared at %dx%d",
-            source_config.name, len(listing.paths), len(listing.classes), listing.root,
-            source_config.image_size, source_config.image_size,
+            "source %s: %d items in %d classes (%s at %s), stage %s",
+            source_config.name, len(listing.paths), len(listing.classes), listing.kind, listing.root, stage.name,
         )
-    slot_bytes = max(s.item_nbytes for s in sources)
-    arena = Arena.create(config.cache_size_bytes, slot_bytes)
+    arena = Arena.create(config.cache_size_bytes, max(s.max_item_bytes for s in sources))
     pool: DecodePool | None = None
     try:
         pool = DecodePool(
             PoolConfig(num_workers=config.num_workers, decode_timeout_s=config.decode_timeout_s),
-            str(arena.path), slot_bytes, specs,
+            str(arena.path), specs,
         )
         registry = Registry(
-            sources, arena.num_slots, slot_bytes, pool,
+            sources, arena.size_bytes, pool,
             RegistryConfig(
                 lookahead_batches=config.lookahead_batches, lease_s=config.lease_s,
                 retry_failed_s=config.retry_failed_s, max_jobs=config.max_jobs,
@@ -220,8 +223,8 @@ async def _serve(
         if config.ready_file is not None:
             write_ready_file(config.ready_file, ready)
         logger.info(
-            "joaderd ready at %s: cache %d slots of %d bytes in %s, %d decode workers",
-            address, arena.num_slots, arena.slot_bytes, arena.path, pool.num_workers,
+            "joaderd ready at %s: cache %s in %s, %d decode workers",
+            address, format_size(arena.size_bytes), arena.path, pool.num_workers,
         )
         await stop.wait()
         logger.info("joaderd stopping")
@@ -242,7 +245,8 @@ def _forward_results(pool: DecodePool, registry: Registry, stop: threading.Event
     while not stop.is_set():
         result = pool.get_result(timeout_s=0.2)
         if result is not None:
-            registry.file_result(result.task_id, result.ok, result.error, result.decode_s)
+            registry.file_result(result.task_id, result.ok, result.error, result.decode_s,
+                                 shape=result.shape, dtype=result.dtype, nbytes=result.nbytes)
 
 
 def _inject_fault(registry: Registry, where: str) -> None:

@@ -13,11 +13,11 @@ import random
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pyroaring import BitMap
 
 from joader.sampling import DependentSampler
-from joader.sources.imagefolder import SourceListing
 
 
 class ItemState(enum.Enum):
@@ -56,17 +56,19 @@ _TRANSITIONS = {
 
 @dataclass
 class Source:
-    """A served source: its listing, its sampler and the ids of its items now in the cache."""
+    """A served source: its items (any `ItemSource`), its shared stage, its sampler, and the ids
+    of its items now in the cache."""
 
     name: str
-    listing: SourceListing
-    image_size: int
+    listing: Any  # joader.sources.base.ItemSource: paths, labels, classes, root, read()
+    stage: Any  # joader.stages.Stage: name, spec (shape or None, dtype, max_nbytes), prepare()
     key_base: int
     seed: int
     sampler: DependentSampler = field(init=False)
     cached_ids: BitMap = field(default_factory=BitMap)
     failed: dict[int, str] = field(default_factory=dict)  # item id -> reason, until it decodes
     job_ids: list[str] = field(default_factory=list)
+    small_items: int = 0  # items smaller than the stage's size (served as they are, not upscaled)
 
     def __post_init__(self) -> None:
         self.sampler = DependentSampler(seed=self.seed)
@@ -76,21 +78,26 @@ class Source:
         return len(self.listing.paths)
 
     @property
-    def item_nbytes(self) -> int:
-        return 3 * self.image_size * self.image_size
+    def max_item_bytes(self) -> int:
+        """What a decode of this source may need, allocated before it (shrunk after)."""
+        return int(self.stage.spec.max_nbytes)
 
 
 class Item:
     """One item of one source, keyed by `source.key_base + item_id` in the registry."""
 
-    __slots__ = ("failed_s", "item_id", "key", "pins", "slot", "source", "state", "waiters")
+    __slots__ = ("dtype", "failed_s", "item_id", "key", "nbytes", "offset", "pins", "shape", "source",
+                 "state", "waiters")
 
     def __init__(self, source: Source, item_id: int) -> None:
         self.source = source
         self.item_id = item_id
         self.key = source.key_base + item_id
         self.state = ItemState.WAITING
-        self.slot = -1
+        self.offset = -1  # its bytes in the arena, while DECODING or READY
+        self.nbytes = 0  # once READY: its size, shape and dtype
+        self.shape: tuple[int, ...] = ()
+        self.dtype = ""
         # Queue entries and handed-out, unacknowledged copies, for the item's whole life (the
         # cache policy mirrors them while it is READY, so that it never evicts a pinned item).
         self.pins = 0
@@ -269,6 +276,9 @@ class Batch:
     labels: list[int]
     offsets: list[int]
     failed: list[tuple[int, str, str]]  # (item id, relative path, reason)
+    lengths: list[int] = field(default_factory=list)  # bytes of each item
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The job registry: jobs, the RefCnt item cache and the scheduler, behind one plain lock.
 
-Its parts, each readable on its own: `ItemCache` (item_cache.py: item states, pins, slots,
-eviction), `JobTable` (jobs.py: jobs, ranks, passes, leases, resumes), `Scheduler`
+Its parts, each readable on its own: `ItemCache` (item_cache.py: item states, pins, arena
+bytes, eviction), `JobTable` (jobs.py: jobs, ranks, passes, leases, resumes), `Scheduler`
 (scheduler.py: DSA rounds dealt to the ranks' queues). This module holds the lock and the entry
 points; the gRPC servicer is a thin adapter over it. Three kinds of callers come in:
 
@@ -22,6 +22,7 @@ after every step).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -86,8 +87,7 @@ class Registry:
     def __init__(
         self,
         sources: Sequence[Source],
-        num_slots: int,
-        slot_bytes: int,
+        capacity_bytes: int,
         pool: DecodeSubmitter,
         config: RegistryConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -103,7 +103,7 @@ class Registry:
         self._sources = {s.name: s for s in sources}
         self._source_index = {s.name: i for i, s in enumerate(sources)}
         self._pool = pool
-        self.cache = ItemCache(num_slots, slot_bytes, retry_failed_s=self.config.retry_failed_s, clock=clock)
+        self.cache = ItemCache(capacity_bytes, retry_failed_s=self.config.retry_failed_s, clock=clock)
         self._scheduler = Scheduler(self.cache)
         self.jobs = JobTable(self.cache, self._scheduler, lease_s=self.config.lease_s,
                              max_jobs=self.config.max_jobs, clock=clock)
@@ -204,11 +204,12 @@ class Registry:
         # at their limit of twice the capacity, all queues together fit in it), but at least one
         # batch while the whole cache can still hold every queue at its limit: a rank that reads
         # a batch at a time and finds less than a batch queued sits out rounds it should share.
+        # Counted in items of each job's source's largest size.
         num_queues = max(1, sum(job.world_size for job in self.jobs.jobs.values()))
-        num_slots = self.cache.num_slots
-        share = num_slots // (4 * num_queues)
         for job in self.jobs.jobs.values():
-            floor = min(job.batch_size, num_slots // (2 * num_queues))
+            num_items = self.cache.capacity_bytes // max(1, job.source.max_item_bytes)
+            share = num_items // (4 * num_queues)
+            floor = min(job.batch_size, num_items // (2 * num_queues))
             wanted = self.config.lookahead_batches * job.batch_size
             job.queue_capacity = max(1, min(wanted, max(share, floor)))
 
@@ -350,30 +351,30 @@ class Registry:
         epoch = pass_.epoch
         while queue and queue[0].epoch < epoch:  # leftovers of an abandoned epoch
             self.cache.release(queue.popleft().key)
-        item_ids: list[int] = []
-        labels: list[int] = []
-        offsets: list[int] = []
-        failed: list[tuple[int, str, str]] = []
+        batch = Batch(epoch, False, [], [], [], [])
         source = job.source
         source_labels = source.listing.labels
-        slot_bytes = self.cache.slot_bytes
         items = self.cache.items
-        while queue and len(item_ids) + len(failed) < max_items:
+        while queue and len(batch.item_ids) + len(batch.failed) < max_items:
             entry = queue[0]
             if entry.epoch != epoch:
                 break
             item = items[entry.key]
             if item.state is ItemState.READY:
-                item_ids.append(entry.item_id)
-                labels.append(int(source_labels[entry.item_id]))
-                offsets.append(item.slot * slot_bytes)
+                batch.item_ids.append(entry.item_id)
+                batch.labels.append(int(source_labels[entry.item_id]))
+                batch.offsets.append(item.offset)
+                batch.lengths.append(item.nbytes)
+                batch.shapes.append(item.shape)
+                batch.dtypes.append(item.dtype)
                 pass_.outstanding[entry.key] += 1  # the queue's pin now covers the handed-out copy
             elif item.state is ItemState.FAILED:
-                failed.append((entry.item_id, source.listing.paths[entry.item_id], source.failed[entry.item_id]))
+                batch.failed.append((entry.item_id, source.listing.paths[entry.item_id], source.failed[entry.item_id]))
                 self.cache.release(entry.key)
             else:
                 break
             queue.popleft()
+        item_ids, failed = batch.item_ids, batch.failed
         if not item_ids and not failed:
             return None
         rank.handed[epoch] += len(item_ids) + len(failed)
@@ -381,7 +382,7 @@ class Registry:
         job.items_skipped += len(failed)
         self.items_delivered += len(item_ids)
         self._cond.notify_all()  # the queue has room again
-        return Batch(epoch, self._left(job, rank, epoch) == 0, item_ids, labels, offsets, failed)
+        return dataclasses.replace(batch, end_of_epoch=self._left(job, rank, epoch) == 0)
 
     # ----------------------------------------------------------------------------- scheduling
 
@@ -424,16 +425,36 @@ class Registry:
 
     # ----------------------------------------------------------------------------- results
 
-    def file_result(self, key: int, ok: bool, error: str | None, decode_s: float) -> None:
+    def file_result(self, key: int, ok: bool, error: str | None, decode_s: float, *,
+                    shape: tuple[int, ...] = (), dtype: str = "uint8", nbytes: int = 0) -> None:
         """Files one finished decode (called by the results thread)."""
         with self._cond:
-            item = self.cache.file_result(key, ok, error, decode_s, self._needed)
+            item = self.cache.file_result(key, ok, error, decode_s, self._needed, shape=shape,
+                                          dtype=dtype, nbytes=nbytes)
             if item is None:
                 return
+            if ok:
+                self._note_size(item)
             for job in item.waiters:
                 job.wake()
             item.waiters = []
             self._dispatch()
+
+    def _note_size(self, item: Item) -> None:
+        """Counts images smaller than the stage's size (served as they are: never upscaled
+        unless the source asks), warning at the first and at every power of two."""
+        size = getattr(item.source.stage, "size", None)
+        if not size or len(item.shape) != 3 or min(item.shape[1:]) >= size:
+            return
+        source = item.source
+        source.small_items += 1
+        if source.small_items & (source.small_items - 1) == 0:
+            logger.warning(
+                "source %s: %d image(s) so far smaller than %d px (e.g. %s, %s): served at their "
+                "own size, not upscaled; set upscale = true for the source to upscale them",
+                source.name, source.small_items, size, source.listing.paths[item.item_id],
+                "x".join(map(str, item.shape)),
+            )
 
     def _needed(self, item: Item) -> int:
         return self._scheduler.needed(item.source, item.item_id)
@@ -475,6 +496,7 @@ class Registry:
             now = self._clock()
             cache = self.cache
             policy_stats = cache.policy.statistics()
+            allocation = cache.allocator.stats()
             failed = [
                 {"source": s.name, "item_id": i, "path": display_path(s.listing.paths[i]), "reason": display_path(r)}
                 for s in self._sources.values()
@@ -488,7 +510,10 @@ class Registry:
                         "root": display_path(str(s.listing.root)),
                         "num_items": s.num_items,
                         "num_classes": len(s.listing.classes),
-                        "image_size": s.image_size,
+                        "kind": getattr(s.listing, "kind", "imagefolder"),
+                        "stage": s.stage.name,
+                        "image_size": getattr(s.stage, "size", None),
+                        "small_items": s.small_items,
                         "num_jobs": len(s.job_ids),
                     }
                     for s in self._sources.values()
@@ -513,10 +538,12 @@ class Registry:
                 ],
                 "max_jobs": self.config.max_jobs,
                 "cache": {
-                    "capacity_bytes": cache.num_slots * cache.slot_bytes,
-                    "slot_bytes": cache.slot_bytes,
-                    "num_slots": cache.num_slots,
-                    "used_bytes": cache.used_slots * cache.slot_bytes,
+                    "capacity_bytes": cache.capacity_bytes,
+                    "used_bytes": allocation.used_bytes,
+                    "items_bytes": cache.items_bytes(),
+                    "free_bytes": allocation.free_bytes,
+                    "largest_free_bytes": allocation.largest_free_bytes,
+                    "fragmentation": round(allocation.fragmentation, 4),
                     "items": policy_stats.num_items,
                     "pinned": cache.pinned_items(),  # items with a pin
                     "pins": cache.pins(),  # queue entries plus unacknowledged copies

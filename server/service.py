@@ -29,7 +29,7 @@ import grpc
 from pyroaring import BitMap
 
 from joader.errors import InvalidArgumentError, JoaderError, UnknownJobError, status_code_name
-from joader.proto import ERROR_METADATA_KEY, MAX_MESSAGE_BYTES, joader_pb2, joader_pb2_grpc
+from joader.proto import DTYPE_CODES, ERROR_METADATA_KEY, MAX_MESSAGE_BYTES, joader_pb2, joader_pb2_grpc
 from joader.server.records import Batch, NextArgs
 from joader.server.registry import Registry, max_indices_bytes
 from joader.sources.safe_open import display_path
@@ -111,8 +111,11 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
                 classes=[os.fsencode(c) for c in source.listing.classes],
                 num_source_items=source.num_items,
                 num_items=job.num_items,
-                image_size=source.image_size,
-                item_nbytes=source.item_nbytes,
+                image_size=getattr(source.stage, "size", 0) or 0,
+                item_nbytes=source.max_item_bytes,
+                stage=source.stage.name,
+                item_shape=list(source.stage.spec.shape or ()),
+                item_dtype=source.stage.spec.dtype or "",
                 arena_path=self._arena_path,
                 lease_s=self._registry.config.lease_s,
                 server_pid=os.getpid(),
@@ -192,6 +195,9 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
 
 
 def _response(batch: Batch) -> joader_pb2.NextResponse:
+    dims: list[int] = []
+    for shape in batch.shapes:
+        dims.extend(shape)
     return joader_pb2.NextResponse(
         epoch=batch.epoch,
         end_of_epoch=batch.end_of_epoch,
@@ -202,6 +208,10 @@ def _response(batch: Batch) -> joader_pb2.NextResponse:
             joader_pb2.FailedItem(item_id=i, path=os.fsencode(p), reason=display_path(r))
             for i, p, r in batch.failed
         ],
+        lengths=batch.lengths,
+        ndims=[len(shape) for shape in batch.shapes],
+        dims=dims,
+        dtypes=[DTYPE_CODES[d] for d in batch.dtypes],
     )
 
 

@@ -1,8 +1,11 @@
-"""The shared-memory arena: one file under /dev/shm, cut into equal slots of prepared samples.
+"""The shared-memory arena: one file under /dev/shm holding prepared items of any size.
+
+Which bytes hold which item is the server's business (`joader.cache.allocator.ByteAllocator`,
+owned by the item cache); the arena only creates, maps, guards and removes the file.
 
 The server creates and owns the arena (`Arena.create`) and is the only one that unlinks it;
 decode workers map it read-write; clients map it read-only (`ArenaReader`). Three traps shape
-this module (DESIGN.md, sec. 4):
+this module (docs/architecture.md, "Lessons already paid for"):
 
 - tmpfs does not reserve pages on `ftruncate`, and writing past what /dev/shm holds kills the
   writer with SIGBUS. So the file is allocated with `os.posix_fallocate`, and ENOSPC becomes a
@@ -45,7 +48,6 @@ __all__ = [
     "DEFAULT_SHM_DIR",
     "Arena",
     "ArenaReader",
-    "SlotAllocator",
     "arena_name_pattern",
     "format_size",
     "parse_size",
@@ -68,18 +70,16 @@ def arena_name_pattern(uid: int | None = None) -> re.Pattern[str]:
 
 
 class Arena:
-    """A shared-memory file of `num_slots` slots of `slot_bytes` each, mapped read-write."""
+    """A shared-memory file of `size_bytes`, mapped read-write."""
 
-    def __init__(
-        self, path: Path, capacity_bytes: int, slot_bytes: int, mm: mmap.mmap, lock_fd: int
-    ) -> None:
+    ALIGN = 64  # the size is a multiple of this (the allocator's unit)
+
+    def __init__(self, path: Path, capacity_bytes: int, mm: mmap.mmap, lock_fd: int) -> None:
         # Use `Arena.create`; this only wraps an already allocated, mapped file.
         self.path = path
         self.name = path.name
         self.capacity_bytes = capacity_bytes
-        self.slot_bytes = slot_bytes
-        self.num_slots = capacity_bytes // slot_bytes
-        self.size_bytes = self.num_slots * slot_bytes  # never above capacity_bytes
+        self.size_bytes = capacity_bytes - capacity_bytes % self.ALIGN  # never above capacity
         self._mmap: mmap.mmap | None = mm
         self._lock_fd: int | None = lock_fd  # holds the flock that marks the arena as alive
         self._unlinked = False
@@ -88,20 +88,21 @@ class Arena:
     def create(
         cls,
         capacity_bytes: int,
-        slot_bytes: int,
+        min_bytes: int = 1,
         *,
         shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR,
     ) -> Arena:
-        """Create, fully allocate and map a new arena. Raises CacheSpaceError if it does not fit."""
-        if slot_bytes <= 0:
-            raise InvalidArgumentError(f"slot_bytes must be positive, got {slot_bytes}")
-        if capacity_bytes < slot_bytes:
+        """Create, fully allocate and map a new arena. Raises CacheSpaceError if it does not fit.
+
+        `min_bytes`: the largest item it must hold (the arena is refused below that).
+        """
+        size_bytes = capacity_bytes - capacity_bytes % cls.ALIGN
+        if size_bytes < max(min_bytes, cls.ALIGN):
             raise InvalidArgumentError(
                 f"cache capacity {format_size(capacity_bytes)} is smaller than one prepared "
-                f"sample ({format_size(slot_bytes)}); raise --cache-size to at least a few "
-                "hundred samples"
+                f"item ({format_size(min_bytes)}); raise --cache-size to at least a few "
+                "hundred items"
             )
-        size_bytes = (capacity_bytes // slot_bytes) * slot_bytes
         name = f"{_NAME_PREFIX}-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}"
         path = Path(shm_dir) / name
         try:
@@ -127,13 +128,8 @@ class Arena:
             _unlink_quietly(path)
             raise
         _created_here.add(name)
-        logger.info(
-            "created cache arena %s: %s in %d slots",
-            path,
-            format_size(size_bytes),
-            size_bytes // slot_bytes,
-        )
-        return cls(path, capacity_bytes, slot_bytes, mm, fd)
+        logger.info("created cache arena %s: %s", path, format_size(size_bytes))
+        return cls(path, capacity_bytes, mm, fd)
 
     @property
     def buffer(self) -> mmap.mmap:
@@ -142,19 +138,15 @@ class Arena:
             raise JoaderError(f"cache arena {self.name} is closed")
         return self._mmap
 
-    def slot_offset(self, slot: int) -> int:
-        if not 0 <= slot < self.num_slots:
-            raise InvalidArgumentError(f"slot {slot} out of range 0..{self.num_slots - 1}")
-        return slot * self.slot_bytes
-
-    def slot_array(self, slot: int, shape: tuple[int, ...]) -> np.ndarray:
-        """A writable uint8 numpy view of the start of `slot`, shaped `shape`."""
-        nbytes = int(np.prod(shape))
-        if nbytes > self.slot_bytes:
+    def array(self, offset: int, shape: tuple[int, ...], dtype: np.dtype | type = np.uint8) -> np.ndarray:
+        """A writable numpy view of `shape` and `dtype` at byte `offset`."""
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape))
+        if offset < 0 or offset + count * dtype.itemsize > self.size_bytes:
             raise InvalidArgumentError(
-                f"shape {shape} needs {nbytes} bytes, slots hold {self.slot_bytes}"
-            )
-        return np.frombuffer(self.buffer, np.uint8, nbytes, self.slot_offset(slot)).reshape(shape)
+                f"{count * dtype.itemsize} bytes at offset {offset} are outside the arena "
+                f"({self.size_bytes} bytes)")
+        return np.frombuffer(self.buffer, dtype, count, offset).reshape(shape)
 
     def close(self) -> None:
         """Unmap and drop the lock (idempotent). Live numpy views keep the mapping until freed."""
@@ -185,42 +177,7 @@ class Arena:
         self.unlink()
 
     def __repr__(self) -> str:
-        return (
-            f"Arena({str(self.path)!r}, num_slots={self.num_slots}, slot_bytes={self.slot_bytes})"
-        )
-
-
-class SlotAllocator:
-    """A free list of slot indices 0..num_slots-1. Pure; the server holds the only one."""
-
-    def __init__(self, num_slots: int) -> None:
-        if num_slots < 0:
-            raise InvalidArgumentError(f"num_slots must be >= 0, got {num_slots}")
-        self.num_slots = num_slots
-        # Popping from the end hands out low slots first, which keeps a lightly used arena's
-        # touched pages together.
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._is_free = bytearray(b"\x01") * num_slots
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self) -> int | None:
-        """A free slot, or None when all are in use (the caller evicts or waits)."""
-        if not self._free:
-            return None
-        slot = self._free.pop()
-        self._is_free[slot] = 0
-        return slot
-
-    def release(self, slot: int) -> None:
-        if not 0 <= slot < self.num_slots:
-            raise InvalidArgumentError(f"slot {slot} out of range 0..{self.num_slots - 1}")
-        if self._is_free[slot]:
-            raise InvalidArgumentError(f"slot {slot} released twice")
-        self._is_free[slot] = 1
-        self._free.append(slot)
+        return f"Arena({str(self.path)!r}, size_bytes={self.size_bytes})"
 
 
 class ArenaReader:

@@ -16,3 +16,8 @@ GRPC_OPTIONS = [
     # the old channel's, still backing off after the outage, and its first call would fail.
     ("grpc.use_local_subchannel_pool", 1),
 ]
+
+# Item dtypes on the wire (NextResponse.dtypes holds indices into this tuple). Append only.
+DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float16",
+          "float32", "float64", "bool")
+DTYPE_CODES = {name: code for code, name in enumerate(DTYPES)}

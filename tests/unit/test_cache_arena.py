@@ -15,7 +15,6 @@ from joader.cache import arena as arena_module
 from joader.cache.arena import (
     Arena,
     ArenaReader,
-    SlotAllocator,
     format_size,
     parse_size,
     remove_stale_arenas,
@@ -41,22 +40,21 @@ def test_create_and_unlink_in_dev_shm_leaves_nothing() -> None:
         assert arena.path.parent == Path("/dev/shm")
         assert arena.name.startswith(f"joader-{os.getuid()}-{os.getpid()}-")
         assert arena.path.stat().st_mode & 0o777 == 0o600
-        assert arena.path.stat().st_size == 10_000 and arena.num_slots == 10
-        assert arena.slot_offset(3) == 3_000
+        assert arena.path.stat().st_size == 9_984 and arena.size_bytes == 9_984  # 64-byte units
     assert not arena.path.exists()
     arena.close()  # idempotent
     arena.unlink()
 
 
-def test_size_rounds_down_to_whole_slots(tmp_path: Path) -> None:
+def test_size_rounds_down_to_whole_allocation_units(tmp_path: Path) -> None:
     with Arena.create(10_500, 1_000, shm_dir=tmp_path) as arena:
-        assert arena.num_slots == 10 and arena.size_bytes == 10_000
-        assert arena.path.stat().st_size == 10_000
-        with pytest.raises(InvalidArgumentError):
-            arena.slot_offset(10)
+        assert arena.size_bytes == 10_496
+        assert arena.path.stat().st_size == 10_496
+        with pytest.raises(InvalidArgumentError, match="outside the arena"):
+            arena.array(10_400, (100,))
 
 
-def test_capacity_below_one_slot_is_rejected(tmp_path: Path) -> None:
+def test_capacity_below_one_item_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="--cache-size"):
         Arena.create(100, 1_000, shm_dir=tmp_path)
     assert list(tmp_path.iterdir()) == []
@@ -79,12 +77,12 @@ def test_enospc_is_a_clear_error_and_leaves_no_file(
 
 def test_reader_sees_writer_bytes_read_only(tmp_path: Path) -> None:
     with Arena.create(4 * 48, 48, shm_dir=tmp_path) as arena:
-        view = arena.slot_array(2, (3, 4, 4))
+        view = arena.array(96, (3, 4, 4))
         view[...] = np.arange(48, dtype=np.uint8).reshape(3, 4, 4)
         del view
         with ArenaReader(arena.name, shm_dir=tmp_path) as reader:
             out = np.empty((3, 4, 4), np.uint8)
-            reader.copy_into(arena.slot_offset(2), out)
+            reader.copy_into(96, out)
             assert (out.ravel() == np.arange(48)).all()
             assert bytes(reader.view(96, 4)) == bytes([0, 1, 2, 3])
             arr = reader.array(96, (3, 4, 4))
@@ -186,19 +184,6 @@ def test_remove_stale_arenas_keeps_a_locked_segment_with_a_dead_pid(tmp_path: Pa
     finally:
         os.close(fd)
     assert remove_stale_arenas(tmp_path) == [path.name]
-
-
-def test_slot_allocator() -> None:
-    slots = SlotAllocator(3)
-    got = [slots.allocate() for _ in range(3)]
-    assert sorted(got) == [0, 1, 2] and slots.allocate() is None and slots.num_free == 0
-    slots.release(1)
-    assert slots.num_free == 1 and slots.allocate() == 1
-    slots.release(2)
-    with pytest.raises(InvalidArgumentError, match="twice"):
-        slots.release(2)
-    with pytest.raises(InvalidArgumentError):
-        slots.release(3)
 
 
 @pytest.mark.parametrize(

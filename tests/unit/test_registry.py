@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -28,6 +29,10 @@ from joader.sources.imagefolder import SourceListing
 pytestmark = pytest.mark.timeout(60)
 
 NUM_ITEMS = 60
+ITEM_BYTES = 3 * 8 * 8
+# A stand-in for a built-in stage: only its name, size and item spec matter to the registry.
+STAGE = SimpleNamespace(name="center-crop:8", size=8,
+                        spec=SimpleNamespace(shape=(3, 8, 8), dtype="uint8", max_nbytes=ITEM_BYTES))
 
 
 class FakePool:
@@ -37,21 +42,21 @@ class FakePool:
 
     def __init__(self) -> None:
         self.submitted: list[tuple[int, int, int, int]] = []
-        self.slots_in_use: dict[int, int] = {}
 
     @property
     def in_flight(self) -> int:
         return len(self.submitted)
 
-    def submit(self, task_id: int, source_index: int, item_id: int, slot: int) -> None:
-        assert slot not in self.slots_in_use.values(), "a slot was handed out twice"
-        self.submitted.append((task_id, source_index, item_id, slot))
+    def submit(self, task_id: int, source_index: int, item_id: int, offset: int, capacity: int) -> None:
+        assert capacity == ITEM_BYTES
+        self.submitted.append((task_id, source_index, item_id, offset))
 
     def finish(self, registry: Registry, fail: set[int] = frozenset()) -> None:
         while self.submitted:
-            task_id, _, item_id, _slot = self.submitted.pop(0)
+            task_id, _, item_id, _offset = self.submitted.pop(0)
             ok = item_id not in fail
-            registry.file_result(task_id, ok, None if ok else "truncated", 0.001)
+            registry.file_result(task_id, ok, None if ok else "truncated", 0.001,
+                                 shape=(3, 8, 8), dtype="uint8", nbytes=ITEM_BYTES)
 
 
 class FakeClock:
@@ -72,7 +77,7 @@ def make_registry(num_slots: int = 20, lease_s: float = 5.0, **config: object) -
     )
     pool, clock = FakePool(), FakeClock()
     settings = RegistryConfig(lease_s=lease_s, next_wait_s=0.0, linger_s=0.0, **config)  # type: ignore[arg-type]
-    registry = Registry([Source("demo", listing, 8, 0, seed=3)], num_slots, 3 * 8 * 8, pool, settings, clock)
+    registry = Registry([Source("demo", listing, STAGE, 0, seed=3)], num_slots * ITEM_BYTES, pool, settings, clock)
     return registry, pool, clock
 
 
@@ -453,3 +458,54 @@ def test_a_pending_resume_gives_way_to_a_new_pass_that_resumes_nothing() -> None
     assert job.resume is not None  # waiting for worker 0's report
     order = read_epoch(registry, pool, job.job_id, token=6)  # a new iterator, no checkpoint
     assert sorted(order) == list(range(20)) and job.resume is None
+
+
+class VariablePool(FakePool):
+    """Items of the second source vary in size (a `resize` stage): 200 + 7 * id bytes."""
+
+    def submit(self, task_id: int, source_index: int, item_id: int, offset: int, capacity: int) -> None:
+        self.submitted.append((task_id, source_index, item_id, offset))
+
+    def finish(self, registry: Registry, fail: set[int] = frozenset()) -> None:
+        while self.submitted:
+            task_id, source_index, item_id, _offset = self.submitted.pop(0)
+            nbytes = ITEM_BYTES if source_index == 0 else 200 + 7 * item_id
+            shape = (3, 8, 8) if source_index == 0 else (1, 1, nbytes)
+            registry.file_result(task_id, True, None, 0.001, shape=shape, dtype="uint8", nbytes=nbytes)
+
+
+def test_two_sources_of_different_sizes_share_one_cache_of_bytes() -> None:
+    listing = make_registry()[0].source("demo").listing
+    variable = SimpleNamespace(name="resize:8", size=None,
+                               spec=SimpleNamespace(shape=None, dtype="uint8", max_nbytes=700))
+    pool, clock = VariablePool(), FakeClock()
+    config = RegistryConfig(lease_s=5.0, next_wait_s=0.0, linger_s=0.0)
+    sources = [Source("fixed", listing, STAGE, 0, seed=1), Source("varied", listing, variable, NUM_ITEMS, seed=2)]
+    registry = Registry(sources, 24 * ITEM_BYTES, pool, config, clock)
+    a = attach(registry, "fixed", BitMap(range(40)), "a", 4)
+    b = attach(registry, "varied", BitMap(range(60)), "b", 4)
+    for epoch in range(2):
+        orders = {a.job_id: [], b.job_id: []}
+        acks = {a.job_id: [], b.job_id: []}
+        done = {a.job_id: False, b.job_id: False}
+        while not all(done.values()):
+            pump(registry, pool)
+            for job_id in done:
+                if not done[job_id]:
+                    result = nxt(registry, job_id, 10 + epoch, 4, acks[job_id])
+                    if job_id == b.job_id:
+                        assert all(n == 200 + 7 * i for i, n in zip(result.item_ids, result.lengths, strict=True))
+                    acks[job_id] = result.item_ids
+                    orders[job_id] += result.item_ids
+                    done[job_id] = result.end_of_epoch
+            cache = registry.status()["cache"]
+            assert cache["used_bytes"] <= cache["capacity_bytes"]
+        for job_id in done:
+            nxt(registry, job_id, 10 + epoch, 0, acks[job_id])
+        assert sorted(orders[a.job_id]) == list(range(40)) and sorted(orders[b.job_id]) == list(range(60))
+    for job in (a, b):
+        registry.remove_job(job.job_id, "test")
+    cache = registry.status()["cache"]
+    assert cache["evictions"] > 0 and cache["pins"] == 0
+    # what is held takes its own bytes, rounded to 64: within 10% of the items' bytes
+    assert cache["items_bytes"] <= cache["used_bytes"] <= 1.1 * cache["items_bytes"] + 64 * cache["items"]
