@@ -10,7 +10,7 @@ DEMO_ITEMS ?= 1200
 .PHONY: venv test test-fast demo bench bench-full lint proto clean
 
 # torch is installed first, pinned, because a bare `torch` requirement on a machine without it
-# pulls the newest CUDA build (gigabytes); the project's own range then admits it (DESIGN.md).
+# pulls the newest CUDA build (gigabytes); the project's own range then admits it (docs/architecture.md, "Lessons already paid for").
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip

@@ -8,8 +8,8 @@ share one launcher instead of three copies that grepped the log for "joaderd rea
 whenever a log line changed, and could not learn a port chosen by the kernel).
 
 This module imports neither grpc nor torch, nor the server or the client: the pytest process
-and the bench driver use it, and they must never hold a gRPC channel when they fork (DESIGN.md,
-sec. 4).
+and the bench driver use it, and they must never hold a gRPC channel when they fork
+(docs/architecture.md, "Processes and threads").
 """
 
 from __future__ import annotations

@@ -16,10 +16,12 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
 from joader.errors import InvalidArgumentError
+from joader.sources.base import check_item_id, read_in_root
 
 __all__ = ["IMG_EXTENSIONS", "SourceListing", "full_path", "list_image_folder"]
 
@@ -46,8 +48,12 @@ _LAYOUT_HINT = (
 
 @dataclass(frozen=True, eq=False)
 class SourceListing:
-    """The items of one source: relative paths, their labels, and the class names."""
+    """The items of one source: relative paths, their labels, and the class names.
 
+    An `ItemSource` of kind "imagefolder": `read(i)` returns the bytes of `root/paths[i]`.
+    """
+
+    kind: ClassVar[str] = "imagefolder"
     root: Path  # resolved
     classes: tuple[str, ...]
     class_to_idx: dict[str, int]
@@ -61,6 +67,14 @@ class SourceListing:
     @property
     def num_items(self) -> int:
         return len(self.paths)
+
+    def read(self, item_id: int) -> bytes:
+        """The bytes of item `item_id`'s file, opened only if it still lies inside the root.
+
+        Raises DecodeError with the precise reason (removed or renamed since the listing,
+        permission denied, a symlink now leaving the root, not a regular file, an I/O error).
+        """
+        return read_in_root(self.root, self.paths[check_item_id(self, item_id)])
 
 
 def full_path(listing: SourceListing, item_id: int) -> Path:

@@ -14,12 +14,35 @@ from joader.cache.arena import Arena
 from joader.errors import InvalidArgumentError
 from joader.server.decode_pool import DecodePool, DecodeResult, PoolConfig, SourceSpec
 from joader.sources.demo import corrupt_jpeg, make_demo_data
-from joader.sources.imagefolder import SourceListing
-from joader.sources.stage import item_nbytes, prepare
+from joader.sources.imagefolder import SourceListing, list_image_folder
+from joader.stages import build_stage
 
 pytestmark = pytest.mark.timeout(120)
 
 SIZE = 64
+STAGE = build_stage("center-crop", size=SIZE, upscale=True)
+NBYTES = 3 * SIZE * SIZE
+
+
+def item_nbytes(size: int) -> int:
+    return 3 * size * size
+
+
+def prepare(listing: SourceListing, item_id: int) -> np.ndarray:
+    return STAGE.prepare(listing.read(item_id), listing.paths[item_id])
+
+
+def spec_of(listing: SourceListing) -> SourceSpec:
+    return SourceSpec(listing, STAGE)
+
+
+def _submit(pool: DecodePool, task_id: int, item_id: int, unit: int) -> None:
+    """Item `item_id` into the `unit`-th item-sized range of the arena."""
+    pool.submit(task_id, 0, item_id, unit * NBYTES, NBYTES)
+
+
+def view(arena: Arena, unit: int) -> np.ndarray:
+    return arena.array(unit * NBYTES, (3, SIZE, SIZE))
 
 
 @pytest.fixture(scope="module")
@@ -58,26 +81,27 @@ def _collect(pool: DecodePool, count: int, timeout_s: float = 60) -> dict[int, D
 
 
 @pytest.mark.parametrize("num_workers", [1, 2])
-def test_decodes_into_arena_slots(listing: SourceListing, num_workers: int) -> None:
+def test_decodes_into_the_arena(listing: SourceListing, num_workers: int) -> None:
     before = _children()
-    spec = SourceSpec(str(listing.root), listing.paths, SIZE)
-    with Arena.create(8 * item_nbytes(SIZE), item_nbytes(SIZE)) as arena:
-        pool = DecodePool(PoolConfig(num_workers), str(arena.path), arena.slot_bytes, [spec])
+    spec = spec_of(listing)
+    with Arena.create(8 * NBYTES, NBYTES) as arena:
+        pool = DecodePool(PoolConfig(num_workers), str(arena.path), [spec])
         try:
             # One child, the forker; the workers are its children.
             assert pool.num_workers == num_workers and len(_children() - before) == 1
             assert pool.stats().workers_alive == num_workers
-            slots = {task_id: 7 - task_id for task_id in range(6)}  # item i -> slot 7-i
+            slots = {task_id: 7 - task_id for task_id in range(6)}  # item i -> range 7-i
             for task_id, slot in slots.items():
-                pool.submit(task_id, 0, task_id, slot)
+                _submit(pool, task_id, task_id, slot)
             results = _collect(pool, 6)
             assert pool.in_flight == 0
             for item_id in range(5):
                 result = results[item_id]
                 assert result.ok and result.error is None and result.decode_s > 0
-                assert result.path == str(listing.root / listing.paths[item_id])
-                got = arena.slot_array(slots[item_id], (3, SIZE, SIZE))
-                assert np.array_equal(got, prepare(result.path, SIZE))
+                assert result.path == listing.paths[item_id]
+                assert result.shape == (3, SIZE, SIZE) and result.dtype == "uint8" and result.nbytes == NBYTES
+                got = view(arena, slots[item_id])
+                assert np.array_equal(got, prepare(listing, item_id))
                 del got
             bad = results[5]
             assert (
@@ -92,19 +116,17 @@ def test_decodes_into_arena_slots(listing: SourceListing, num_workers: int) -> N
 
 def test_submit_validates_and_close_stops_everything(listing: SourceListing) -> None:
     before = _children()
-    spec = SourceSpec(str(listing.root), listing.paths, SIZE)
-    with Arena.create(2 * item_nbytes(SIZE), item_nbytes(SIZE)) as arena:
-        with pytest.raises(InvalidArgumentError, match="cache slot"):
-            DecodePool(PoolConfig(1), str(arena.path), arena.slot_bytes, [SourceSpec("/", ("x",), SIZE * 2)])
-        with DecodePool(PoolConfig(2), str(arena.path), arena.slot_bytes, [spec]) as pool:
+    spec = spec_of(listing)
+    with Arena.create(2 * NBYTES, NBYTES) as arena:
+        with DecodePool(PoolConfig(2), str(arena.path), [spec]) as pool:
             with pytest.raises(InvalidArgumentError, match="source"):
-                pool.submit(0, 1, 0, 0)
+                pool.submit(0, 1, 0, 0, NBYTES)
             with pytest.raises(InvalidArgumentError, match="item id"):
-                pool.submit(0, 0, 6, 0)
-            with pytest.raises(InvalidArgumentError, match="slot"):
-                pool.submit(0, 0, 0, 2)
+                pool.submit(0, 0, 6, 0, NBYTES)
+            with pytest.raises(InvalidArgumentError, match="outside the arena"):
+                pool.submit(0, 0, 0, 2 * NBYTES, NBYTES)
             for task_id in range(20):  # close with work still queued
-                pool.submit(task_id, 0, task_id % 5, task_id % 2)
+                _submit(pool, task_id, task_id % 5, task_id % 2)
         assert pool.get_result(timeout_s=0) is None
     assert _children() - before == set()
 
@@ -113,17 +135,17 @@ def test_workers_exit_when_the_parent_dies(listing: SourceListing, tmp_path: Pat
     # A middle process starts a pool and is SIGKILLed; its workers must go away by themselves.
     import multiprocess
 
-    spec = SourceSpec(str(listing.root), listing.paths, SIZE)
+    spec = spec_of(listing)
     pid_file = tmp_path / "pids"
 
-    def middle(arena_path: str, slot_bytes: int) -> None:
-        pool = DecodePool(PoolConfig(2), arena_path, slot_bytes, [spec])
+    def middle(arena_path: str) -> None:
+        pool = DecodePool(PoolConfig(2), arena_path, [spec])
         pid_file.write_text(" ".join(map(str, [*pool.worker_pids, pool._forker_pid])))
         os.kill(os.getpid(), 9)
 
-    with Arena.create(2 * item_nbytes(SIZE), item_nbytes(SIZE)) as arena:
+    with Arena.create(2 * NBYTES, NBYTES) as arena:
         proc = multiprocess.get_context("fork").Process(
-            target=middle, args=(str(arena.path), arena.slot_bytes)
+            target=middle, args=(str(arena.path),)
         )
         proc.start()
         proc.join(30)
@@ -144,7 +166,7 @@ def _alive(pid: int) -> bool:
 
 
 def _pool(arena: Arena, spec: SourceSpec, num_workers: int = 2, **kwargs: float) -> DecodePool:
-    return DecodePool(PoolConfig(num_workers, **kwargs), str(arena.path), arena.slot_bytes, [spec])
+    return DecodePool(PoolConfig(num_workers, **kwargs), str(arena.path), [spec])
 
 
 def _wait(predicate: object, what: str, timeout_s: float = 20) -> None:
@@ -156,8 +178,8 @@ def _wait(predicate: object, what: str, timeout_s: float = 20) -> None:
 
 
 def test_a_killed_idle_worker_is_replaced(listing: SourceListing) -> None:
-    spec = SourceSpec(str(listing.root), listing.paths, SIZE)
-    with Arena.create(4 * item_nbytes(SIZE), item_nbytes(SIZE)) as arena, _pool(arena, spec) as pool:
+    spec = spec_of(listing)
+    with Arena.create(4 * NBYTES, NBYTES) as arena, _pool(arena, spec) as pool:
         victim = pool.worker_pids[0]
         os.kill(victim, 9)
         pool.get_result(timeout_s=0.5)  # the consumer notices the death and replaces it
@@ -165,33 +187,33 @@ def test_a_killed_idle_worker_is_replaced(listing: SourceListing) -> None:
         stats = pool.stats()
         assert stats.workers_replaced == 1 and victim not in stats.worker_pids
         for task_id in range(4):
-            pool.submit(task_id, 0, task_id, task_id)
+            _submit(pool, task_id, task_id, task_id)
         assert all(r.ok for r in _collect(pool, 4).values())
 
 
 def test_a_worker_killed_mid_task_is_not_a_file_failure(listing: SourceListing) -> None:
-    spec = SourceSpec(str(listing.root), listing.paths, SIZE)
-    with Arena.create(4 * item_nbytes(SIZE), item_nbytes(SIZE)) as arena, _pool(arena, spec) as pool:
+    spec = spec_of(listing)
+    with Arena.create(4 * NBYTES, NBYTES) as arena, _pool(arena, spec) as pool:
         victim = pool.worker_pids[0]
         os.kill(victim, signal.SIGSTOP)  # it takes the first task and holds it
-        pool.submit(1, 0, 1, 1)
+        _submit(pool, 1, 1, 1)
         os.kill(victim, 9)
         result = _collect(pool, 1)[1]
         assert result.ok, result.error
-        assert np.array_equal(arena.slot_array(1, (3, SIZE, SIZE)), prepare(result.path, SIZE))
+        assert np.array_equal(view(arena, 1), prepare(listing, 1))
         stats = pool.stats()
         assert stats.tasks_retried == 1 and stats.workers_replaced == 1 and stats.workers_alive == 2
 
 
 def test_a_stuck_decode_times_out_and_runs_elsewhere(listing: SourceListing) -> None:
-    spec = SourceSpec(str(listing.root), listing.paths, SIZE)
+    spec = spec_of(listing)
     with (
-        Arena.create(4 * item_nbytes(SIZE), item_nbytes(SIZE)) as arena,
+        Arena.create(4 * NBYTES, NBYTES) as arena,
         _pool(arena, spec, decode_timeout_s=0.5) as pool,
     ):
         stuck = pool.worker_pids[0]
         os.kill(stuck, signal.SIGSTOP)  # as a hung NFS read would
-        pool.submit(2, 0, 2, 2)
+        _submit(pool, 2, 2, 2)
         result = _collect(pool, 1)[2]
         assert result.ok, result.error
         stats = pool.stats()
@@ -201,13 +223,14 @@ def test_a_stuck_decode_times_out_and_runs_elsewhere(listing: SourceListing) -> 
 def test_an_item_that_hangs_every_time_fails_with_the_reason(listing: SourceListing, tmp_path: Path) -> None:
     from PIL import Image
 
-    Image.new("RGB", (8000, 8000), (9, 9, 9)).save(tmp_path / "huge.png")  # seconds to decode
-    spec = SourceSpec(str(tmp_path), ("huge.png",), SIZE)
+    (tmp_path / "c").mkdir()
+    Image.new("RGB", (8000, 8000), (9, 9, 9)).save(tmp_path / "c" / "huge.png")  # seconds to decode
+    spec = spec_of(list_image_folder(tmp_path))
     with (
-        Arena.create(4 * item_nbytes(SIZE), item_nbytes(SIZE)) as arena,
+        Arena.create(4 * NBYTES, NBYTES) as arena,
         _pool(arena, spec, num_workers=1, decode_timeout_s=0.2) as pool,
     ):
-        pool.submit(3, 0, 0, 0)
+        _submit(pool, 3, 0, 0)
         result = _collect(pool, 1)[3]
         assert not result.ok and "--decode-timeout-s" in result.error and "huge.png" in result.error
         assert pool.stats().tasks_timed_out == 2
@@ -217,8 +240,8 @@ def test_forker_and_workers_do_not_hold_the_arena_lock(listing: SourceListing) -
     """The arena's lock must die with joaderd: children must not keep its locked descriptor."""
     import fcntl
 
-    spec = SourceSpec(str(listing.root), listing.paths, SIZE)
-    with Arena.create(4 * item_nbytes(SIZE), item_nbytes(SIZE)) as arena, _pool(arena, spec) as pool:
+    spec = spec_of(listing)
+    with Arena.create(4 * NBYTES, NBYTES) as arena, _pool(arena, spec) as pool:
         probe = os.open(arena.path, os.O_RDONLY)
         try:
             with pytest.raises(BlockingIOError):  # joaderd (this process) holds it
@@ -231,15 +254,15 @@ def test_forker_and_workers_do_not_hold_the_arena_lock(listing: SourceListing) -
 
 
 def test_with_no_worker_to_be_had_pending_tasks_fail(listing: SourceListing) -> None:
-    spec = SourceSpec(str(listing.root), listing.paths, SIZE)
+    spec = spec_of(listing)
     with (
-        Arena.create(4 * item_nbytes(SIZE), item_nbytes(SIZE)) as arena,
+        Arena.create(4 * NBYTES, NBYTES) as arena,
         _pool(arena, spec, num_workers=1) as pool,
     ):
         worker = pool.worker_pids[0]
         os.kill(worker, signal.SIGSTOP)
-        pool.submit(7, 0, 0, 0)
-        pool.submit(8, 0, 1, 1)
+        _submit(pool, 7, 0, 0)
+        _submit(pool, 8, 1, 1)
         os.kill(pool._forker_pid, 9)  # no replacement can be forked now
         os.kill(worker, 9)
         results = _collect(pool, 2)
@@ -248,3 +271,31 @@ def test_with_no_worker_to_be_had_pending_tasks_fail(listing: SourceListing) -> 
         start = time.monotonic()
         assert pool.get_result(timeout_s=0.2) is None
         assert time.monotonic() - start >= 0.1  # does not spin
+
+
+class _FloatStage:
+    """A user-style stage: float32 (2, 4) per item, or a wrong size for item 1."""
+
+    name = "floats"
+
+    def __init__(self) -> None:
+        from joader.stages import ItemSpec
+
+        self.spec = ItemSpec.fixed((2, 4), "float32")
+
+    def prepare(self, data: bytes, path: str) -> np.ndarray:
+        if path.endswith(self.bad):
+            return np.zeros((100, 100), np.float32)
+        return np.full((2, 4), len(data), np.float32)
+
+
+def test_any_dtype_is_written_and_a_stage_breaking_its_spec_fails_the_item(listing: SourceListing) -> None:
+    stage = _FloatStage()
+    stage.bad = listing.paths[1]
+    with Arena.create(4 * NBYTES, NBYTES) as arena, DecodePool(PoolConfig(1), str(arena.path), [SourceSpec(listing, stage)]) as pool:
+        pool.submit(0, 0, 0, 0, 32)
+        pool.submit(1, 0, 1, NBYTES, 32)
+        results = _collect(pool, 2)
+        assert results[0].ok and results[0].shape == (2, 4) and results[0].dtype == "float32"
+        assert np.array_equal(arena.array(0, (2, 4), np.float32), np.full((2, 4), len(listing.read(0)), np.float32))
+        assert not results[1].ok and "not its declared (2, 4)" in results[1].error
