@@ -264,10 +264,12 @@ def measure_decode_capacity(root: Path, processes: int = 2, num_images: int = 40
 
 
 def _prepare_all(paths: list[str]) -> int:
-    from joader.sources.stage import prepare
+    from joader.stages import build_stage
 
+    stage = build_stage("center-crop", size=IMAGE_SIZE)  # joaderd's default stage and decoder
     for path in paths:
-        prepare(path, IMAGE_SIZE)
+        with open(path, "rb") as f:
+            stage.prepare(f.read(), path)
     return len(paths)
 
 

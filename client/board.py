@@ -129,5 +129,6 @@ class Board:
         if self._map is not None:
             self._map.close()
             self._map = None
-        if self._owner:
+        if self._owner and self.fd >= 0:
             os.close(self.fd)
+            self.fd = -1

@@ -234,7 +234,7 @@ class JoaderDataset(IterableDataset):
         self.item_shape: tuple[int, ...] | None = tuple(info.get("item_shape") or ()) or None
         self.item_dtype: str = info.get("item_dtype") or ""
         if batched and (self.item_shape is None or not self.item_dtype):
-            _stop_keeper(self._keeper, os.getpid(), board)
+            self._finalizer()
             raise InvalidArgumentError(
                 f"batched=True needs a fixed-size stage, and source {source!r} uses {self.stage!r}, "
                 "whose items vary in size; use batched=False (each item its own tensor), or serve "

@@ -56,16 +56,19 @@ class PlainImageFolder(Dataset):
 
         self.listing = list_image_folder(root)
         self.image_size = image_size
+        self._stage: Any = None  # joaderd's default stage and decoder: a like-for-like baseline
         self.ids = list(indices) if indices is not None else list(range(len(self.listing.paths)))
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, i: int) -> tuple[int, torch.Tensor, int]:
-        from joader.sources.stage import prepare
+        from joader.stages import build_stage
 
+        if self._stage is None:  # built lazily, in the DataLoader worker
+            self._stage = build_stage("center-crop", size=self.image_size)
         item = self.ids[i]
-        image = prepare(self.listing.root / self.listing.paths[item], self.image_size)
+        image = self._stage.prepare(self.listing.read(item), self.listing.paths[item])
         return item, torch.from_numpy(image), int(self.listing.labels[item])
 
 

@@ -16,7 +16,7 @@ TOML (`--config FILE`), every key optional, command-line flags win:
     max_jobs = 1024            # jobs attached at once; more are refused
     ready_file = "/run/joaderd.ready"   # JSON written once joaderd serves (joader.launch)
 
-    decoder = "pil"            # default decoder of the built-in stages: pil | turbo
+    decoder = "turbo"          # decoder of the built-in stages: turbo (default) | pil (exact)
 
     [sources.imagenet]
     path = "/data/imagenet/train"  # an ImageFolder tree, a .tsv/.csv list, or .tar shards
@@ -52,11 +52,10 @@ from typing import Any
 from joader.address import is_loopback, resolve_address
 from joader.cache.arena import parse_size
 from joader.errors import InvalidArgumentError
+from joader.stages import DECODERS, DEFAULT_DECODER
 
 DEFAULT_IMAGE_SIZE = 256
 DEFAULT_STAGE = "center-crop"
-DEFAULT_DECODER = "pil"
-DECODERS = ("pil", "turbo")
 MODES = ("RGB", "L")
 DEFAULT_CACHE_SIZE = "1GiB"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -239,8 +238,8 @@ _SOURCE_KEYS = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="joaderd",
-        description="Serve prepared samples of image folders to concurrent training jobs, "
-        "decoding each sample once for every job that needs it.",
+        description="Serve prepared samples (image folders, lists, tar shards) to concurrent "
+        "training jobs, preparing each sample once for every job that needs it.",
     )
     add = parser.add_argument
     add("--config", type=Path, help="a TOML file with the settings below")

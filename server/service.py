@@ -29,7 +29,13 @@ import grpc
 from pyroaring import BitMap
 
 from joader.errors import InvalidArgumentError, JoaderError, UnknownJobError, status_code_name
-from joader.proto import DTYPE_CODES, ERROR_METADATA_KEY, MAX_MESSAGE_BYTES, joader_pb2, joader_pb2_grpc
+from joader.proto import (
+    DTYPE_CODES,
+    ERROR_METADATA_KEY,
+    MAX_MESSAGE_BYTES,
+    joader_pb2,
+    joader_pb2_grpc,
+)
 from joader.server.records import Batch, NextArgs
 from joader.server.registry import Registry, max_indices_bytes
 from joader.sources.safe_open import display_path
@@ -114,7 +120,10 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
                 image_size=getattr(source.stage, "size", 0) or 0,
                 item_nbytes=source.max_item_bytes,
                 stage=source.stage.name,
-                item_shape=list(source.stage.spec.shape or ()),
+                # A fixed-size stage's shape; or the shape a stage's items have but for rare
+                # exceptions (center-crop without upscale: images smaller than S), which a
+                # batched client then refuses one by one, naming the item and the fix.
+                item_shape=list(source.stage.spec.shape or getattr(source.stage, "nominal_shape", None) or ()),
                 item_dtype=source.stage.spec.dtype or "",
                 arena_path=self._arena_path,
                 lease_s=self._registry.config.lease_s,

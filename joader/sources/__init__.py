@@ -1,9 +1,10 @@
-"""Sources (ImageFolder trees, list files, tar shards), the shared stage, demo data."""
+"""Sources: ImageFolder trees, list files and tar shards behind one `ItemSource`; demo data.
+
+The shared stages live in `joader.stages`."""
 
 from joader.sources.base import ItemSource, open_source
 from joader.sources.imagefolder import SourceListing, full_path, list_image_folder
 from joader.sources.listfile import ListSource, read_list_file
-from joader.sources.stage import item_nbytes, prepare, prepare_into
 from joader.sources.tarshards import TarSource, index_tar_shards
 
 __all__ = [
@@ -13,10 +14,7 @@ __all__ = [
     "TarSource",
     "full_path",
     "index_tar_shards",
-    "item_nbytes",
     "list_image_folder",
     "open_source",
-    "prepare",
-    "prepare_into",
     "read_list_file",
 ]

@@ -11,8 +11,16 @@ import pytest
 from PIL import Image
 
 from joader.errors import DecodeError
+from joader.sources.base import read_in_root
 from joader.sources.safe_open import display_path, open_in_root
-from joader.sources.stage import prepare, prepare_into
+from joader.stages import build_stage
+
+STAGE = build_stage("center-crop", size=16, upscale=True, decoder="pil")
+
+
+def prepare_in_root(root: Path, relative: str) -> np.ndarray:
+    """What a decode worker does: read inside the root only, then the stage."""
+    return STAGE.prepare(read_in_root(root, relative), relative)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -28,9 +36,8 @@ def root(tmp_path: Path) -> Path:
 def test_a_file_inside_the_root_opens(root: Path) -> None:
     fd = open_in_root(str(root), "a/ok.png")
     os.close(fd)
-    out = np.empty((3, 16, 16), np.uint8)
-    prepare_into(root / "a" / "ok.png", 16, out, root=str(root))
-    assert np.array_equal(out, prepare(root / "a" / "ok.png", 16))
+    out = prepare_in_root(root, "a/ok.png")
+    assert np.array_equal(out, STAGE.prepare((root / "a" / "ok.png").read_bytes(), "a/ok.png"))
 
 
 def test_a_symlink_swapped_in_later_is_refused(root: Path, tmp_path: Path) -> None:
@@ -67,7 +74,7 @@ def test_a_fifo_does_not_hang_the_reader(root: Path) -> None:
 def test_a_removed_file_is_not_called_corrupt(root: Path) -> None:
     (root / "a" / "ok.png").unlink()
     with pytest.raises(DecodeError, match="no longer exists|removed") as caught:
-        prepare_into(root / "a" / "ok.png", 16, np.empty((3, 16, 16), np.uint8), root=str(root))
+        prepare_in_root(root, "a/ok.png")
     assert "corrupt" not in str(caught.value)
 
 
@@ -86,7 +93,7 @@ def test_non_utf8_names_open_and_their_errors_are_encodable(root: Path) -> None:
     name = os.fsdecode(b"bad\xfe.png")
     (root / "a" / name).write_bytes(b"not an image")
     with pytest.raises(DecodeError) as caught:
-        prepare_into(root / "a" / name, 16, np.empty((3, 16, 16), np.uint8), root=str(root))
+        prepare_in_root(root, f"a/{name}")
     message = str(caught.value)
     message.encode("utf-8")  # no lone surrogates left
     assert "bad\\xfe.png" in message
@@ -100,7 +107,7 @@ def test_thin_images_give_the_center_crop_with_bounded_work(tmp_path: Path, shap
     gradient = np.linspace(0, 255, max(width, height), dtype=np.uint8)
     pixels = np.broadcast_to(gradient.reshape((height, 1) if height > width else (1, width)), (height, width))
     Image.fromarray(np.ascontiguousarray(pixels)).convert("RGB").save(path)
-    out = prepare(path, 64)
+    out = build_stage("center-crop", size=64, upscale=True).prepare(path.read_bytes(), "thin.png")
     assert out.shape == (3, 64, 64)
     # The crop is the middle of the long side: the gradient's middle values, not its ends.
     assert 100 < int(out.mean()) < 156

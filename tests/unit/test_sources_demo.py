@@ -10,7 +10,9 @@ from PIL import Image
 
 from joader.errors import DecodeError, InvalidArgumentError
 from joader.sources.demo import corrupt_jpeg, main, make_demo_data
-from joader.sources.stage import prepare
+from joader.stages import build_stage
+
+STAGE = build_stage("center-crop", size=64)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,7 +26,7 @@ def test_layout_sizes_and_listing(tmp_path: Path) -> None:
         with Image.open(path) as img:
             assert img.format == "JPEG" and img.size == (500, 375) and img.mode == "RGB"
         assert 60_000 < path.stat().st_size < 150_000
-    assert prepare(listing.root / listing.paths[0], 64).shape == (3, 64, 64)
+    assert STAGE.prepare(listing.read(0), listing.paths[0]).shape == (3, 64, 64)
 
 
 def test_deterministic_and_idempotent(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -60,7 +62,7 @@ def test_corrupt_jpeg_fails_at_decode(tmp_path: Path) -> None:
     corrupt_jpeg(path)
     assert path.stat().st_size == size // 3
     with pytest.raises(DecodeError, match=listing.paths[1].split("/")[-1]):
-        prepare(path, 64)
+        STAGE.prepare(listing.read(1), listing.paths[1])
 
 
 def test_cli(tmp_path: Path) -> None:

@@ -1,4 +1,9 @@
-"""The shared stage: read, decode, RGB, resize the shorter side to S, center-crop S x S, uint8 CHW.
+"""The reference the `pil` decoder must equal: joader's first shared stage, kept as a test oracle.
+
+It was `joader.sources.stage` until the stages became `joader.stages` (issue 9); the built-in
+`center-crop` stage with decoder "pil" reproduces it bit for bit (tests/unit/test_stages.py).
+
+Read, decode, RGB, resize the shorter side to S, center-crop S x S, uint8 CHW.
 
 This is the deterministic part of preparation, done once on the server and shared by every job.
 It matches torchvision's `Resize(S)` + `CenterCrop(S)` on a PIL image (bilinear with antialias,
@@ -11,8 +16,7 @@ The output is planar CHW so a client turns it into a tensor with one contiguous 
 
 Speed, 500x375 demo JPEGs (quality 90, about 97 KB) at S=256, Pillow 13, on this project's
 2-core build machine: `bench_prepare` in one process 445-455 images/s; through `DecodePool`
-430/s with 1 worker and 780/s with 2. (DESIGN.md's "about 300/s per core" was an older
-machine; the ratio, decoding bound and about 2 ms per image, is what matters.)
+430/s with 1 worker and 780/s with 2.
 
 Bounded work: "shorter side to S" of a 1x10000 image is a 256 x 2,560,000 resize (8.6 s and
 2.7 GB measured). When the full resize would exceed `_MAX_RESIZE_FACTOR` times S*S pixels, only
