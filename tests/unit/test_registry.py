@@ -509,3 +509,20 @@ def test_two_sources_of_different_sizes_share_one_cache_of_bytes() -> None:
     assert cache["evictions"] > 0 and cache["pins"] == 0
     # what is held takes its own bytes, rounded to 64: within 10% of the items' bytes
     assert cache["items_bytes"] <= cache["used_bytes"] <= 1.1 * cache["items_bytes"] + 64 * cache["items"]
+
+
+def test_images_smaller_than_the_stage_are_counted_and_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    registry, pool, _ = make_registry()
+    job = attach(registry, "demo", BitMap(range(6)), "a", 4)
+    nxt(registry, job.job_id, 1, 4, [])
+    registry.schedule_once()
+    with caplog.at_level("WARNING"):
+        for task_id, _, item_id, _ in list(pool.submitted):
+            shape = (3, 5, 7) if item_id % 2 else (3, 8, 8)  # odd items: smaller than S = 8
+            registry.file_result(task_id, True, None, 0.001, shape=shape, dtype="uint8",
+                                 nbytes=3 * shape[1] * shape[2])
+        pool.submitted.clear()
+    registry.check_invariants()
+    small = registry.status()["sources"][0]["small_items"]
+    assert small == sum(1 for i in range(6) if i % 2 and i in registry.source("demo").cached_ids)
+    assert small > 0 and "smaller than 8 px" in caplog.text and "upscale = true" in caplog.text
