@@ -7,7 +7,14 @@ from typing import Any
 
 from joader.errors import InvalidArgumentError
 from joader.stages.base import Stage
-from joader.stages.image import DECODERS, IMAGE_KINDS, MODES, TURBO_OPTIONS, ImageStage
+from joader.stages.image import (
+    DECODERS,
+    DEFAULT_DECODER,
+    IMAGE_KINDS,
+    MODES,
+    TURBO_OPTIONS,
+    ImageStage,
+)
 from joader.stages.user import USER_STAGE_RE, load_user_stage
 
 __all__ = ["build_stage", "parse_stage_spec"]
@@ -60,7 +67,7 @@ def build_stage(
     size: int,
     mode: str = "RGB",
     upscale: bool = False,
-    decoder: str = "pil",
+    decoder: str = DEFAULT_DECODER,
     options: dict[str, Any] | None = None,
 ) -> Stage:
     """The stage `kind` ("center-crop", "resize", "max-side", or "package.module:factory").

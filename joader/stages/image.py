@@ -85,7 +85,7 @@ class ImageStage:
         self.channels = MODES[mode]
         self.fastdct, self.fastupsample = fastdct, fastupsample
         self.name = f"{kind}:{size}" + (f"/{mode}" if mode != "RGB" else "") + (
-            f"/{decoder}" if decoder != "pil" else ""
+            f"/{decoder}" if decoder != DEFAULT_DECODER else ""
         ) + ("/upscale" if upscale and kind != "max-side" else "")
         self.spec = self._spec()
         # The shape items have but for images smaller than S (center-crop without upscale),

@@ -82,7 +82,7 @@ def test_parse_bad(text: str, fix: str) -> None:
     ({"kind": "resize", "size": 64, "upscale": "yes"}, "upscale must be true or false"),
     ({"kind": "resize:64", "size": 64}, "pass the kind alone"),
     ({"kind": "crop", "size": 64}, "is not one of"),
-    ({"kind": "resize", "size": 64, "options": {"fastdct": True}}, "take no options"),
+    ({"kind": "resize", "size": 64, "decoder": "pil", "options": {"fastdct": True}}, "take no options"),
     ({"kind": "resize", "size": 64, "decoder": "turbo", "options": {"fast": 1}},
      r"decoder turbo takes only \['fastdct', 'fastupsample'\]"),
     ({"kind": "resize", "size": 64, "decoder": "turbo", "options": {"fastdct": 1}},
