@@ -490,6 +490,21 @@ class Registry:
                 "traceback. Restart joaderd, then the job."
             )
 
+    def _pair_status(self) -> list[dict[str, Any]]:
+        """Per pair of jobs on one source: the share of rounds (both taking part) that gave both
+        the same item, beside its Theorem 1 bound |D1 ∩ D2| / max(|D1|, |D2|)."""
+        jobs = self.jobs.jobs
+        pairs = []
+        for source in self._sources.values():
+            for (a, b), (rounds, shared) in sorted(source.pair_rounds.items()):
+                da, db = jobs[a].dataset, jobs[b].dataset
+                bound = da.intersection_cardinality(db) / max(len(da), len(db))
+                pairs.append({
+                    "source": source.name, "a": a, "b": b, "rounds": rounds, "shared": shared,
+                    "rate": round(shared / rounds, 4) if rounds else None, "bound": round(bound, 4),
+                })
+        return pairs
+
     def status(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """A JSON-ready snapshot (the schema `joader status --json` documents)."""
         with self._cond:
@@ -536,6 +551,7 @@ class Registry:
                     }
                     for j in self.jobs.jobs.values()
                 ],
+                "sharing_pairs": self._pair_status(),
                 "max_jobs": self.config.max_jobs,
                 "cache": {
                     "capacity_bytes": cache.capacity_bytes,

@@ -30,6 +30,9 @@ from joader.server.records import Entry, EpochShare, Job, Rank, Source
 logger = logging.getLogger(__name__)
 
 _SHARES_KEPT = 4  # epochs of a job whose split is remembered (the oldest pass still reading)
+# Per-pair sharing is counted in rounds of at most this many jobs: the count is quadratic in
+# the participants, and a round is a few microseconds of Python.
+MAX_PAIR_COUNTED_JOBS = 16
 
 
 class Scheduler:
@@ -50,6 +53,8 @@ class Scheduler:
 
     def remove(self, job: Job) -> None:
         source = job.source
+        for pair in [p for p in source.pair_rounds if job.job_id in p]:
+            del source.pair_rounds[pair]
         self._cache.add_refcount(source, source.sampler.remaining(job.job_id), -1)
         source.sampler.remove_job(job.job_id)
         source.job_ids.remove(job.job_id)
@@ -164,6 +169,8 @@ class Scheduler:
         sampler = source.sampler
         starting = [j for j in participants if sampler.num_remaining(j) == 0]
         picks = sampler.sample(participants)
+        if 2 <= len(picks) <= MAX_PAIR_COUNTED_JOBS:
+            _count_pairs(source.pair_rounds, picks)
         for job_id in starting:
             job = jobs[job_id]
             job.sampler_epoch += 1
@@ -202,3 +209,18 @@ class Scheduler:
         rank.queue.append(Entry(share.epoch, item_id, item.key))
         if not item.state.settled:
             item.waiters.append(job)  # woken when it settles; settled ones: after the round
+
+
+def _count_pairs(counts: dict[tuple[str, str], list[int]], picks: dict[str, int]) -> None:
+    """Every pair of this round's participants took part in one more round; the pairs that got
+    the same item shared it (the figure Theorem 1 bounds: |D1 ∩ D2| / max(|D1|, |D2|))."""
+    ids = sorted(picks)
+    for i, a in enumerate(ids):
+        item = picks[a]
+        for b in ids[i + 1:]:
+            entry = counts.get((a, b))
+            if entry is None:
+                entry = counts[(a, b)] = [0, 0]
+            entry[0] += 1
+            if picks[b] == item:
+                entry[1] += 1

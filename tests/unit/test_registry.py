@@ -526,3 +526,31 @@ def test_images_smaller_than_the_stage_are_counted_and_warned_about(caplog: pyte
     small = registry.status()["sources"][0]["small_items"]
     assert small == sum(1 for i in range(6) if i % 2 and i in registry.source("demo").cached_ids)
     assert small > 0 and "smaller than 8 px" in caplog.text and "upscale = true" in caplog.text
+
+
+def test_sharing_is_counted_per_pair_beside_its_bound() -> None:
+    """Identical datasets share every round both take part in; disjoint ones never do."""
+    registry, pool, _ = make_registry(num_slots=60)
+    a = attach(registry, "demo", BitMap(range(20)), "a", 4)
+    b = attach(registry, "demo", BitMap(range(20)), "b", 4)
+    c = attach(registry, "demo", BitMap(range(30, 50)), "c", 4)
+    jobs = (a, b, c)
+    orders: dict[str, list[int]] = {job.job_id: [] for job in jobs}
+    acks: dict[str, list[int]] = {job.job_id: [] for job in jobs}
+    done = dict.fromkeys(orders, False)
+    while not all(done.values()):  # in lockstep: every round has all three
+        for job in jobs:
+            if not done[job.job_id]:
+                result = nxt(registry, job.job_id, 1, 4, acks[job.job_id])
+                acks[job.job_id] = result.item_ids
+                orders[job.job_id] += result.item_ids
+                done[job.job_id] = result.end_of_epoch
+        pump(registry, pool)
+    assert all(sorted(orders[job.job_id]) == sorted(job.dataset) for job in jobs)
+    pairs = {(p["a"], p["b"]): p for p in registry.status()["sharing_pairs"]}
+    ab = pairs[tuple(sorted((a.job_id, b.job_id)))]
+    assert ab["rounds"] > 0 and ab["shared"] == ab["rounds"] and ab["bound"] == 1.0
+    ac = pairs[tuple(sorted((a.job_id, c.job_id)))]
+    assert ac["rounds"] > 0 and ac["shared"] == 0 and ac["bound"] == 0.0
+    registry.remove_job(b.job_id, "test")
+    assert all(b.job_id not in (p["a"], p["b"]) for p in registry.status()["sharing_pairs"])
