@@ -59,13 +59,12 @@ def format_status(status: dict[str, Any]) -> str:
                          f"{j['epoch']:>6} {j['items_delivered']:>10} {j['wait_s']:>8.1f}")
     else:
         lines.append("no jobs")
-    pairs = [p for p in status.get("sharing_pairs", []) if p.get("rounds")]
+    pairs = [p for p in status.get("sharing_pairs", []) if p.get("rounds") and p.get("live", True)]
     if pairs:
         lines.append("")
         lines.append(f"{'SHARING (pairs of jobs)':<46} {'ROUNDS':>8} {'SHARED':>8} {'BOUND':>6}")
-        names = {j["job_id"]: j["name"] for j in status["jobs"]}
         for p in pairs[:10]:
-            pair = f"{names.get(p['a'], p['a'])[:22]} + {names.get(p['b'], p['b'])[:21]}"
+            pair = f"{p['name_a'][:22]} + {p['name_b'][:21]}"
             lines.append(f"{pair:<46} {p['rounds']:>8} {p['rate']:>8.0%} {p['bound']:>6.0%}")
     c = status["cache"]
     lines.append("")

@@ -181,7 +181,7 @@ class JobTable:
             self._scheduler.drop_queue(rank, lambda entry: True)
             for pass_ in rank.passes.values():
                 self.release_outstanding(pass_)
-        self._scheduler.remove(job)
+        self._scheduler.remove(job, self.jobs)
         return job
 
     def lookup(self, job_id: str, secret: bytes) -> Job:

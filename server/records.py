@@ -71,6 +71,8 @@ class Source:
     small_items: int = 0  # items smaller than the stage's size (served as they are, not upscaled)
     # (job a, job b) with a < b -> [rounds both took part in, rounds that gave both one item]
     pair_rounds: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+    # pairs with a removed job, newest last: (name a, name b, rounds, shared, bound)
+    pair_history: dict[tuple[str, str], tuple[str, str, int, int, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.sampler = DependentSampler(seed=self.seed)

@@ -492,17 +492,17 @@ class Registry:
 
     def _pair_status(self) -> list[dict[str, Any]]:
         """Per pair of jobs on one source: the share of rounds (both taking part) that gave both
-        the same item, beside its Theorem 1 bound |D1 ∩ D2| / max(|D1|, |D2|)."""
+        the same item, beside its Theorem 1 bound |D1 ∩ D2| / max(|D1|, |D2|); live pairs first,
+        then recent pairs with a job that has gone."""
         jobs = self.jobs.jobs
         pairs = []
         for source in self._sources.values():
             for (a, b), (rounds, shared) in sorted(source.pair_rounds.items()):
                 da, db = jobs[a].dataset, jobs[b].dataset
                 bound = da.intersection_cardinality(db) / max(len(da), len(db))
-                pairs.append({
-                    "source": source.name, "a": a, "b": b, "rounds": rounds, "shared": shared,
-                    "rate": round(shared / rounds, 4) if rounds else None, "bound": round(bound, 4),
-                })
+                pairs.append(_pair(source.name, a, b, jobs[a].name, jobs[b].name, rounds, shared, bound, True))
+            for (a, b), (name_a, name_b, rounds, shared, bound) in reversed(source.pair_history.items()):
+                pairs.append(_pair(source.name, a, b, name_a, name_b, rounds, shared, bound, False))
         return pairs
 
     def status(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -580,6 +580,15 @@ class Registry:
             if extra:
                 status.update(extra)
             return status
+
+
+def _pair(source: str, a: str, b: str, name_a: str, name_b: str, rounds: int, shared: int,
+          bound: float, live: bool) -> dict[str, Any]:
+    return {
+        "source": source, "a": a, "b": b, "name_a": name_a, "name_b": name_b, "live": live,
+        "rounds": rounds, "shared": shared, "rate": round(shared / rounds, 4) if rounds else None,
+        "bound": round(bound, 4),
+    }
 
 
 def _describe_ids(ids: BitMap) -> str:

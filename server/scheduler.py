@@ -33,6 +33,7 @@ _SHARES_KEPT = 4  # epochs of a job whose split is remembered (the oldest pass s
 # Per-pair sharing is counted in rounds of at most this many jobs: the count is quadratic in
 # the participants, and a round is a few microseconds of Python.
 MAX_PAIR_COUNTED_JOBS = 16
+PAIR_HISTORY = 256  # pairs of removed jobs whose counts status still shows
 
 
 class Scheduler:
@@ -51,10 +52,16 @@ class Scheduler:
         self._cache.add_refcount(job.source, job.dataset, 1)
         self._open(job, job.sampler_epoch, [0] * job.world_size)
 
-    def remove(self, job: Job) -> None:
+    def remove(self, job: Job, jobs: dict[str, Job]) -> None:
+        """Forgets a job; its pairs' sharing counts move to the source's recent history."""
         source = job.source
         for pair in [p for p in source.pair_rounds if job.job_id in p]:
-            del source.pair_rounds[pair]
+            rounds, shared = source.pair_rounds.pop(pair)
+            a, b = (jobs.get(j, job) for j in pair)
+            bound = a.dataset.intersection_cardinality(b.dataset) / max(len(a.dataset), len(b.dataset))
+            source.pair_history[pair] = (a.name, b.name, rounds, shared, bound)
+            while len(source.pair_history) > PAIR_HISTORY:
+                del source.pair_history[next(iter(source.pair_history))]
         self._cache.add_refcount(source, source.sampler.remaining(job.job_id), -1)
         source.sampler.remove_job(job.job_id)
         source.job_ids.remove(job.job_id)
