@@ -113,4 +113,5 @@ def test_two_sources_of_different_sizes_share_one_cache_of_bytes(demo_root: Path
     cache = server.status()["cache"]
     assert cache["evictions"] > 0 and cache["items"] > 0
     assert cache["used_bytes"] <= cache["capacity_bytes"]
+    print(f"two sources in one cache: {cache['used_bytes']} bytes used, {cache['items_bytes']} bytes of {cache['items']} items held, capacity {cache['capacity_bytes']}")
     assert cache["items_bytes"] <= cache["used_bytes"] <= 1.1 * cache["items_bytes"], cache
