@@ -92,6 +92,30 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return found_rank, found_size
 
 
+def _set_threads(threads: int | str | None) -> None:
+    """torch's intra-op threads in the training process (see `JoaderDataset`'s `threads`)."""
+    current = torch.get_num_threads()
+    if threads == "auto":
+        wanted = 1
+    elif threads is None:
+        if current > 1:
+            logger.warning(
+                "torch uses %d intra-op threads in this process while joaderd's decoders keep the "
+                "CPUs busy: collation and transforms can run tens of times slower. Leave "
+                "JoaderDataset(threads='auto') (the default), or call torch.set_num_threads(1).",
+                current,
+            )
+        return
+    elif isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1:
+        wanted = threads
+    else:
+        raise InvalidArgumentError(f"threads must be 'auto', None or a positive int, got {threads!r}")
+    if current != wanted:
+        torch.set_num_threads(wanted)
+        logger.info("joader: torch.set_num_threads(%d) in this process (it was %d); pass "
+                    "threads=None to JoaderDataset to keep torch's own setting", wanted, current)
+
+
 def _default_name(world_size: int) -> str:
     script = os.path.basename(sys.argv[0] or "python")
     if world_size == 1:
@@ -166,6 +190,11 @@ class JoaderDataset(IterableDataset):
         drop_last: with ranks, floor(N / world_size) items each instead (no padding).
         seed: the job's seed. A job alone on its joaderd with a seed gets the same order in
             every run; beside other jobs the order also depends on when each job reads.
+        threads: torch's intra-op threads in this process. "auto" (default) sets one, once:
+            joaderd's decoders keep this host's cores busy, and a collate or transform that runs
+            as a multi-threaded parallel region on busy cores is tens of times slower (OpenMP
+            threads spin waiting for each other). An int sets that many; None leaves torch's
+            setting alone (joader then warns when it is more than one).
     """
 
     def __init__(
@@ -185,8 +214,10 @@ class JoaderDataset(IterableDataset):
         world_size: int | None = None,
         drop_last: bool = False,
         seed: int | None = None,
+        threads: int | str | None = "auto",
     ) -> None:
         super().__init__()
+        _set_threads(threads)
         if on_error not in ("skip", "raise"):
             raise InvalidArgumentError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
         if batch_size < 1:

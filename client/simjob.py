@@ -131,7 +131,7 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
 
         dataset = JoaderDataset(args.source, indices=indices, return_index=True, address=args.address,
                                 name=args.name, batch_size=args.batch_size, on_error=args.on_error,
-                                batched=args.batched)
+                                batched=args.batched, threads=args.threads)
         loader = DataLoader(dataset, batch_size=None if args.batched else args.batch_size,
                             num_workers=args.num_workers)
     if args.start_at:  # registered already: the jobs of a sweep start reading together

@@ -163,3 +163,34 @@ def test_dataset_api_per_item_and_batched(demo_root: Path, start_joaderd: Any) -
     result = subprocess.run([sys.executable, "-c", _API_SCRIPT, server.address, "21"],
                             capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+
+
+_THREADS_SCRIPT = r"""
+import logging, sys, torch
+from joader import JoaderDataset
+from joader.errors import InvalidArgumentError
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+address = sys.argv[1]
+torch.set_num_threads(2)
+with JoaderDataset("demo", indices=range(4), address=address, batch_size=4):
+    assert torch.get_num_threads() == 1, torch.get_num_threads()  # the default: one, once
+torch.set_num_threads(2)
+with JoaderDataset("demo", indices=range(4), address=address, batch_size=4, threads=None):
+    assert torch.get_num_threads() == 2  # left alone, with a warning
+try:
+    JoaderDataset("demo", address=address, threads="many")
+    raise SystemExit("no error")
+except InvalidArgumentError as error:
+    assert "threads" in str(error)
+print("ok")
+"""
+
+
+def test_the_dataset_sets_one_torch_thread_unless_told_not_to(demo_root: Path, start_joaderd: Any) -> None:
+    """The plain script must not fall into the multi-threaded collate on busy cores (issue 10)."""
+    server = start_joaderd({"demo": demo_root}, cache_items=32)
+    result = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, server.address],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+    assert "torch.set_num_threads(1) in this process (it was 2)" in result.stderr
+    assert "torch uses 2 intra-op threads" in result.stderr
