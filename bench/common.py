@@ -136,10 +136,10 @@ class Server:
 def simjob_command(name: str, *, address: str | None = None, baseline: Path | None = None,
                    indices: str | None = None, epochs: int = 1, batch_size: int = 32, step_s: float = 0.0,
                    num_workers: int = 0, start_at: float = 0.0, start_delay_s: float = 0.0,
-                   record: bool = False, batched: bool = False) -> list[str]:
+                   record: bool = False, batched: bool = False, threads: int = 1) -> list[str]:
     command = [sys.executable, "-m", "joader.client.simjob", "--name", name, "--epochs", str(epochs),
                "--batch-size", str(batch_size), "--step-s", str(step_s), "--num-workers", str(num_workers),
-               "--image-size", str(IMAGE_SIZE), "--threads", "1"]
+               "--image-size", str(IMAGE_SIZE), "--threads", str(threads)]
     if baseline is not None:
         command += ["--baseline", str(baseline)]
     else:
@@ -158,9 +158,12 @@ def simjob_command(name: str, *, address: str | None = None, baseline: Path | No
 
 
 def run_jobs(commands: Sequence[list[str]], timeout_s: float = 900,
-             env_extra: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    """Runs every job command at once (each its own process) and returns their JSON reports."""
-    env = {**bench_env(), **(env_extra or {})}
+             env_extra: dict[str, str] | None = None, thread_env: bool = True) -> list[dict[str, Any]]:
+    """Runs every job command at once (each its own process) and returns their JSON reports.
+
+    `thread_env=False`: the jobs get the caller's environment as it is (no OMP_NUM_THREADS=1),
+    as a user's plain script would."""
+    env = {**(bench_env() if thread_env else dict(os.environ)), **(env_extra or {})}
     workdir = Path(tempfile.mkdtemp(prefix="jbjobs-", dir="/tmp"))
     procs = []
     try:

@@ -6,7 +6,11 @@ default), batch 32, an emulated GPU step of 0.1 s per batch (a sleep: it costs n
   stage (decode, resize to 256, center crop), each with the worker count (searched in 0, 1, 2
   per job, at every N) that gives the baseline its best aggregate throughput;
 - joader: one joaderd (2 decode workers, a cache of a quarter of the prepared dataset) and N
-  JoaderDatasets (num_workers 0).
+  JoaderDatasets, in up to three variants (`--variants`), side by side in each repetition:
+  - tuned: num_workers 0, one torch thread set by the script, OMP_NUM_THREADS=1 exported;
+  - plain: `DataLoader(JoaderDataset(...), batch_size=B)` and nothing else: no thread setting,
+    no environment variables (JoaderDataset's own default applies);
+  - readme: the README's example, the plain script with num_workers=2.
 Both run on the same files, one after the other for each N, in the same run, repeated; medians
 are reported. Per N: epoch time per job, aggregate samples/s (all samples over the span from the
 first job's start to the last job's end), CPU seconds per delivered sample (steady state: see
@@ -48,17 +52,22 @@ from common import (  # noqa: E402
     write_json,
 )
 
+# variant -> (DataLoader workers per job, torch threads set by the script (0: none), thread env)
+VARIANTS = {"tuned": (0, 1, True), "plain": (0, 0, False), "readme": (2, 0, False)}
+
 
 def joader_trial(root: Path, num_items: int, num_jobs: int, args: argparse.Namespace, cache_bytes: int,
-                 epochs: int = 1) -> dict[str, Any]:
+                 epochs: int = 1, variant: str = "tuned") -> dict[str, Any]:
+    workers, threads, thread_env = VARIANTS[variant]
     cpu_before = children_cpu_s()
     server = Server(root, cache_bytes, workers=args.server_workers)
     try:
         server_cpu_before = server.cpu_s()
         start_at = time.time() + start_margin_s(num_jobs)
         reports = run_jobs([simjob_command(f"j{i}", address=server.address, epochs=epochs,
-                                           batch_size=args.batch_size, step_s=args.step_s, start_at=start_at)
-                            for i in range(num_jobs)])
+                                           batch_size=args.batch_size, step_s=args.step_s, start_at=start_at,
+                                           num_workers=workers, threads=threads)
+                            for i in range(num_jobs)], thread_env=thread_env)
         server_cpu = server.cpu_s() - server_cpu_before
         status = server.status()
     finally:
@@ -66,7 +75,7 @@ def joader_trial(root: Path, num_items: int, num_jobs: int, args: argparse.Names
     out = summarize_jobs(reports, epoch=epochs - 1)
     delivered = status["items_delivered"]
     out.update({
-        "side": "joader", "num_jobs": num_jobs, "server_cpu_s": round(server_cpu, 3),
+        "side": "joader", "variant": variant, "num_jobs": num_jobs, "server_cpu_s": round(server_cpu, 3),
         "cpu_s": round(server_cpu + out["jobs_cpu_s"], 3),
         "items_decoded": status["items_decoded"], "items_delivered": delivered,
         "sharing_factor": status["sharing_factor"], "cache": status["cache"],
@@ -113,7 +122,13 @@ def main(argv: list[str] | None = None) -> int:
                         "0 never won here, the job's own process then decodes between its steps)")
     parser.add_argument("--server-workers", type=int, default=2)
     parser.add_argument("--full-cache-jobs", type=int, default=4)
+    parser.add_argument("--variants", default="plain,readme,tuned",
+                        help="joader variants, side by side: plain, readme, tuned (the main table is tuned)")
     args = parser.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or "tuned" not in variants:
+        parser.error(f"--variants: use some of {', '.join(VARIANTS)}, including tuned (got {args.variants})")
     num_items = args.items or (600 if args.quick else 2000)
     jobs = [int(n) for n in (args.jobs or ("1,2,4" if args.quick else "1,2,3,4,5,6")).split(",")]
     reps = args.reps or (1 if args.quick else 3)
@@ -130,11 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     full_cache: list[dict[str, Any]] = []
     for rep in range(reps):
         for n in jobs:
-            t = joader_trial(root, num_items, n, args, quarter_cache_bytes(num_items))
-            t["rep"] = rep
-            trials.append(t)
-            print(f"rep {rep} N={n} joader: epoch {max(t['epoch_s']):.2f} s, {t['aggregate_samples_per_s']:.0f}/s, "
-                  f"decoded {t['items_decoded']}, cpu/sample {t['cpu_per_sample_ms']:.2f} ms", flush=True)
+            for variant in variants:
+                t = joader_trial(root, num_items, n, args, quarter_cache_bytes(num_items), variant=variant)
+                t["rep"] = rep
+                trials.append(t)
+                print(f"rep {rep} N={n} joader {variant}: epoch {max(t['epoch_s']):.2f} s, "
+                      f"{t['aggregate_samples_per_s']:.0f}/s, decoded {t['items_decoded']}, "
+                      f"cpu/sample {t['cpu_per_sample_ms']:.2f} ms", flush=True)
             candidates = search if n not in best_workers else [best_workers[n]]
             results = []
             for w in candidates:
@@ -159,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     table: list[dict[str, Any]] = []
     for n in jobs:
-        j = [t for t in trials if t["side"] == "joader" and t["num_jobs"] == n]
+        j = [t for t in trials if t["side"] == "joader" and t["num_jobs"] == n and t["variant"] == "tuned"]
         b = [t for t in trials if t["side"] == "baseline" and t["num_jobs"] == n
              and t["workers_per_job"] == best_workers[n]]
         row = {
@@ -184,6 +201,13 @@ def main(argv: list[str] | None = None) -> int:
             "ideal_baseline_samples_per_s": round(min(n * rate, decode_per_s), 1),
         }
         row["ideal_speedup"] = round(row["ideal_joader_samples_per_s"] / row["ideal_baseline_samples_per_s"], 3)
+        for variant in variants:  # each variant's aggregate and its ratio to the best baseline, per rep
+            vt = [t for t in trials if t["side"] == "joader" and t["num_jobs"] == n and t["variant"] == variant]
+            row[f"{variant}_samples_per_s"] = median([t["aggregate_samples_per_s"] for t in vt])
+            row[f"{variant}_speedup"] = median([tv["aggregate_samples_per_s"] / tb["aggregate_samples_per_s"]
+                                                for tv in vt for tb in b if tb["rep"] == tv["rep"]])
+            row[f"{variant}_vs_tuned"] = median([tv["aggregate_samples_per_s"] / tj["aggregate_samples_per_s"]
+                                                 for tv in vt for tj in j if tj["rep"] == tv["rep"]])
         table.append(row)
     base = table[0]
     for row in table:
@@ -206,6 +230,12 @@ def main(argv: list[str] | None = None) -> int:
           f"(nominal {args.batch_size / args.step_s:.0f}/s)")
     print_table(["N", "jd epoch s", "base epoch s", "base w", "jd samp/s", "base samp/s", "speedup", "ideal",
                  "jd cpu ms/s", "base cpu ms/s", "jd decoded", "base decoded", "jd ep/N1", "base ep/N1"], rows)
+    print("\njoader variants (samples/s; x the best independent DataLoaders; x tuned), same run:")
+    print_table(["N", "base samp/s", *[f"{v} samp/s" for v in variants], *[f"{v} x base" for v in variants],
+                 *[f"{v} x tuned" for v in variants if v != "tuned"]],
+                [[r["num_jobs"], r["baseline_samples_per_s"], *[r[f"{v}_samples_per_s"] for v in variants],
+                  *[round(r[f"{v}_speedup"], 3) for v in variants],
+                  *[round(r[f"{v}_vs_tuned"], 3) for v in variants if v != "tuned"]] for r in table])
     print(f"whole-dataset cache, N={full['num_jobs']}: epoch {full['epoch_max_s']:.2f} s, "
           f"{full['samples_per_s']:.0f}/s, cpu {full['cpu_ms_per_sample']:.2f} ms/sample, "
           f"decoded {full['items_decoded']:.0f}")
@@ -215,6 +245,11 @@ def main(argv: list[str] | None = None) -> int:
         if row:
             checks[f"speedup_at_{n}"] = {"measured": row["speedup"], "target": target, "ideal": row["ideal_speedup"],
                                          "ok": row["speedup"] >= target}
+    row4 = next((r for r in table if r["num_jobs"] == 4), None)
+    if row4 and "plain" in variants:
+        checks["plain_speedup_at_4"] = {"measured": round(row4["plain_speedup"], 3), "target": 2.0,
+                                        "vs_tuned": round(row4["plain_vs_tuned"], 3),
+                                        "ok": row4["plain_speedup"] >= 2.0 and row4["plain_vs_tuned"] >= 0.9}
     last = table[-1]
     checks[f"epoch_ratio_at_{last['num_jobs']}"] = {"measured": last["joader_epoch_vs_n1"], "target": 1.10,
                                                    "ok": last["joader_epoch_vs_n1"] <= 1.10}
@@ -225,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         "reps": reps, "decode_capacity": capacity, "decode_single_process": single_core, "job_rate": rates,
         "decode_per_s": decode_per_s, "job_samples_per_s": rate, "table": table, "full_cache": full,
         "full_cache_trials": full_cache, "checks": checks, "trials": trials,
+        "variants": variants,
         "command": "python bench/multi_job.py" + (" --quick" if args.quick else ""),
     }
     print(f"wrote {write_json(name, data)}")

@@ -131,7 +131,7 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
 
         dataset = JoaderDataset(args.source, indices=indices, return_index=True, address=args.address,
                                 name=args.name, batch_size=args.batch_size, on_error=args.on_error,
-                                batched=args.batched, threads=args.threads)
+                                batched=args.batched, threads=args.threads if args.threads > 0 else "auto")
         loader = DataLoader(dataset, batch_size=None if args.batched else args.batch_size,
                             num_workers=args.num_workers)
     if args.start_at:  # registered already: the jobs of a sweep start reading together
@@ -209,13 +209,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--on-error", choices=("skip", "raise"), default="skip")
     parser.add_argument("--batched", action="store_true",
                         help="JoaderDataset(batched=True) with DataLoader(batch_size=None)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads; 0: set none, as a plain script (JoaderDataset's default)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    torch.set_num_threads(args.threads)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     if not args.baseline:
         import joader.client.dataset  # noqa: F401  (import before --start-at, not after)
     if args.start_delay_s:
