@@ -265,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--workers", type=int, help="decode worker processes (default: CPUs this process may use)")
     add("--lease-s", type=float, help="drop a job after this long without a request (default 10)")
     add("--lookahead-batches", type=int, help="batches prepared ahead per job (default 4)")
-    add("--seed", type=int, help="seed of the samplers (default 0)")
+    add("--seed", type=int, help="seed of the jobs that do not give their own (default 0)")
     add("--log-level", help=f"{', '.join(LOG_LEVELS)} (default INFO)")
     add("--retry-failed-s", type=float, metavar="S",
         help="retry a file that failed to decode at its next use after S seconds (default 60)")

@@ -105,7 +105,10 @@ class JobTable:
             )
         job_id = f"{_id_prefix(name)}-{secrets.token_hex(4)}"
         if seed is None:
-            seed = secrets.randbits(63)
+            # From joaderd's --seed and the job's arrival on its source: a rerun of the same
+            # jobs on a server with the same --seed draws the same streams.
+            source.jobs_attached += 1
+            seed = random.Random(f"joader-job:{source.seed}:{source.jobs_attached}").getrandbits(63)
         ranks = [Rank(r, now, attached=(r == rank)) for r in range(world_size)]
         job = Job(job_id, name or job_id, secrets.token_bytes(16), source, dataset, batch_size, now,
                   world_size, drop_last, seed, random.Random(seed), ranks, group_key=key)

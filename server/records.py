@@ -69,6 +69,7 @@ class Source:
     failed: dict[int, str] = field(default_factory=dict)  # item id -> reason, until it decodes
     job_ids: list[str] = field(default_factory=list)
     small_items: int = 0  # items smaller than the stage's size (served as they are, not upscaled)
+    jobs_attached: int = 0  # jobs created on this source without a seed (each gets one from it)
     # (job a, job b) with a < b -> [rounds both took part in, rounds that gave both one item]
     pair_rounds: dict[tuple[str, str], list[int]] = field(default_factory=dict)
     # pairs with a removed job, newest last: (name a, name b, rounds, shared, bound)
