@@ -163,7 +163,7 @@ class Scheduler:
             job = jobs[job_id]
             if not (job.reading and job.all_attached and job.resume is None):
                 continue
-            if job.sampler_epoch > job.claimed_epoch and source.sampler.num_remaining(job_id) == 0:
+            if source.sampler.num_remaining(job_id) == 0 and job.sampler_epoch > job.claimed_epoch:
                 continue  # prepared a whole epoch ahead of its readers: enough lookahead
             share = job.shares[job.sampler_epoch]
             receiver = share.receiver()

@@ -147,6 +147,19 @@ def _scan_top(folder: Path) -> tuple[bool, list[str]]:
     return has_subdirs, sorted(tars)
 
 
+class ListedItems:
+    """`len()` and `num_items` from `paths`, for the sources' dataclasses (one definition)."""
+
+    paths: Sequence[str]
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    @property
+    def num_items(self) -> int:
+        return len(self.paths)
+
+
 def check_item_id(source: ItemSource, item_id: int) -> int:
     """`item_id` as an int in `0..len(source)-1`; InvalidArgumentError otherwise."""
     count = len(source)

@@ -21,7 +21,7 @@ from typing import ClassVar
 import numpy as np
 
 from joader.errors import InvalidArgumentError
-from joader.sources.base import check_item_id, read_in_root
+from joader.sources.base import ListedItems, check_item_id, read_in_root
 
 __all__ = ["IMG_EXTENSIONS", "SourceListing", "full_path", "list_image_folder"]
 
@@ -47,7 +47,7 @@ _LAYOUT_HINT = (
 
 
 @dataclass(frozen=True, eq=False)
-class SourceListing:
+class SourceListing(ListedItems):
     """The items of one source: relative paths, their labels, and the class names.
 
     An `ItemSource` of kind "imagefolder": `read(i)` returns the bytes of `root/paths[i]`.
@@ -60,13 +60,6 @@ class SourceListing:
     paths: tuple[str, ...]  # relative POSIX paths; item id = position
     labels: np.ndarray  # int32, one per item
     num_skipped: int = field(default=0)  # symlinks leaving the root, broken links, loops
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    @property
-    def num_items(self) -> int:
-        return len(self.paths)
 
     def read(self, item_id: int) -> bytes:
         """The bytes of item `item_id`'s file, opened only if it still lies inside the root.

@@ -31,7 +31,7 @@ from typing import ClassVar
 import numpy as np
 
 from joader.errors import InvalidArgumentError
-from joader.sources.base import check_item_id, read_in_root
+from joader.sources.base import ListedItems, check_item_id, read_in_root
 from joader.sources.safe_open import display_path
 
 __all__ = ["ListSource", "read_list_file"]
@@ -42,7 +42,7 @@ _MAX_LABEL = 2**31 - 1
 
 
 @dataclass(frozen=True, eq=False)
-class ListSource:
+class ListSource(ListedItems):
     """The items of a list file: paths relative to its folder, labels, class names."""
 
     kind: ClassVar[str] = "list"
@@ -53,13 +53,6 @@ class ListSource:
     paths: tuple[str, ...]  # as written in the file; item id = position
     labels: np.ndarray  # int32, one per item
     num_skipped: int = field(default=0)  # always 0: a bad line is an error, not skipped
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    @property
-    def num_items(self) -> int:
-        return len(self.paths)
 
     def read(self, item_id: int) -> bytes:
         """The bytes of the item's file (inside `folder`); DecodeError with the reason."""

@@ -45,7 +45,7 @@ from typing import ClassVar
 import numpy as np
 
 from joader.errors import DecodeError, InvalidArgumentError
-from joader.sources.base import check_item_id
+from joader.sources.base import ListedItems, check_item_id
 from joader.sources.imagefolder import IMG_EXTENSIONS
 from joader.sources.safe_open import display_path, open_in_root
 
@@ -64,7 +64,7 @@ _HINT = (
 
 
 @dataclass(frozen=True, eq=False)
-class TarSource:
+class TarSource(ListedItems):
     """The samples of a set of tar shards: an index of (shard, offset, size), labels, classes."""
 
     kind: ClassVar[str] = "tar"
@@ -79,13 +79,6 @@ class TarSource:
     sizes: np.ndarray  # int64: the image's size in bytes
     shard_stamps: tuple[tuple[int, int], ...]  # (st_size, st_mtime_ns) of each shard when indexed
     num_skipped: int = field(default=0)  # samples without an image member
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    @property
-    def num_items(self) -> int:
-        return len(self.paths)
 
     def read(self, item_id: int) -> bytes:
         """The image member's bytes, read by offset. DecodeError with the reason and the fix."""
