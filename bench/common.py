@@ -136,12 +136,15 @@ class Server:
 def simjob_command(name: str, *, address: str | None = None, baseline: Path | None = None,
                    indices: str | None = None, epochs: int = 1, batch_size: int = 32, step_s: float = 0.0,
                    num_workers: int = 0, start_at: float = 0.0, start_delay_s: float = 0.0,
-                   record: bool = False, batched: bool = False, threads: int = 1) -> list[str]:
+                   record: bool = False, batched: bool = False, threads: int = 1,
+                   decoder: str | None = None) -> list[str]:
     command = [sys.executable, "-m", "joader.client.simjob", "--name", name, "--epochs", str(epochs),
                "--batch-size", str(batch_size), "--step-s", str(step_s), "--num-workers", str(num_workers),
                "--image-size", str(IMAGE_SIZE), "--threads", str(threads)]
     if baseline is not None:
         command += ["--baseline", str(baseline)]
+        if decoder:
+            command += ["--decoder", decoder]
     else:
         command += ["--address", str(address), "--source", "demo"]
     if indices:
@@ -247,8 +250,10 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def measure_decode_capacity(root: Path, processes: int = 2, num_images: int = 400) -> dict[str, Any]:
-    """Images/s of the shared stage (read, decode, resize, crop) with `processes` processes."""
+def measure_decode_capacity(root: Path, processes: int = 2, num_images: int = 400,
+                            decoder: str | None = None) -> dict[str, Any]:
+    """Images/s of the shared stage (read, decode, resize, crop) with `processes` processes
+    (`decoder`: the stage's decoder, default joaderd's)."""
     import multiprocessing as mp
 
     from joader.sources.imagefolder import list_image_folder
@@ -258,18 +263,20 @@ def measure_decode_capacity(root: Path, processes: int = 2, num_images: int = 40
     chunks = [paths[i::processes] for i in range(processes)]
     ctx = mp.get_context("fork")
     with ctx.Pool(processes) as pool:
-        pool.map(_prepare_all, [[c[0]] for c in chunks])  # warm up the workers
+        pool.map(_prepare_all, [([c[0]], decoder) for c in chunks])  # warm up the workers
         started = time.perf_counter()
-        pool.map(_prepare_all, chunks)
+        pool.map(_prepare_all, [(c, decoder) for c in chunks])
         elapsed = time.perf_counter() - started
     return {"processes": processes, "images": len(paths), "seconds": round(elapsed, 3),
             "images_per_s": round(len(paths) / elapsed, 1)}
 
 
-def _prepare_all(paths: list[str]) -> int:
+def _prepare_all(work: tuple[list[str], str | None]) -> int:
     from joader.stages import build_stage
 
-    stage = build_stage("center-crop", size=IMAGE_SIZE)  # joaderd's default stage and decoder
+    paths, decoder = work
+    options = {"decoder": decoder} if decoder else {}  # default: joaderd's default decoder
+    stage = build_stage("center-crop", size=IMAGE_SIZE, **options)
     for path in paths:
         with open(path, "rb") as f:
             stage.prepare(f.read(), path)

@@ -13,7 +13,10 @@ emulated step (the job only iterates its DataLoader):
   read-only, as the client maps it): (1) into one preallocated array (the physical limit);
   (2) into a new tensor per sample (what the client must do); (3) plus torch.stack of each batch
   of 64 (the DataLoader's collate).
-Targets: one client >= 30% of raw (1), and >= 10,000 samples/s.
+Targets (the fast-by-default issue): one client with num_workers 0 >= 40% of raw (1), with
+num_workers 2 >= 20%; both batched and not are reported. A warm job asks for up to
+`BATCHES_PER_REQUEST` whole batches per Next (joader.client.dataset), so a round trip serves
+several batches; joaderd's CPU per warm delivered sample is printed.
 
 Usage: python bench/delivery.py [--quick] [--items 2000] [--epochs 10] [--reps 3]
 Writes bench/results/delivery[-quick].json and .png and prints a table.
@@ -48,6 +51,10 @@ from common import (  # noqa: E402
     start_margin_s,
     write_json,
 )
+
+
+# (clients, num_workers, batched)
+CASES = ((1, 0, False), (1, 0, True), (1, 2, False), (1, 2, True), (4, 0, False), (4, 0, True))
 
 
 def raw_copy_rates(arena_path: str, num_items: int, batch_size: int, repeats: int) -> dict[str, float]:
@@ -146,8 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(reps):
             raw = raw_copy_rates(server.arena_path, n, args.batch_size, 5)
             raws.append(raw)
-            for clients, workers, reuse in ((1, 0, False), (4, 0, False), (1, 0, True), (4, 0, True)) + (
-                    ((1, 2, False),) if rep == 0 else ()):
+            for clients, workers, reuse in CASES:
                 result = client_rates(server.address, clients, workers, epochs, args.batch_size, reuse)
                 result["rep"] = rep
                 result["raw_preallocated"] = raw["preallocated"]
@@ -171,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
          "samples_per_s": pick(c, w, m, "aggregate_samples_per_s"),
          "fraction_of_raw": pick(c, w, m, "fraction_of_raw"),
          "client_cpu_ms_per_sample": pick(c, w, m, "client_cpu_ms_per_sample")}
-        for c, w, m in ((1, 0, False), (4, 0, False), (1, 2, False), (1, 0, True), (4, 0, True))
+        for c, w, m in CASES
     ]
     raw = {k: median([r[k] for r in raws]) for k in raws[0]}
     print(f"\ndelivery: {n} items of {IMAGE_SIZE}x{IMAGE_SIZE}x3 in a warm cache, batch {args.batch_size}, "
@@ -183,16 +189,16 @@ def main(argv: list[str] | None = None) -> int:
                 [[k, v, round(v * ITEM_NBYTES / 1e9, 2)] for k, v in raw.items()])
     print(f"server CPU during the measured runs: {1000 * server_cpu / max(1, delivered):.3f} ms per delivered "
           f"sample; decodes after warm-up: {status['items_decoded'] - decoded_before}")
-    one = table[0]
-    one_batched = next(t for t in table if t["num_clients"] == 1 and t["batched"])
-    checks = {
-        "one_client_batched_fraction_of_raw": {"measured": one_batched["fraction_of_raw"], "target": 0.30,
-                                               "ok": one_batched["fraction_of_raw"] >= 0.30},
-        "one_client_fraction_of_raw": {"measured": one["fraction_of_raw"], "target": 0.30,
-                                       "ok": one["fraction_of_raw"] >= 0.30},
-        "one_client_samples_per_s": {"measured": one["samples_per_s"], "target": 10000,
-                                     "ok": one["samples_per_s"] >= 10000},
-    }
+    def case(workers: int, batched: bool) -> dict[str, Any]:
+        return next(t for t in table if t["num_clients"] == 1 and t["num_workers"] == workers
+                    and t["batched"] == batched)
+
+    checks = {}
+    for workers, target in ((0, 0.40), (2, 0.20)):
+        for batched in (False, True):
+            t = case(workers, batched)
+            checks[f"one_client_w{workers}{'_batched' if batched else ''}_fraction_of_raw"] = {
+                "measured": t["fraction_of_raw"], "target": target, "ok": t["fraction_of_raw"] >= target}
     for key, check in checks.items():
         print(f"check {key}: {check}")
     data = {"machine": info, "num_items": n, "batch_size": args.batch_size, "epochs": epochs, "reps": reps,
@@ -214,8 +220,7 @@ def plot(name: str, data: dict[str, Any]) -> None:
     ax.barh(range(len(values)), values, color=colors)
     ax.set_yticks(range(len(values)), labels)
     ax.invert_yaxis()
-    ax.axvline(10000, color="k", linestyle=":", label="10,000 samples/s")
-    ax.axvline(0.3 * data["raw"]["preallocated"], color="r", linestyle="--", label="30% of raw copy")
+    ax.axvline(0.4 * data["raw"]["preallocated"], color="r", linestyle="--", label="40% of raw copy")
     for i, v in enumerate(values):
         ax.text(v, i, f" {v:,.0f}", va="center")
     ax.set_xlabel(f"samples/s (256x256x3 uint8, batch {data['batch_size']})")

@@ -19,7 +19,11 @@ a job alone on a warm, whole-dataset cache) against the decode capacity of two c
 two processes running the shared stage). A last row runs joader at N = 4 with a cache that holds
 the whole dataset.
 
-Usage: python bench/multi_job.py [--quick] [--items 2000] [--jobs 1,2,3,4,5,6] [--reps 3]
+Both sides decode with joaderd's default decoder (turbo), or both with `--decoder pil`: the
+fast-by-default issue's targets (plain >= 2.0x at N = 4) were set with Pillow on both sides, where
+decoding is the bottleneck that sharing removes; with turbo the ideal ratio itself is lower.
+
+Usage: python bench/multi_job.py [--quick] [--items 2000] [--jobs 1,2,3,4,5,6] [--reps 3] [--decoder pil]
 Writes bench/results/multi_job[-quick].json and .png and prints a table.
 """
 
@@ -60,7 +64,7 @@ def joader_trial(root: Path, num_items: int, num_jobs: int, args: argparse.Names
                  epochs: int = 1, variant: str = "tuned") -> dict[str, Any]:
     workers, threads, thread_env = VARIANTS[variant]
     cpu_before = children_cpu_s()
-    server = Server(root, cache_bytes, workers=args.server_workers)
+    server = Server(root, cache_bytes, workers=args.server_workers, extra=decoder_args(args))
     try:
         server_cpu_before = server.cpu_s()
         start_at = time.time() + start_margin_s(num_jobs)
@@ -87,11 +91,16 @@ def joader_trial(root: Path, num_items: int, num_jobs: int, args: argparse.Names
     return out
 
 
+def decoder_args(args: argparse.Namespace) -> list[str]:
+    return ["--decoder", args.decoder] if args.decoder else []
+
+
 def baseline_trial(root: Path, num_jobs: int, workers: int, args: argparse.Namespace) -> dict[str, Any]:
     cpu_before = children_cpu_s()
     start_at = time.time() + start_margin_s(num_jobs)
     reports = run_jobs([simjob_command(f"b{i}", baseline=root, batch_size=args.batch_size, step_s=args.step_s,
-                                       num_workers=workers, start_at=start_at) for i in range(num_jobs)])
+                                       num_workers=workers, start_at=start_at, decoder=args.decoder)
+                        for i in range(num_jobs)])
     out = summarize_jobs(reports)
     out.update({
         "side": "baseline", "num_jobs": num_jobs, "workers_per_job": workers, "cpu_s": out["jobs_cpu_s"],
@@ -122,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
                         "0 never won here, the job's own process then decodes between its steps)")
     parser.add_argument("--server-workers", type=int, default=2)
     parser.add_argument("--full-cache-jobs", type=int, default=4)
+    parser.add_argument("--decoder", choices=("pil", "turbo"),
+                        help="the decoder of BOTH sides (joaderd's --decoder and the baseline's stage); "
+                             "default: joaderd's default (turbo). The issue's targets were set with pil")
     parser.add_argument("--variants", default="plain,readme,tuned",
                         help="joader variants, side by side: plain, readme, tuned (the main table is tuned)")
     args = parser.parse_args(argv)
@@ -133,12 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [int(n) for n in (args.jobs or ("1,2,4" if args.quick else "1,2,3,4,5,6")).split(",")]
     reps = args.reps or (1 if args.quick else 3)
     search = [int(w) for w in (args.baseline_workers or ("1,2" if args.quick else "0,1,2")).split(",")]
-    name = "multi_job-quick" if args.quick else "multi_job"
+    name = ("multi_job-quick" if args.quick else "multi_job") + (f"-{args.decoder}" if args.decoder else "")
 
     root = demo_data(num_items)
     info = machine()
-    capacity = [measure_decode_capacity(root, 2, min(num_items, 400))]
-    single_core = [measure_decode_capacity(root, 1, min(num_items, 200))]
+    capacity = [measure_decode_capacity(root, 2, min(num_items, 400), args.decoder)]
+    single_core = [measure_decode_capacity(root, 1, min(num_items, 200), args.decoder)]
     rates = [job_rate(root, num_items, args)]
     trials: list[dict[str, Any]] = []
     best_workers: dict[int, int] = {}
@@ -167,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         f["rep"] = rep
         full_cache.append(f)
         if rep + 1 < reps:  # the ideal's inputs, measured again between repetitions
-            capacity.append(measure_decode_capacity(root, 2, min(num_items, 400)))
+            capacity.append(measure_decode_capacity(root, 2, min(num_items, 400), args.decoder))
             rates.append(job_rate(root, num_items, args))
     info["loadavg_at_end"] = list(__import__("os").getloadavg())
 
@@ -261,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
         "decode_per_s": decode_per_s, "job_samples_per_s": rate, "table": table, "full_cache": full,
         "full_cache_trials": full_cache, "checks": checks, "trials": trials,
         "variants": variants,
-        "command": "python bench/multi_job.py" + (" --quick" if args.quick else ""),
+        "decoder": args.decoder or "default",
+        "command": "python bench/multi_job.py" + (" --quick" if args.quick else "")
+                   + (f" --decoder {args.decoder}" if args.decoder else ""),
     }
     print(f"wrote {write_json(name, data)}")
     plot(name, data)

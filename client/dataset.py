@@ -61,6 +61,10 @@ logger = logging.getLogger(__name__)
 _TOKEN_MASK = (1 << 63) - 1
 STATE_VERSION = 1
 _UNREACHABLE_GRACE_S = 5.0
+# Whole batches one Next reply may carry when they are ready at once (a warm cache): one round
+# trip, one protobuf and one acknowledgement per several batches (bench/delivery.py). joaderd
+# still waits only for the first; the others are handed out only if already prepared.
+BATCHES_PER_REQUEST = 4
 
 
 def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -428,6 +432,7 @@ class JoaderDataset(IterableDataset):
         request = joader_pb2.NextRequest(
             job_id=self.job_id, job_secret=self._secret, token=stream.token, max_items=max_items,
             acks=acks, worker_id=stream.worker_id, pid=os.getpid(), rank=self.rank,
+            max_batches=BATCHES_PER_REQUEST if max_items else 0,
         )
         if max_items and stream.resume is not None:  # until the pass's first reply
             request.resume_epoch = int(stream.resume["epoch"])
@@ -596,13 +601,10 @@ class JoaderDataset(IterableDataset):
         def place(response: Any) -> None:
             # One tensor per item, not views of one batch tensor: torch.stack (in the
             # DataLoader's collate) is ~30x slower on views that share a storage.
-            for index, label, offset, shape, dtype in zip(
-                response.item_ids, response.labels, response.offsets, _shapes(response),
-                _dtypes(response), strict=True,
-            ):
-                array = np.empty(shape, dtype=dtype)
-                arena.copy_into(offset, array)
-                placed.append((index, torch.from_numpy(array), label))
+            arrays = [np.empty(shape, dtype=dtype) for shape, dtype in zip(_shapes(response), _dtypes(response),
+                                                                             strict=True)]
+            arena.copy_many(response.offsets, response.lengths, arrays)
+            placed.extend(zip(response.item_ids, map(torch.from_numpy, arrays), response.labels, strict=True))
 
         for _ in self._stream(stream, place):
             items, placed[:] = list(placed), []
@@ -619,26 +621,34 @@ class JoaderDataset(IterableDataset):
         shape = self.item_shape
         dtype = np.dtype(self.item_dtype)
         size = self.batch_size
+        # In a DataLoader worker, each batch is made in shared memory, as the DataLoader's own
+        # collate does there: handing it to the main process then passes a file descriptor
+        # instead of copying the batch once more.
+        shared = get_worker_info() is not None
         done: list[tuple[torch.Tensor, list[int], list[int]]] = []
 
         def fresh() -> list[Any]:
-            return [torch.from_numpy(np.empty((size, *shape), dtype=dtype)), [], []]
+            return [_batch_tensor((size, *shape), dtype, shared), [], []]
 
         current: list[Any] = fresh()
 
         def place(response: Any) -> None:
-            for index, label, offset, item_shape in zip(
-                response.item_ids, response.labels, response.offsets, _shapes(response), strict=True,
-            ):
+            shapes = _shapes(response)
+            for index, item_shape in zip(response.item_ids, shapes, strict=True):
                 if item_shape != shape:
                     raise InvalidArgumentError(
                         f"job {self.job_id}: item {index} of {self.source!r} has shape {item_shape}, "
                         f"not the stage's {shape} (an image smaller than the stage's size is served "
                         "as it is); set upscale = true for the source, or use batched=False")
+            at, count = 0, len(shapes)
+            while at < count:
                 images, indices, labels = current
-                arena.copy_into(offset, images[len(indices)].numpy())
-                indices.append(index)
-                labels.append(label)
+                take = min(size - len(indices), count - at)
+                rows = images.numpy()[len(indices):len(indices) + take]
+                arena.copy_many(response.offsets[at:at + take], response.lengths[at:at + take], rows)
+                indices.extend(response.item_ids[at:at + take])
+                labels.extend(response.labels[at:at + take])
+                at += take
                 if len(indices) == size:
                     done.append((images, indices, labels))
                     current[:] = fresh()
@@ -686,6 +696,18 @@ class JoaderDataset(IterableDataset):
             )
 
 
+def _batch_tensor(shape: tuple[int, ...], dtype: np.dtype, shared: bool) -> torch.Tensor:
+    """An uninitialized tensor for a batch; in shared memory if `shared` (no copy of its
+    garbage, unlike `share_memory_()`)."""
+    # torch.empty, not numpy.empty: numpy advises huge pages for blocks over 4 MiB, and the
+    # kernel's compaction to find them made each fresh batch ~1.4x slower to fill here.
+    empty = torch.empty(shape if not shared else 0, dtype=_TORCH_DTYPES[dtype])
+    if not shared:
+        return empty
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    return empty.set_(torch.UntypedStorage._new_shared(nbytes), 0, shape)
+
+
 def _shapes(response: Any) -> list[tuple[int, ...]]:
     """Each item's shape, from the response's flat `dims` and per-item `ndims`."""
     dims, shapes, at = response.dims, [], 0
@@ -700,6 +722,7 @@ def _dtypes(response: Any) -> list[np.dtype]:
 
 
 _NUMPY_DTYPES = [np.dtype(name) for name in DTYPES]
+_TORCH_DTYPES = {dtype: torch.from_numpy(np.empty(0, dtype)).dtype for dtype in _NUMPY_DTYPES}
 
 
 class _Pass:

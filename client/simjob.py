@@ -51,12 +51,13 @@ def parse_indices(spec: str | None) -> Any:
 class PlainImageFolder(Dataset):
     """The baseline: what a training script does without joader (same shared stage)."""
 
-    def __init__(self, root: str, image_size: int, indices: Any = None) -> None:
+    def __init__(self, root: str, image_size: int, indices: Any = None, decoder: str | None = None) -> None:
         from joader.sources.imagefolder import list_image_folder
 
         self.listing = list_image_folder(root)
         self.image_size = image_size
         self._stage: Any = None  # joaderd's default stage and decoder: a like-for-like baseline
+        self.decoder = decoder
         self.ids = list(indices) if indices is not None else list(range(len(self.listing.paths)))
 
     def __len__(self) -> int:
@@ -66,7 +67,8 @@ class PlainImageFolder(Dataset):
         from joader.stages import build_stage
 
         if self._stage is None:  # built lazily, in the DataLoader worker
-            self._stage = build_stage("center-crop", size=self.image_size)
+            options = {"decoder": self.decoder} if self.decoder else {}
+            self._stage = build_stage("center-crop", size=self.image_size, **options)
         item = self.ids[i]
         image = self._stage.prepare(self.listing.read(item), self.listing.paths[item])
         return item, torch.from_numpy(image), int(self.listing.labels[item])
@@ -123,7 +125,7 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
     indices = parse_indices(args.indices)
     dataset: Any
     if args.baseline:
-        dataset = PlainImageFolder(args.baseline, args.image_size, indices)
+        dataset = PlainImageFolder(args.baseline, args.image_size, indices, args.decoder)
         loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.num_workers,
                             persistent_workers=args.num_workers > 0)
     else:
@@ -202,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--image-size", type=int, default=256)
     parser.add_argument("--name", default=f"simjob-{os.getpid()}")
     parser.add_argument("--baseline", metavar="ROOT", help="run without joader on this ImageFolder")
+    parser.add_argument("--decoder", help="the baseline's decoder (default: joaderd's default, like for like)")
     parser.add_argument("--record", action="store_true", help="record the item order of every epoch")
     parser.add_argument("--progress", action="store_true", help="show a progress bar")
     parser.add_argument("--position", type=int, default=0, help="progress bar row")

@@ -14,6 +14,7 @@ TOML (`--config FILE`), every key optional, command-line flags win:
     retry_failed_s = 60        # a file that failed to decode is tried again after this long
     decode_timeout_s = 60      # a decode that takes longer kills its worker
     max_jobs = 1024            # jobs attached at once; more are refused
+    pacing = "deadline"        # decode by when jobs read, evict by speed; "rounds": the old order
     ready_file = "/run/joaderd.ready"   # JSON written once joaderd serves (joader.launch)
 
     decoder = "turbo"          # decoder of the built-in stages: turbo (default) | pil (exact)
@@ -59,6 +60,7 @@ DEFAULT_STAGE = "center-crop"
 MODES = ("RGB", "L")
 DEFAULT_CACHE_SIZE = "1GiB"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+PACINGS = ("deadline", "rounds")  # joader.server.pacing
 
 
 def default_num_workers() -> int:
@@ -99,6 +101,7 @@ class ServerConfig:
     retry_failed_s: float = 60.0
     decode_timeout_s: float = 60.0
     max_jobs: int = 1024
+    pacing: str = "deadline"
 
 
 # --- value checks: (value, where, example) -> the value; where names the key or the flag ---
@@ -219,6 +222,7 @@ _KEYS: dict[str, _Key] = {
     "retry_failed_s": _Key("--retry-failed-s", _non_negative_seconds, "60"),
     "decode_timeout_s": _Key("--decode-timeout-s", _positive_seconds, "60"),
     "max_jobs": _Key("--max-jobs", _positive_int, "1024"),
+    "pacing": _Key("--pacing", lambda v, w, e: _choice(v, w, e, PACINGS), '"deadline"'),
     "ready_file": _Key("--ready-file", _path, '"/run/user/1000/joaderd.ready"'),
 }
 _KEYS["decoder"] = _Key("--decoder", lambda v, w, e: _choice(v, w, e, DECODERS), '"turbo"')
@@ -272,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--decode-timeout-s", type=float, metavar="S",
         help="kill and replace a decode worker stuck on one file for S seconds (default 60)")
     add("--max-jobs", type=int, help="jobs attached at once; more are refused (default 1024)")
+    add("--pacing", choices=PACINGS,
+        help="deadline (default): decode what jobs read soonest first and evict what they read "
+             "last (RefCnt weighted by speed); rounds: decode in round order, plain RefCnt")
     add("--ready-file", metavar="PATH",
         help="once serving, write JSON there: address, port, arena_path, pid, num_workers")
     return parser
@@ -311,7 +318,7 @@ def load_config(argv: list[str] | None = None) -> ServerConfig:
 
 # Settings whose ServerConfig field has the same name as the key.
 _PLAIN_FIELDS = ("lease_s", "lookahead_batches", "seed", "log_level", "allow_remote",
-                 "ready_file", "retry_failed_s", "decode_timeout_s", "max_jobs")
+                 "ready_file", "retry_failed_s", "decode_timeout_s", "max_jobs", "pacing")
 
 
 def _read_toml(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:

@@ -13,7 +13,8 @@ their current epoch; callers keep it current with `add_refcount` / `count_needed
 Bytes: an item's range of the arena comes from a `ByteAllocator`. A decode is given its source's
 upper bound (`Source.max_item_bytes`: exact for fixed-size stages) and the range is shrunk to the
 item's real size when it lands. When no hole fits, victims are evicted (RefCnt order) until one
-does; with everything pinned, decoding waits for acknowledgements.
+does; with everything pinned, decoding waits for acknowledgements. Victims are chosen by RefCnt
+weighted by the jobs' speeds when the registry sets `reuse_hazard` (`RefCntPolicy.victim`).
 
 Plain logic, no lock: the `Registry` calls it under its own lock.
 """
@@ -55,7 +56,10 @@ class ItemCache:
         self.policy = RefCntPolicy()
         self.allocator = ByteAllocator(capacity_bytes)
         self.capacity_bytes = self.allocator.capacity
-        self._demand: list[tuple[int, int]] = []  # (round seq, key): decode in order of need
+        # key -> how soon some job reads the item again (set by the registry, which knows the
+        # jobs' speeds): eviction by expected time to next use; None: plain RefCnt.
+        self.reuse_hazard: Callable[[int], float] | None = None
+        self._demand: list[tuple[float, int, int]] = []  # (due, round seq, key): earliest due first
         self.hits = 0
         self.misses = 0
         self.evictions = 0
@@ -65,17 +69,21 @@ class ItemCache:
 
     # ----------------------------------------------------------------------------- wanting
 
-    def want(self, source: Source, item_id: int, round_seq: int, *, consumed: bool) -> Item:
+    def want(self, source: Source, item_id: int, round_seq: int, *, consumed: bool,
+             due_s: float = 0.0) -> Item:
         """A queue entry now holds the item: pin it, counting a hit or a miss.
 
         `consumed`: the pick took the item out of a job's remaining set, so a cached item loses
-        one reference (False for a padding copy, which no remaining set held).
+        one reference (False for a padding copy, which no remaining set held). `due_s`: when
+        this queue will reach it (`joader.server.pacing`); decodes run earliest-due first, and
+        an item several queues wait for is due at the earliest of their times.
         """
         key = source.key_base + item_id
         item = self.items.get(key)
         if item is None:
             item = self.items[key] = Item(source, item_id)
-            heapq.heappush(self._demand, (round_seq, key))
+            item.due_s = due_s
+            heapq.heappush(self._demand, (due_s, round_seq, key))
             self.misses += 1
         elif item.state is ItemState.READY:
             if consumed:
@@ -86,11 +94,17 @@ class ItemCache:
                 # Failures are not forever: the file may have been fixed (or its storage come
                 # back) since. Jobs that queued it meanwhile wait for this decode.
                 item.move(ItemState.WAITING)
-                heapq.heappush(self._demand, (round_seq, key))
+                item.due_s = due_s
+                heapq.heappush(self._demand, (due_s, round_seq, key))
                 self.items_retried += 1
                 self.misses += 1
         else:
             self.hits += 1
+            if item.state is ItemState.WAITING and due_s < item.due_s:
+                # needed sooner than its first queue thought: a second entry, earlier (the later
+                # one is skipped once the item is no longer WAITING)
+                item.due_s = due_s
+                heapq.heappush(self._demand, (due_s, round_seq, key))
         self.pin(item)
         return item
 
@@ -127,10 +141,10 @@ class ItemCache:
     # ----------------------------------------------------------------------------- decoding
 
     def dispatch(self, pool: DecodeSubmitter, limit: int, source_index: Callable[[Source], int]) -> None:
-        """Hands waiting items to the pool, in order of need, while fewer than `limit` run."""
+        """Hands waiting items to the pool, earliest due first, while fewer than `limit` run."""
         demand = self._demand
         while demand and pool.in_flight < limit:
-            key = demand[0][1]
+            key = demand[0][2]
             item = self.items.get(key)
             if item is None or item.state is not ItemState.WAITING:
                 heapq.heappop(demand)
@@ -154,7 +168,7 @@ class ItemCache:
         allocator = self.allocator
         offset = allocator.allocate(nbytes)
         while offset is None:
-            victim = self.policy.victim()
+            victim = self.policy.victim(self.reuse_hazard)
             if victim is None:
                 return None
             self._evict(victim)

@@ -143,6 +143,7 @@ def run(config: ServerConfig) -> int:
             RegistryConfig(
                 lookahead_batches=config.lookahead_batches, lease_s=config.lease_s,
                 retry_failed_s=config.retry_failed_s, max_jobs=config.max_jobs,
+                deadline_pacing=config.pacing == "deadline",
             ),
         )
         return asyncio.run(_serve(config, address, arena, pool, registry, [len(s.listing.paths) for s in sources]))

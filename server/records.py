@@ -18,6 +18,7 @@ from typing import Any
 from pyroaring import BitMap
 
 from joader.sampling import DependentSampler
+from joader.server.pacing import RateMeter
 
 
 class ItemState(enum.Enum):
@@ -91,8 +92,8 @@ class Source:
 class Item:
     """One item of one source, keyed by `source.key_base + item_id` in the registry."""
 
-    __slots__ = ("dtype", "failed_s", "item_id", "key", "nbytes", "offset", "pins", "shape", "source",
-                 "state", "waiters")
+    __slots__ = ("dtype", "due_s", "failed_s", "item_id", "key", "nbytes", "offset", "pins", "shape",
+                 "source", "state", "waiters")
 
     def __init__(self, source: Source, item_id: int) -> None:
         self.source = source
@@ -108,6 +109,7 @@ class Item:
         self.pins = 0
         self.failed_s = 0.0  # when it last failed (clock of the registry)
         self.waiters: list[Job] = []  # jobs with this item queued, to wake when it settles
+        self.due_s = float("inf")  # while WAITING: when the first job queueing it will read it
 
     def move(self, state: ItemState) -> None:
         if state not in _TRANSITIONS[self.state]:
@@ -246,6 +248,7 @@ class Job:
     wakers: set[Callable[[], None]] = field(default_factory=set)
     on_removed: list[Callable[[str], None]] = field(default_factory=list)
     reading: bool = False  # rounds include a job once all its ranks asked for items
+    rate: RateMeter = field(default_factory=RateMeter)  # items/s delivered: decodes' due times
 
     @property
     def num_items(self) -> int:
@@ -301,6 +304,7 @@ class NextArgs:
     resume_epoch: int = 0  # > 0: this pass resumes that epoch, minus `resume_consumed`
     resume_consumed: BitMap | None = None
     resume_parts: int = 1  # how many readers of this rank report a part of the resume
+    max_batches: int = 1  # whole batches of `max_items` one reply may carry, if ready at once
 
 
 @dataclass
@@ -315,3 +319,4 @@ class NextCall:
     deadline_s: float
     waker: Callable[[], None]
     linger_until_s: float | None = None
+    max_batches: int = 1

@@ -79,6 +79,9 @@ class RegistryConfig:
     retry_failed_s: float = 60.0  # a failed file is decoded again at its next use after this
     max_jobs: int = 1024
     max_items_per_request: int = 4096
+    # Decode earliest-due first and evict by expected time to next use (joader.server.pacing);
+    # False: decode in round order, plain RefCnt (for side-by-side benches).
+    deadline_pacing: bool = True
 
 
 class Registry:
@@ -104,7 +107,9 @@ class Registry:
         self._source_index = {s.name: i for i, s in enumerate(sources)}
         self._pool = pool
         self.cache = ItemCache(capacity_bytes, retry_failed_s=self.config.retry_failed_s, clock=clock)
-        self._scheduler = Scheduler(self.cache)
+        self._scheduler = Scheduler(self.cache, clock, deadlines=self.config.deadline_pacing)
+        if self.config.deadline_pacing:
+            self.cache.reuse_hazard = self._reuse_hazard
         self.jobs = JobTable(self.cache, self._scheduler, lease_s=self.config.lease_s,
                              max_jobs=self.config.max_jobs, clock=clock)
         self._stopped = False
@@ -242,7 +247,9 @@ class Registry:
             self._cond.notify_all()
             job.wakers.add(waker)
             max_items = min(args.max_items, self.config.max_items_per_request)
-            return NextCall(job, rank, pass_, max_items, now, now + self.config.next_wait_s, waker)
+            max_batches = max(1, min(args.max_batches, self.config.max_items_per_request // max(1, max_items)))
+            return NextCall(job, rank, pass_, max_items, now, now + self.config.next_wait_s, waker,
+                            max_batches=max_batches)
 
     def poll_next(self, call: NextCall) -> Batch | float:
         """A batch of ready items of the call's epoch (or its end), or seconds to wait first.
@@ -275,13 +282,30 @@ class Registry:
             linger = call.linger_until_s
             lingered = partial_ok and linger is not None and now >= linger
             if ready >= wanted or (ready and (lingered or self._stopped)):
-                batch = self._take_ready(job, rank, pass_, call.max_items)
+                batch = self._take_ready(job, rank, pass_, self._reply_size(call, rank, epoch, left, ready))
                 assert batch is not None
                 return batch
             if now >= call.deadline_s or self._stopped:
                 return Batch(epoch, False, [], [], [], [])
             wake_s = linger if partial_ok and linger is not None else call.deadline_s
             return max(0.0, min(call.deadline_s, wake_s) - now)
+
+    def _reply_size(self, call: NextCall, rank: Rank, epoch: int, left: int | None, ready: int) -> int:
+        """How many items the reply takes once its first batch is ready: further whole batches
+        (up to `max_batches`) that are ready now, never a wait for them. Beside other jobs on
+        the source, only from what the rank's queue holds beyond its capacity: a queue drained
+        below it would make this job join the next rounds alone while the others' queues are
+        full (fewer shared rounds). A job alone on its source takes what is ready."""
+        size = call.max_items
+        job = call.job
+        keep = job.queue_capacity if len(job.source.job_ids) > 1 else 0
+        spare = len(rank.queue) - size - keep
+        extra = min(call.max_batches - 1, spare // size) if ready >= size else 0
+        if extra <= 0:
+            return size
+        most = size * (1 + extra) if left is None else min(size * (1 + extra), left)
+        available = self._count_ready(rank, epoch, most)
+        return most if available == most else max(size, available - available % size)
 
     def _left(self, job: Job, rank: Rank, epoch: int) -> int | None:
         """Items of `epoch` the rank has yet to receive; None while that is not known yet."""
@@ -314,11 +338,12 @@ class Registry:
         resume_epoch: int = 0,
         resume_consumed: BitMap | None = None,
         resume_parts: int = 1,
+        max_batches: int = 1,
     ) -> Batch:
         """`begin_next`, `poll_next` and `end_next`, blocking this thread while it waits."""
         event = threading.Event()
         args = NextArgs(job_id, secret, token, max_items, tuple(acks), worker_id, pid, rank,
-                        resume_epoch, resume_consumed, resume_parts)
+                        resume_epoch, resume_consumed, resume_parts, max_batches)
         call = self.begin_next(args, event.set)
         if isinstance(call, Batch):
             return call
@@ -378,6 +403,7 @@ class Registry:
         if not item_ids and not failed:
             return None
         rank.handed[epoch] += len(item_ids) + len(failed)
+        job.rate.add(self._clock(), len(item_ids) + len(failed))
         job.items_delivered += len(item_ids)
         job.items_skipped += len(failed)
         self.items_delivered += len(item_ids)
@@ -455,6 +481,10 @@ class Registry:
                 source.name, source.small_items, size, source.listing.paths[item.item_id],
                 "x".join(map(str, item.shape)),
             )
+
+    def _reuse_hazard(self, key: int) -> float:
+        item = self.cache.items[key]
+        return self._scheduler.reuse_hazard(item.source, item.item_id, self.jobs.jobs, self._clock())
 
     def _needed(self, item: Item) -> int:
         return self._scheduler.needed(item.source, item.item_id)

@@ -21,10 +21,12 @@ from __future__ import annotations
 import logging
 import random
 from collections import deque
+from collections.abc import Callable
 
 from pyroaring import BitMap
 
 from joader.server.item_cache import ItemCache
+from joader.server.pacing import UNKNOWN_RATE, due_time
 from joader.server.records import Entry, EpochShare, Job, Rank, Source
 
 logger = logging.getLogger(__name__)
@@ -39,9 +41,12 @@ PAIR_HISTORY = 256  # pairs of removed jobs whose counts status still shows
 class Scheduler:
     """Drives each source's sampler for its jobs, and keeps their epochs' shares."""
 
-    def __init__(self, cache: ItemCache) -> None:
+    def __init__(self, cache: ItemCache, clock: Callable[[], float], *, deadlines: bool = True) -> None:
         self._cache = cache
+        self._clock = clock
+        self._deadlines = deadlines  # False: every decode is due at once (round order)
         self._round_seq = 0
+        self._now = 0.0  # the clock at the current round's start
 
     # ----------------------------------------------------------------------------- jobs
 
@@ -70,6 +75,18 @@ class Scheduler:
         """How many jobs of `source` still need `item_id` in their current epoch."""
         sampler = source.sampler
         return sum(1 for job_id in source.job_ids if sampler.needs(job_id, item_id))
+
+    def reuse_hazard(self, source: Source, item_id: int, jobs: dict[str, Job], now: float) -> float:
+        """How soon some job reads `item_id` again, as a rate: the sum over the jobs that still
+        need it of (the job's items/s) / (its items left in the epoch). Each such job picks it
+        at random among what it has left, so its expected time to next use is the inverse."""
+        sampler = source.sampler
+        total = 0.0
+        for job_id in source.job_ids:
+            if sampler.needs(job_id, item_id):
+                rate = jobs[job_id].rate.rate(now)
+                total += (rate if rate else UNKNOWN_RATE) / max(1, sampler.num_remaining(job_id))
+        return total
 
     def _open(self, job: Job, epoch: int, consumed: list[int]) -> EpochShare:
         per = job.per_rank
@@ -136,6 +153,7 @@ class Scheduler:
             sampler.add_job(job.job_id, job.dataset, rng=job.rng)
             self._cache.add_refcount(source, job.dataset, 1)
             share = self._open(job, epoch, counts)
+            self._now = self._clock()
             self._complete(job, share)
             job.sampler_epoch = epoch + 1
             self._open(job, epoch + 1, [0] * job.world_size)
@@ -176,6 +194,7 @@ class Scheduler:
         sampler = source.sampler
         starting = [j for j in participants if sampler.num_remaining(j) == 0]
         picks = sampler.sample(participants)
+        self._now = self._clock()
         if 2 <= len(picks) <= MAX_PAIR_COUNTED_JOBS:
             _count_pairs(source.pair_rounds, picks)
         for job_id in starting:
@@ -212,7 +231,8 @@ class Scheduler:
             if consumed:
                 self._cache.consume_unqueued(job.source, item_id)
             return
-        item = self._cache.want(job.source, item_id, self._round_seq, consumed=consumed)
+        due_s = due_time(self._now, len(rank.queue), job.rate.rate(self._now)) if self._deadlines else 0.0
+        item = self._cache.want(job.source, item_id, self._round_seq, consumed=consumed, due_s=due_s)
         rank.queue.append(Entry(share.epoch, item_id, item.key))
         if not item.state.settled:
             item.waiters.append(job)  # woken when it settles; settled ones: after the round

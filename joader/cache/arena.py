@@ -31,9 +31,10 @@ import os
 import re
 import secrets
 import stat
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 import numpy as np
 
@@ -241,6 +242,28 @@ class ArenaReader:
         src = self.array(offset, (out.nbytes,), np.uint8)
         out.reshape(-1).view(np.uint8)[:] = src
         return out
+
+    def copy_many(self, offsets: Sequence[int], lengths: Sequence[int], outs: Iterable[Any]) -> None:
+        """Copies each range `[offsets[i], offsets[i] + lengths[i])` into `outs[i]`, a
+        C-contiguous writable buffer (numpy array) of exactly that many bytes.
+
+        The client's delivery path: one bounds check for the whole reply, then a plain memcpy
+        per item through memoryviews, about a third of `copy_into`'s Python per item (which
+        builds two numpy views for each).
+        """
+        if offsets:
+            low = min(offsets)
+            high = max(offset + length for offset, length in zip(offsets, lengths, strict=True))
+            self._check_range(low, high - low)
+        with memoryview(self._buffer()) as source:
+            for offset, length, out in zip(offsets, lengths, outs, strict=True):
+                with memoryview(out) as view, view.cast("B") as target:
+                    if target.nbytes != length:
+                        raise InvalidArgumentError(
+                            f"an item of {length} bytes at offset {offset} does not fit an output "
+                            f"of {target.nbytes} bytes; the reply's shapes disagree with its lengths"
+                        )
+                    target[:] = source[offset : offset + length]
 
     def close(self) -> None:
         mm, self._mmap = self._mmap, None

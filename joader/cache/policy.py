@@ -20,7 +20,7 @@ suffice: it would land at the young end of its new bucket.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from joader.errors import InvalidArgumentError
@@ -75,17 +75,31 @@ class RefCntPolicy:
         self._require(key)
         return self._pins.get(key, 0)
 
-    def victim(self) -> Hashable | None:
-        """The unpinned key to evict next, or None if every item is pinned (or none is cached)."""
+    def victim(self, hazard: Callable[[Hashable], float] | None = None, sample: int = 4) -> Hashable | None:
+        """The unpinned key to evict next, or None if every item is pinned (or none is cached).
+
+        Plain RefCnt without `hazard`. With it (key -> how soon the item will be read again:
+        the sum, over the jobs that still need it, of each job's rate over its remaining items;
+        see `joader.server.pacing`), an item nobody needs (refcount 0) still goes first;
+        otherwise the `sample` oldest items of every refcount bucket are the candidates and the
+        one read again last (lowest hazard) goes, ties to the lower refcount, then the older.
+        So an item only a slow job still needs goes before one a fast job will read soon, even
+        if the slow one is needed by more jobs: RefCnt weighted by speed (Lobster's reuse
+        distance). Sampling keeps a victim O(buckets x sample x log n).
+        """
         if not self._live:
             return None
-        refcount = min(self._live)
-        heap = self._heaps[refcount]
-        while True:
-            stamp, key = heap[0]
-            if self._is_live_entry(refcount, stamp, key):
-                return key
-            heapq.heappop(heap)
+        lowest = min(self._live)
+        if hazard is None or lowest == 0:
+            return self._oldest(lowest, 1)[0]
+        best: tuple[float, Hashable] | None = None
+        for refcount in sorted(self._live):
+            for key in self._oldest(refcount, sample):
+                score = hazard(key)
+                if best is None or score < best[0]:
+                    best = (score, key)
+        assert best is not None
+        return best[1]
 
     def statistics(self) -> PolicyStats:
         return PolicyStats(
@@ -205,6 +219,21 @@ class RefCntPolicy:
         else:
             del self._live[refcount]
             del self._heaps[refcount]
+
+    def _oldest(self, refcount: int, count: int) -> list[Hashable]:
+        """The `count` least recently inserted or unpinned live keys of a bucket (oldest first),
+        dropping the stale entries in front of them."""
+        heap = self._heaps[refcount]
+        taken: list[tuple[int, Hashable]] = []
+        seen: set[Hashable] = set()
+        while heap and len(taken) < count:
+            stamp, key = heapq.heappop(heap)
+            if key not in seen and self._is_live_entry(refcount, stamp, key):
+                seen.add(key)
+                taken.append((stamp, key))
+        for entry in taken:
+            heapq.heappush(heap, entry)
+        return [key for _, key in taken]
 
     def _compact(self, refcount: int) -> None:
         seen: set[Hashable] = set()

@@ -87,6 +87,23 @@ def test_statistics_snapshot() -> None:
     assert policy.statistics().num_pins == 0
 
 
+def test_weighted_victim_prefers_what_only_slow_jobs_need() -> None:
+    policy = RefCntPolicy()
+    policy.insert("fast", 1)  # oldest, one job needs it, a fast one: read soon
+    policy.insert("slow-two", 2)  # two slow jobs need it: read late
+    policy.insert("slow", 1)
+    hazard = {"fast": 0.5, "slow-two": 0.02, "slow": 0.01}.__getitem__
+    assert policy.victim() == "fast"  # plain RefCnt: lowest refcount, oldest
+    assert policy.victim(hazard) == "slow"
+    policy.remove("slow")
+    assert policy.victim(hazard) == "slow-two"  # speed outweighs the count
+    policy.insert("unneeded", 0)
+    assert policy.victim(hazard) == "unneeded"  # nobody needs it this epoch: always first
+    policy.pin("unneeded")
+    policy.pin("slow-two")
+    assert policy.victim(hazard) == "fast"  # pinned items never go
+
+
 class _Model:
     """Brute force: victim = min over unpinned keys of (refcount, last insert-or-unpin time)."""
 
@@ -104,11 +121,22 @@ class _Model:
         free = [k for k in self.refcount if self.pins[k] == 0]
         return min(free, key=lambda k: (self.refcount[k], self.stamp[k])) if free else None
 
+    def weighted_victim(self, hazard: dict[int, float], sample: int) -> int | None:
+        """Refcount 0 first (oldest); else, of the `sample` oldest unpinned keys of each
+        refcount, the lowest hazard, ties to the lower refcount and then the older."""
+        free = sorted((k for k in self.refcount if self.pins[k] == 0), key=lambda k: (self.refcount[k], self.stamp[k]))
+        if not free or self.refcount[free[0]] == 0:
+            return free[0] if free else None
+        candidates = [k for k in free if sum(1 for j in free if self.refcount[j] == self.refcount[k]
+                                             and self.stamp[j] < self.stamp[k]) < sample]
+        return min(candidates, key=lambda k: (hazard[k], self.refcount[k], self.stamp[k]))
+
 
 @pytest.mark.parametrize("seed", range(5))
 def test_randomized_against_brute_force(seed: int) -> None:
     rng = random.Random(seed)
     policy, model = RefCntPolicy(), _Model()
+    hazard = {key: rng.choice([0.5, 1.0, rng.random()]) for key in range(200)}  # ties too
     for _ in range(20_000):
         op = rng.random()
         keys = list(model.refcount)
@@ -146,6 +174,8 @@ def test_randomized_against_brute_force(seed: int) -> None:
                 model.pins[key] -= 1
                 if model.pins[key] == 0:
                     model.touch(key)
+        elif op < 0.92:
+            assert policy.victim(lambda k: hazard[k], sample=2) == model.weighted_victim(hazard, 2)
         else:
             victim = model.victim()
             assert policy.victim() == victim

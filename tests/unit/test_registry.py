@@ -384,6 +384,49 @@ def test_replies_hold_whole_batches_until_the_last() -> None:
     assert sizes == [4, 4, 4, 4, 4, 3]
 
 
+def test_a_warm_queue_gives_several_whole_batches_per_reply_and_keeps_its_capacity() -> None:
+    """max_batches: a reply adds further whole batches when they are ready; beside another job
+    on the source, only while the queue keeps its capacity (else the job would join rounds
+    alone while the other's queue is full: less sharing)."""
+    registry, pool, _ = make_registry(num_slots=60, lookahead_batches=2)
+    job = attach(registry, "demo", BitMap(range(60)), "a", 4)
+    assert job.queue_capacity == 8
+    assert nxt(registry, job.job_id, 1, 4, [], max_batches=4).item_ids == []  # starts the reading
+    pump(registry, pool)
+    assert len(nxt(registry, job.job_id, 1, 4, [], max_batches=4).item_ids) == 8  # alone: all ready
+
+    registry, pool, _ = make_registry(num_slots=60, lookahead_batches=2)
+    a = attach(registry, "demo", BitMap(range(60)), "a", 4)
+    b = attach(registry, "demo", BitMap(range(60)), "b", 4)
+    capacity = a.queue_capacity
+    sizes, order, acks, b_acks = [], [], [], []
+    for step in range(10_000):
+        pump(registry, pool)
+        if step % 3 == 0:  # b reads a batch for a's three: a's queue grows beyond its capacity
+            b_acks = nxt(registry, b.job_id, 1, 4, b_acks).item_ids
+            pump(registry, pool)
+        queued = len(a.ranks[0].queue)
+        result = nxt(registry, a.job_id, 1, 4, acks, max_batches=4)
+        acks = result.item_ids
+        order += result.item_ids
+        if result.item_ids:
+            sizes.append(len(result.item_ids))
+            assert len(result.item_ids) % 4 == 0 or result.end_of_epoch
+            assert len(result.item_ids) == 4 or queued - len(result.item_ids) >= capacity
+        if result.end_of_epoch:
+            break
+    nxt(registry, a.job_id, 1, 0, acks)
+    assert sorted(order) == list(range(60))
+    # Refilled by shared rounds, a's queue never holds a whole batch beyond its capacity here.
+    assert set(sizes) == {4}
+    # Without max_batches, one batch per reply as before.
+    registry, pool, _ = make_registry(num_slots=60, lookahead_batches=2)
+    job = attach(registry, "demo", BitMap(range(60)), "a", 4)
+    nxt(registry, job.job_id, 1, 4, [])
+    pump(registry, pool)
+    assert len(nxt(registry, job.job_id, 1, 4, []).item_ids) == 4
+
+
 def test_a_resumed_epoch_delivers_exactly_what_was_not_consumed_then_whole_epochs() -> None:
     registry, pool, _ = make_registry(num_slots=30)
     before = attach(registry, "demo", BitMap(range(30)), "a", 4)
