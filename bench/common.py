@@ -137,7 +137,7 @@ def simjob_command(name: str, *, address: str | None = None, baseline: Path | No
                    indices: str | None = None, epochs: int = 1, batch_size: int = 32, step_s: float = 0.0,
                    num_workers: int = 0, start_at: float = 0.0, start_delay_s: float = 0.0,
                    record: bool = False, batched: bool = False, threads: int = 1,
-                   decoder: str | None = None) -> list[str]:
+                   decoder: str | None = None, augment: int = 0) -> list[str]:
     command = [sys.executable, "-m", "joader.client.simjob", "--name", name, "--epochs", str(epochs),
                "--batch-size", str(batch_size), "--step-s", str(step_s), "--num-workers", str(num_workers),
                "--image-size", str(IMAGE_SIZE), "--threads", str(threads)]
@@ -147,6 +147,8 @@ def simjob_command(name: str, *, address: str | None = None, baseline: Path | No
             command += ["--decoder", decoder]
     else:
         command += ["--address", str(address), "--source", "demo"]
+    if augment:
+        command += ["--augment", str(augment)]
     if indices:
         command += ["--indices", indices]
     if start_at:

@@ -1,7 +1,8 @@
 """The paper's Table 1: N identical jobs (a hyper-parameter sweep) with joader and with PyTorch.
 
 N = 1..6 identical jobs train one epoch on the same demo dataset (2,000 500x375 JPEGs by
-default), batch 32, an emulated GPU step of 0.1 s per batch (a sleep: it costs no CPU).
+default), batch 32, a job stage of a random 224x224 crop and flip per image in the job's own
+process (`--augment`), an emulated GPU step of 0.1 s per batch (a sleep: it costs no CPU).
 - baseline: N independent DataLoaders over an ImageFolder-style dataset doing the same shared
   stage (decode, resize to 256, center crop), each with the worker count (searched in 0, 1, 2
   per job, at every N) that gives the baseline its best aggregate throughput;
@@ -10,7 +11,9 @@ default), batch 32, an emulated GPU step of 0.1 s per batch (a sleep: it costs n
   - tuned: num_workers 0, one torch thread set by the script, OMP_NUM_THREADS=1 exported;
   - plain: `DataLoader(JoaderDataset(...), batch_size=B)` and nothing else: no thread setting,
     no environment variables (JoaderDataset's own default applies);
-  - readme: the README's example, the plain script with num_workers=2.
+  - readme: the README's example as it stood before this issue, the plain script with
+    num_workers=2 (the README now shows the plain script; workers without a heavy transform
+    only add a copy per batch).
 Both run on the same files, one after the other for each N, in the same run, repeated; medians
 are reported. Per N: epoch time per job, aggregate samples/s (all samples over the span from the
 first job's start to the last job's end), CPU seconds per delivered sample (steady state: see
@@ -70,7 +73,7 @@ def joader_trial(root: Path, num_items: int, num_jobs: int, args: argparse.Names
         start_at = time.time() + start_margin_s(num_jobs)
         reports = run_jobs([simjob_command(f"j{i}", address=server.address, epochs=epochs,
                                            batch_size=args.batch_size, step_s=args.step_s, start_at=start_at,
-                                           num_workers=workers, threads=threads)
+                                           num_workers=workers, threads=threads, augment=args.augment)
                             for i in range(num_jobs)], thread_env=thread_env)
         server_cpu = server.cpu_s() - server_cpu_before
         status = server.status()
@@ -99,7 +102,8 @@ def baseline_trial(root: Path, num_jobs: int, workers: int, args: argparse.Names
     cpu_before = children_cpu_s()
     start_at = time.time() + start_margin_s(num_jobs)
     reports = run_jobs([simjob_command(f"b{i}", baseline=root, batch_size=args.batch_size, step_s=args.step_s,
-                                       num_workers=workers, start_at=start_at, decoder=args.decoder)
+                                       num_workers=workers, start_at=start_at, decoder=args.decoder,
+                                       augment=args.augment)
                         for i in range(num_jobs)])
     out = summarize_jobs(reports)
     out.update({
@@ -131,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
                         "0 never won here, the job's own process then decodes between its steps)")
     parser.add_argument("--server-workers", type=int, default=2)
     parser.add_argument("--full-cache-jobs", type=int, default=4)
+    parser.add_argument("--augment", type=int, default=224, metavar="S",
+                        help="the job stage on both sides: a random S x S crop and flip per image, in the "
+                             "job's process (default 224; 0: none)")
     parser.add_argument("--decoder", choices=("pil", "turbo"),
                         help="the decoder of BOTH sides (joaderd's --decoder and the baseline's stage); "
                              "default: joaderd's default (turbo). The issue's targets were set with pil")
@@ -273,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode_per_s": decode_per_s, "job_samples_per_s": rate, "table": table, "full_cache": full,
         "full_cache_trials": full_cache, "checks": checks, "trials": trials,
         "variants": variants,
-        "decoder": args.decoder or "default",
+        "decoder": args.decoder or "default", "augment": args.augment,
         "command": "python bench/multi_job.py" + (" --quick" if args.quick else "")
                    + (f" --decoder {args.decoder}" if args.decoder else ""),
     }

@@ -13,12 +13,14 @@ processes die, however they die, and no other user can open it.
 Layout (native-endian): generation u64 at 0 (bumped by the keeper after each re-attach),
 reconnecting u64 at 8 (1 while the keeper looks for joaderd), epoch u64 at 16 and token u64 at 24
 (the newest pass any reader of this rank received items of), identity length u32 at 32 and the
-identity JSON after it (job id, secret, arena path, server uid); from byte 4096 one u32 per item of
-the source: the epoch in which this rank last received it (0: never).
+identity JSON after it (job id, secret, arena path, server uid), notices u64 at 4088 (one bit per
+advice already logged by some reader, so forked DataLoader workers give it once); from byte 4096
+one u32 per item of the source: the epoch in which this rank last received it (0: never).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import mmap
 import os
@@ -30,6 +32,7 @@ from pyroaring import BitMap
 
 _HEADER = 4096
 _IDENTITY_AT = 36
+_NOTICES_AT = _HEADER - 8
 _U64 = struct.Struct("=Q")
 
 
@@ -91,7 +94,7 @@ class Board:
         """The keeper attached the job again: new identity, then a new generation."""
         data = json.dumps(identity).encode()
         mapping = self._remap()
-        if _IDENTITY_AT + len(data) > _HEADER:
+        if _IDENTITY_AT + len(data) > _NOTICES_AT:
             raise ValueError("joader board: identity too large")
         mapping[_IDENTITY_AT:_IDENTITY_AT + len(data)] = data
         struct.pack_into("=I", mapping, 32, len(data))
@@ -103,6 +106,20 @@ class Board:
         return json.loads(bytes(mapping[_IDENTITY_AT:_IDENTITY_AT + length]))
 
     # ----------------------------------------------------------------------------- readers
+    def first_notice(self, bit: int) -> bool:
+        """True for the first reader to ask about notice `bit` (0..63): it logs the advice.
+        A POSIX record lock on the word (per process, unlike flock, whose lock forked workers
+        would share) makes the test-and-set atomic across the readers."""
+        fcntl.lockf(self.fd, fcntl.LOCK_EX, 8, _NOTICES_AT)
+        try:
+            notices = self._get(_NOTICES_AT)
+            if notices & (1 << bit):
+                return False
+            self._set(_NOTICES_AT, notices | (1 << bit))
+            return True
+        finally:
+            fcntl.lockf(self.fd, fcntl.LOCK_UN, 8, _NOTICES_AT)
+
     def current_pass(self) -> tuple[int, int]:
         """(epoch, token) of the newest pass a reader of this rank received items of."""
         return self._get(16), self._get(24)

@@ -65,6 +65,7 @@ _UNREACHABLE_GRACE_S = 5.0
 # trip, one protobuf and one acknowledgement per several batches (bench/delivery.py). joaderd
 # still waits only for the first; the others are handed out only if already prepared.
 BATCHES_PER_REQUEST = 4
+_NOTICE_WORKERS = 0  # board notice: "workers without a transform only add a copy"
 
 
 def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -414,6 +415,12 @@ class JoaderDataset(IterableDataset):
         stream.resume, self._resume = self._resume, None
         self._current = stream
         board = self._board
+        if worker is not None and self.transform is None and board is not None and board.first_notice(_NOTICE_WORKERS):
+            logger.warning(
+                "JoaderDataset in DataLoader workers without a transform: the workers only copy what "
+                "joaderd prepared, and each batch then crosses to the training process once more "
+                "(a shared-memory copy and a file-descriptor hand-off). num_workers=0 is faster here; "
+                "keep workers for a heavy per-job transform.")
         if board is not None and board.generation != self._generation:
             # joaderd restarted since this process last read (a DataLoader worker forked from a
             # main process that never reads itself): take the job's new identity first.

@@ -48,16 +48,35 @@ def parse_indices(spec: str | None) -> Any:
     return ids
 
 
+class RandomCropFlip:
+    """The emulated job stage (`--augment`): a random `size` x `size` crop and a random
+    horizontal flip of a uint8 CHW tensor, as a training script's transform would do."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        height, width = image.shape[-2:]
+        top = int(torch.randint(0, height - self.size + 1, ()))
+        left = int(torch.randint(0, width - self.size + 1, ()))
+        image = image[..., top:top + self.size, left:left + self.size]
+        if torch.rand(()) < 0.5:
+            image = image.flip(-1)
+        return image.contiguous()
+
+
 class PlainImageFolder(Dataset):
     """The baseline: what a training script does without joader (same shared stage)."""
 
-    def __init__(self, root: str, image_size: int, indices: Any = None, decoder: str | None = None) -> None:
+    def __init__(self, root: str, image_size: int, indices: Any = None, decoder: str | None = None,
+                 transform: Any = None) -> None:
         from joader.sources.imagefolder import list_image_folder
 
         self.listing = list_image_folder(root)
         self.image_size = image_size
         self._stage: Any = None  # joaderd's default stage and decoder: a like-for-like baseline
         self.decoder = decoder
+        self.transform = transform
         self.ids = list(indices) if indices is not None else list(range(len(self.listing.paths)))
 
     def __len__(self) -> int:
@@ -70,8 +89,10 @@ class PlainImageFolder(Dataset):
             options = {"decoder": self.decoder} if self.decoder else {}
             self._stage = build_stage("center-crop", size=self.image_size, **options)
         item = self.ids[i]
-        image = self._stage.prepare(self.listing.read(item), self.listing.paths[item])
-        return item, torch.from_numpy(image), int(self.listing.labels[item])
+        image = torch.from_numpy(self._stage.prepare(self.listing.read(item), self.listing.paths[item]))
+        if self.transform is not None:
+            image = self.transform(image)
+        return item, image, int(self.listing.labels[item])
 
 
 def _cpu_s() -> float:
@@ -124,14 +145,17 @@ def _progress(desc: str, total: int, position: int, enabled: bool) -> Any:
 def run_job(args: argparse.Namespace) -> dict[str, Any]:
     indices = parse_indices(args.indices)
     dataset: Any
+    transform = RandomCropFlip(args.augment) if args.augment else None
+    size = args.augment or args.image_size
     if args.baseline:
-        dataset = PlainImageFolder(args.baseline, args.image_size, indices, args.decoder)
+        dataset = PlainImageFolder(args.baseline, args.image_size, indices, args.decoder, transform)
         loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.num_workers,
                             persistent_workers=args.num_workers > 0)
     else:
         from joader.client.dataset import JoaderDataset
 
-        dataset = JoaderDataset(args.source, indices=indices, return_index=True, address=args.address,
+        dataset = JoaderDataset(args.source, indices=indices, transform=transform, return_index=True,
+                                address=args.address,
                                 name=args.name, batch_size=args.batch_size, on_error=args.on_error,
                                 batched=args.batched, threads=args.threads if args.threads > 0 else "auto")
         loader = DataLoader(dataset, batch_size=None if args.batched else args.batch_size,
@@ -156,7 +180,7 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
         num_samples = 0
         for ids, images, _labels in loader:
             wait_s += time.perf_counter() - waited_from
-            if images.dtype != torch.uint8 or images.shape[1:] != (3, args.image_size, args.image_size):
+            if images.dtype != torch.uint8 or images.shape[1:] != (3, size, size):
                 raise RuntimeError(f"unexpected batch {images.dtype} {tuple(images.shape)}")
             num_samples += len(ids)
             if args.record:
@@ -204,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--image-size", type=int, default=256)
     parser.add_argument("--name", default=f"simjob-{os.getpid()}")
     parser.add_argument("--baseline", metavar="ROOT", help="run without joader on this ImageFolder")
+    parser.add_argument("--augment", type=int, default=0, metavar="S",
+                        help="job stage: a random S x S crop and flip per image (both sides; 0: none)")
     parser.add_argument("--decoder", help="the baseline's decoder (default: joaderd's default, like for like)")
     parser.add_argument("--record", action="store_true", help="record the item order of every epoch")
     parser.add_argument("--progress", action="store_true", help="show a progress bar")

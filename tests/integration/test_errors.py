@@ -194,3 +194,33 @@ def test_the_dataset_sets_one_torch_thread_unless_told_not_to(demo_root: Path, s
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr
     assert "torch.set_num_threads(1) in this process (it was 2)" in result.stderr
     assert "torch uses 2 intra-op threads" in result.stderr
+
+
+_WORKERS_SCRIPT = r"""
+import logging, sys, torch
+from torch.utils.data import DataLoader
+from joader import JoaderDataset
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+address, transform = sys.argv[1], sys.argv[2] == "transform"
+ds = JoaderDataset("demo", indices=range(24), address=address, batch_size=4,
+                   transform=(lambda image: image.flip(-1)) if transform else None)
+loader = DataLoader(ds, batch_size=4, num_workers=2)
+for epoch in range(3):
+    assert sum(len(labels) for _, labels in loader) == 24
+ds.close()
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("transform", [False, True])
+def test_workers_without_a_transform_are_called_slow_once(demo_root: Path, start_joaderd: Any,
+                                                         transform: bool) -> None:
+    """A configuration joader knows to be slow is named once per job, not once per worker and
+    epoch (the workers share the client board); with a transform, workers have work to do."""
+    server = start_joaderd({"demo": demo_root}, cache_items=32)
+    result = subprocess.run([sys.executable, "-c", _WORKERS_SCRIPT, server.address,
+                             "transform" if transform else "plain"],
+                            capture_output=True, text=True, timeout=180, check=False)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+    count = result.stderr.count("DataLoader workers without a transform")
+    assert count == (0 if transform else 1), result.stderr
