@@ -41,7 +41,7 @@ bench: venv
 
 bench-full: venv
 	$(PY) bench/sampler.py
-	$(PY) bench/multi_job.py
+	$(PY) bench/multi_job.py --decoder pil
 	$(PY) bench/async_jobs.py
 	$(PY) bench/delivery.py
 	$(PY) bench/identical_jobs.py

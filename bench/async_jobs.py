@@ -17,7 +17,7 @@
       the same repetition: the share of one job's items that another job's decode served. The
       subtraction removes what every run decodes beyond the epoch (each job's lookahead queue
       is refilled with next-epoch items before the job closes, about two queue capacities per
-      job, decoded but never delivered); this is the figure checked against the bound;
+      job, decoded but never delivered);
     - decode sharing, raw = (items delivered - items decoded) / max(|D1|, |D2|): the same without
       removing the beyond-the-epoch decodes (so below the saved figure by about their share);
     - round sharing (aligned) = the same, counted at the most common position offset (+-8)
@@ -29,8 +29,10 @@
       the rounds that gave both the same item, exact when both jobs take part in every round (same
       speed, started together); a start-up skew (one job registering a few hundred ms before the
       other and running rounds alone meanwhile) shifts the positions and lowers it.
-    The target (within 5% of the bound) is checked on saved decodes, as an absolute difference
-    of 0.05 (the bound is 0 at 0% overlap, so a relative 5% is not defined there).
+    The target (within 5% of the bound) is checked on joaderd's counted round sharing, as an
+    absolute difference of 0.05 (the bound is 0 at 0% overlap, so a relative 5% is not defined
+    there). Saved decodes over-count (the next epoch's lookahead is shared too) and are shown
+    beside it, with their own check, for continuity.
 The cache is a quarter of the prepared dataset; one extra row per part uses a cache that holds
 everything (quick mode: only in (c)).
 
@@ -327,18 +329,18 @@ def main(argv: list[str] | None = None) -> int:
         o = data["overlap"]
         print(f"\n(c) two jobs of {o['items_per_job']} items, same speed, overlapping datasets:")
         print_table(["overlap", "bound", "counted rounds", "within 0.05", "saved decodes/m", "(delivered-decoded)/m",
-                     "round sharing", "aligned rounds", "decoded", "baseline decodes", "ok"],
+                     "round sharing", "aligned rounds", "decoded", "baseline decodes", "saved within 0.05"],
                     [[f"{r['overlap']:.0%}", r["bound"], r["round_sharing_counted"], r["counted_within_5pct"],
                       r["saved_sharing"], r["decode_sharing"], r["round_sharing"], r["round_sharing_aligned"],
                       int(r["items_decoded"]), r["baseline_decodes"], r["ok"]] for r in o["rows"]])
         f = o["full_cache_50"]
         print(f"whole-dataset cache at 50%: decode sharing {f['decode_sharing']}, round sharing {f['round_sharing']}")
-        checks["overlap_within_0.05"] = {
-            "measured": {f"{r['overlap']:.2f}": r["saved_sharing"] for r in o["rows"]},
-            "ok": all(r["ok"] for r in o["rows"])}
         checks["counted_round_sharing_within_0.05"] = {
             "measured": {f"{r['overlap']:.2f}": r["round_sharing_counted"] for r in o["rows"]},
             "ok": all(r["counted_within_5pct"] for r in o["rows"])}
+        checks["saved_decodes_within_0.05"] = {
+            "measured": {f"{r['overlap']:.2f}": r["saved_sharing"] for r in o["rows"]},
+            "ok": all(r["ok"] for r in o["rows"])}
     data["checks"] = checks
     for key, check in checks.items():
         print(f"check {key}: {check}")

@@ -711,8 +711,11 @@ def _batch_tensor(shape: tuple[int, ...], dtype: np.dtype, shared: bool) -> torc
     empty = torch.empty(shape if not shared else 0, dtype=_TORCH_DTYPES[dtype])
     if not shared:
         return empty
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)  # what torch's own collate uses
+    if new_shared is None:  # not in this torch: a shared copy of an empty tensor
+        return torch.empty(shape, dtype=_TORCH_DTYPES[dtype]).share_memory_()
     nbytes = int(np.prod(shape)) * dtype.itemsize
-    return empty.set_(torch.UntypedStorage._new_shared(nbytes), 0, shape)
+    return empty.set_(new_shared(nbytes), 0, shape)
 
 
 def _shapes(response: Any) -> list[tuple[int, ...]]:

@@ -248,6 +248,7 @@ class Job:
     wakers: set[Callable[[], None]] = field(default_factory=set)
     on_removed: list[Callable[[str], None]] = field(default_factory=list)
     reading: bool = False  # rounds include a job once all its ranks asked for items
+    reading_since_s: float = 0.0  # when it started reading (registry clock)
     rate: RateMeter = field(default_factory=RateMeter)  # items/s delivered: decodes' due times
 
     @property

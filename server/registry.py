@@ -82,6 +82,9 @@ class RegistryConfig:
     # Decode earliest-due first and evict by expected time to next use (joader.server.pacing);
     # False: decode in round order, plain RefCnt (for side-by-side benches).
     deadline_pacing: bool = True
+    # A job that starts reading waits this long for its source's other attached jobs to start
+    # too (a sweep launched together then begins in step: see Scheduler.run_round).
+    start_grace_s: float = 0.2
 
 
 class Registry:
@@ -107,7 +110,8 @@ class Registry:
         self._source_index = {s.name: i for i, s in enumerate(sources)}
         self._pool = pool
         self.cache = ItemCache(capacity_bytes, retry_failed_s=self.config.retry_failed_s, clock=clock)
-        self._scheduler = Scheduler(self.cache, clock, deadlines=self.config.deadline_pacing)
+        self._scheduler = Scheduler(self.cache, clock, deadlines=self.config.deadline_pacing,
+                                    start_grace_s=self.config.start_grace_s)
         if self.config.deadline_pacing:
             self.cache.reuse_hazard = self._reuse_hazard
         self.jobs = JobTable(self.cache, self._scheduler, lease_s=self.config.lease_s,
@@ -244,6 +248,7 @@ class Registry:
             pass_ = self.jobs.claim(job, rank, args)
             if not job.reading:
                 job.reading = True
+                job.reading_since_s = now
             self._cond.notify_all()
             job.wakers.add(waker)
             max_items = min(args.max_items, self.config.max_items_per_request)

@@ -41,10 +41,12 @@ PAIR_HISTORY = 256  # pairs of removed jobs whose counts status still shows
 class Scheduler:
     """Drives each source's sampler for its jobs, and keeps their epochs' shares."""
 
-    def __init__(self, cache: ItemCache, clock: Callable[[], float], *, deadlines: bool = True) -> None:
+    def __init__(self, cache: ItemCache, clock: Callable[[], float], *, deadlines: bool = True,
+                 start_grace_s: float = 0.0) -> None:
         self._cache = cache
         self._clock = clock
         self._deadlines = deadlines  # False: every decode is due at once (round order)
+        self._start_grace_s = start_grace_s
         self._round_seq = 0
         self._now = 0.0  # the clock at the current round's start
 
@@ -176,10 +178,18 @@ class Scheduler:
 
     def run_round(self, source: Source, jobs: dict[str, Job]) -> bool:
         """One DSA round over the jobs of `source`, if some job's receiving rank runs low."""
+        now = self._now = self._clock()
+        # Jobs of a sweep start reading a few milliseconds apart; the first one's rounds would
+        # run alone and fill its queue before the others ask, leaving it a batch ahead for the
+        # whole epoch (fewer shared rounds). So a job that just started reading waits briefly
+        # for the source's other attached jobs to start too.
+        others_idle = any(not jobs[j].reading for j in source.job_ids)
         queued = []
         for job_id in source.job_ids:
             job = jobs[job_id]
             if not (job.reading and job.all_attached and job.resume is None):
+                continue
+            if others_idle and now - job.reading_since_s < self._start_grace_s:
                 continue
             if source.sampler.num_remaining(job_id) == 0 and job.sampler_epoch > job.claimed_epoch:
                 continue  # prepared a whole epoch ahead of its readers: enough lookahead
@@ -194,7 +204,6 @@ class Scheduler:
         sampler = source.sampler
         starting = [j for j in participants if sampler.num_remaining(j) == 0]
         picks = sampler.sample(participants)
-        self._now = self._clock()
         if 2 <= len(picks) <= MAX_PAIR_COUNTED_JOBS:
             _count_pairs(source.pair_rounds, picks)
         for job_id in starting:

@@ -70,3 +70,21 @@ def test_round_order_breaks_ties_of_equal_due_times() -> None:
     pool = Pool()
     cache.dispatch(pool, 10, lambda s: 0)
     assert pool.order == [9, 4, 6]
+
+
+def test_reuse_hazard_sums_rate_over_items_left_of_the_jobs_that_need_the_item() -> None:
+    from pyroaring import BitMap
+
+    from tests.unit.test_registry import attach, make_registry
+
+    registry, _, clock = make_registry()
+    a = attach(registry, "demo", BitMap(range(0, 40)), "a", 4)
+    b = attach(registry, "demo", BitMap(range(20, 60)), "b", 4)
+    for k in range(11):  # a receives 40 items/s, b 4 items/s, for 10 s
+        a.rate.add(clock.now + k, 40)
+        b.rate.add(clock.now + k, 4)
+    now = clock.now + 10
+    scheduler, source, jobs = registry._scheduler, a.source, registry.jobs.jobs
+    assert scheduler.reuse_hazard(source, 5, jobs, now) == pytest.approx(40 / 40)  # only a needs it
+    assert scheduler.reuse_hazard(source, 50, jobs, now) == pytest.approx(4 / 40)  # only b
+    assert scheduler.reuse_hazard(source, 25, jobs, now) == pytest.approx(40 / 40 + 4 / 40)  # both

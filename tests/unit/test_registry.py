@@ -76,6 +76,7 @@ def make_registry(num_slots: int = 20, lease_s: float = 5.0, **config: object) -
         labels=np.array([i % 2 for i in range(NUM_ITEMS)], dtype=np.int32),
     )
     pool, clock = FakePool(), FakeClock()
+    config.setdefault("start_grace_s", 0.0)  # the frozen clock would never end a grace
     settings = RegistryConfig(lease_s=lease_s, next_wait_s=0.0, linger_s=0.0, **config)  # type: ignore[arg-type]
     registry = Registry([Source("demo", listing, STAGE, 0, seed=3)], num_slots * ITEM_BYTES, pool, settings, clock)
     return registry, pool, clock
@@ -425,6 +426,36 @@ def test_a_warm_queue_gives_several_whole_batches_per_reply_and_keeps_its_capaci
     nxt(registry, job.job_id, 1, 4, [])
     pump(registry, pool)
     assert len(nxt(registry, job.job_id, 1, 4, []).item_ids) == 4
+
+
+def test_jobs_starting_together_begin_in_step() -> None:
+    """A job that starts reading waits `start_grace_s` for the source's other attached jobs:
+    two identical jobs that ask a moment apart then share every round from the first."""
+    registry, pool, clock = make_registry(num_slots=40, start_grace_s=0.2)
+    a = attach(registry, "demo", BitMap(range(30)), "a", 4)
+    b = attach(registry, "demo", BitMap(range(30)), "b", 4)
+    assert nxt(registry, a.job_id, 1, 4, []).item_ids == []
+    pump(registry, pool)
+    assert len(a.ranks[0].queue) == 0  # a waits for b (its grace is not over)
+    clock.now += 0.05
+    nxt(registry, b.job_id, 1, 4, [])
+    pump(registry, pool)
+    assert [e.item_id for e in a.ranks[0].queue] == [e.item_id for e in b.ranks[0].queue] != []
+    # A job alone on its source does not wait; nor one whose grace is over.
+    registry, pool, clock = make_registry(num_slots=40, start_grace_s=0.2)
+    c = attach(registry, "demo", BitMap(range(30)), "c", 4)
+    nxt(registry, c.job_id, 1, 4, [])
+    pump(registry, pool)
+    assert len(c.ranks[0].queue) > 0
+    d = attach(registry, "demo", BitMap(range(30)), "d", 4)
+    e = attach(registry, "demo", BitMap(range(30)), "e", 4)
+    nxt(registry, d.job_id, 1, 4, [])
+    pump(registry, pool)
+    assert len(d.ranks[0].queue) == 0  # e is attached and idle: d waits ...
+    clock.now += 0.25
+    pump(registry, pool)
+    assert len(d.ranks[0].queue) > 0  # ... 0.2 s at most
+    assert e.reading is False
 
 
 def test_a_resumed_epoch_delivers_exactly_what_was_not_consumed_then_whole_epochs() -> None:
