@@ -53,7 +53,6 @@ from common import (  # noqa: E402
     write_json,
 )
 
-
 # (clients, num_workers, batched)
 CASES = ((1, 0, False), (1, 0, True), (1, 2, False), (1, 2, True), (4, 0, False), (4, 0, True))
 
@@ -107,10 +106,6 @@ def raw_copy_rates(arena_path: str, num_items: int, batch_size: int, repeats: in
         rates[name] = round(count / median(times), 1)
     reader.close()
     return rates
-
-
-# glibc serves allocations above 128 KiB (a 192 KiB sample, a 12 MiB batch) with fresh mmaps, so
-# every sample and every batch pays page faults; these keep such blocks in the heap for reuse.
 
 
 def client_rates(address: str, num_clients: int, num_workers: int, epochs: int, batch_size: int,
