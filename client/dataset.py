@@ -42,6 +42,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from joader.address import resolve_address
 from joader.cache.arena import ArenaReader
+from joader.client.batchpool import BatchPool
 from joader.client.board import Board
 from joader.client.channel import PendingCall, call_async, reset_channel
 from joader.errors import (
@@ -281,6 +282,7 @@ class JoaderDataset(IterableDataset):
         self.targets: list[int] = np.frombuffer(base64.b64decode(info["targets"]), dtype="<i4").tolist()
         self._arena_path: str = info["arena_path"]
         self._reader: tuple[int, ArenaReader] | None = None
+        self._pool: tuple[int, BatchPool] | None = None  # batched: reused batch buffers
         board.size_for(int(info["num_source_items"]))
         self._board: Board | None = board
         self._generation = 0
@@ -316,6 +318,7 @@ class JoaderDataset(IterableDataset):
         state["_keeper"] = None
         state["_finalizer"] = None
         state["_reader"] = None
+        state["_pool"] = None
         state["_board"] = None
         return state
 
@@ -632,10 +635,15 @@ class JoaderDataset(IterableDataset):
         # collate does there: handing it to the main process then passes a file descriptor
         # instead of copying the batch once more.
         shared = get_worker_info() is not None
+        pool = None if shared else self._batch_pool(size * int(np.prod(shape)) * dtype.itemsize)
         done: list[tuple[torch.Tensor, list[int], list[int]]] = []
 
         def fresh() -> list[Any]:
-            return [_batch_tensor((size, *shape), dtype, shared), [], []]
+            if pool is not None:
+                images = torch.from_numpy(pool.take().view(dtype).reshape(size, *shape))
+            else:
+                images = _batch_tensor((size, *shape), dtype, shared)
+            return [images, [], []]
 
         current: list[Any] = fresh()
 
@@ -671,6 +679,13 @@ class JoaderDataset(IterableDataset):
             self._check_current(stream)
             self._yielded(stream, indices)
             yield self._emit(images[: len(indices)], indices, labels)
+
+    def _batch_pool(self, nbytes: int) -> BatchPool:
+        """This process's pool of batch buffers (`joader.client.batchpool`)."""
+        pid = os.getpid()
+        if self._pool is None or self._pool[0] != pid or self._pool[1].nbytes != nbytes:
+            self._pool = (pid, BatchPool(nbytes))
+        return self._pool[1]
 
     def _emit(self, images: torch.Tensor, indices: list[int], labels: list[int]) -> Any:
         if self.transform is not None:
