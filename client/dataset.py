@@ -633,17 +633,16 @@ class JoaderDataset(IterableDataset):
         size = self.batch_size
         # In a DataLoader worker, each batch is made in shared memory, as the DataLoader's own
         # collate does there: handing it to the main process then passes a file descriptor
-        # instead of copying the batch once more.
+        # instead of copying the batch once more. Elsewhere batches fill pooled buffers
+        # (joader.client.batchpool), which fresh allocations' page faults made twice as slow.
         shared = get_worker_info() is not None
         pool = None if shared else self._batch_pool(size * int(np.prod(shape)) * dtype.itemsize)
         done: list[tuple[torch.Tensor, list[int], list[int]]] = []
 
         def fresh() -> list[Any]:
-            if pool is not None:
-                images = torch.from_numpy(pool.take().view(dtype).reshape(size, *shape))
-            else:
-                images = _batch_tensor((size, *shape), dtype, shared)
-            return [images, [], []]
+            if pool is None:
+                return [_shared_batch_tensor((size, *shape), dtype), [], []]
+            return [torch.from_numpy(pool.take().view(dtype).reshape(size, *shape)), [], []]
 
         current: list[Any] = fresh()
 
@@ -718,19 +717,15 @@ class JoaderDataset(IterableDataset):
             )
 
 
-def _batch_tensor(shape: tuple[int, ...], dtype: np.dtype, shared: bool) -> torch.Tensor:
-    """An uninitialized tensor for a batch; in shared memory if `shared` (no copy of its
-    garbage, unlike `share_memory_()`)."""
-    # torch.empty, not numpy.empty: numpy advises huge pages for blocks over 4 MiB, and the
-    # kernel's compaction to find them made each fresh batch ~1.4x slower to fill here.
-    empty = torch.empty(shape if not shared else 0, dtype=_TORCH_DTYPES[dtype])
-    if not shared:
-        return empty
+def _shared_batch_tensor(shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor:
+    """An uninitialized batch tensor in shared memory (no copy of its garbage, unlike
+    `share_memory_()`), for a DataLoader worker to hand to the training process."""
+    torch_dtype = _TORCH_DTYPES[dtype]
     new_shared = getattr(torch.UntypedStorage, "_new_shared", None)  # what torch's own collate uses
     if new_shared is None:  # not in this torch: a shared copy of an empty tensor
-        return torch.empty(shape, dtype=_TORCH_DTYPES[dtype]).share_memory_()
+        return torch.empty(shape, dtype=torch_dtype).share_memory_()
     nbytes = int(np.prod(shape)) * dtype.itemsize
-    return empty.set_(new_shared(nbytes), 0, shape)
+    return torch.empty(0, dtype=torch_dtype).set_(new_shared(nbytes), 0, shape)
 
 
 def _shapes(response: Any) -> list[tuple[int, ...]]:

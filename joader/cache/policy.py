@@ -9,6 +9,9 @@ The victim is an unpinned item with the lowest refcount (RefCnt, Xie et al. 2022
 refcounts, the one least recently inserted or unpinned goes first, so items that were just used
 survive among equals (CoorDL's lesson: do not evict what is about to be reused).
 
+`victim(hazard)` weighs RefCnt by the jobs' speeds (see its docstring): the caller's `hazard`
+is evaluated on a few of the oldest items of each refcount bucket.
+
 Cost: every operation is O(log n) amortized plus O(number of distinct refcounts) for `victim`;
 refcounts are small ints (at most the number of jobs), so that is a handful of buckets. Each
 refcount bucket is a heap of `(stamp, key)` with lazy deletion: an entry is live when the key is
