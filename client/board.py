@@ -13,9 +13,12 @@ processes die, however they die, and no other user can open it.
 Layout (native-endian): generation u64 at 0 (bumped by the keeper after each re-attach),
 reconnecting u64 at 8 (1 while the keeper looks for joaderd), epoch u64 at 16 and token u64 at 24
 (the newest pass any reader of this rank received items of), identity length u32 at 32 and the
-identity JSON after it (job id, secret, arena path, server uid), notices u64 at 4088 (one bit per
-advice already logged by some reader, so forked DataLoader workers give it once); from byte 4096
-one u32 per item of the source: the epoch in which this rank last received it (0: never).
+identity JSON after it (job id, secret, arena path, server uid; up to byte 2048), receipts u64 at
+2048 (one per DataLoader worker slot, up to 255: which batches the training process copied out
+of the arena, for a worker that handed it batches by offset, `joader.client.handoff`), notices u64
+at 4088 (one bit per advice already logged by some reader, so forked DataLoader workers give it
+once); from byte 4096 one u32 per item of the source: the epoch in which this rank last received
+it (0: never).
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import fcntl
 import json
 import mmap
 import os
+import secrets
 import struct
+import weakref
 from typing import Any
 
 import numpy as np
@@ -32,8 +37,14 @@ from pyroaring import BitMap
 
 _HEADER = 4096
 _IDENTITY_AT = 36
+_RECEIPTS_AT = 2048
 _NOTICES_AT = _HEADER - 8
+RECEIPT_SLOTS = (_NOTICES_AT - _RECEIPTS_AT) // 8
 _U64 = struct.Struct("=Q")
+
+# The boards this process created, by key: how a batch handed over by a forked DataLoader
+# worker finds the board to note its receipt on.
+_created: weakref.WeakValueDictionary[int, Board] = weakref.WeakValueDictionary()
 
 
 class Board:
@@ -44,12 +55,22 @@ class Board:
         self._owner = owner
         self._map: mmap.mmap | None = None
         self._items: np.ndarray | None = None
+        self._receipts: np.ndarray | None = None
+        self.key = secrets.randbits(63)
 
     @classmethod
     def create(cls) -> Board:
         fd = os.memfd_create("joader-board", 0)  # inheritable only where passed (pass_fds)
         os.ftruncate(fd, _HEADER)
-        return cls(fd, owner=True)
+        board = cls(fd, owner=True)
+        _created[board.key] = board
+        return board
+
+    @classmethod
+    def created(cls, key: int) -> Board | None:
+        """The board with `key` if this process created it and it is still open."""
+        board = _created.get(key)
+        return board if board is not None and board.fd >= 0 else None
 
     @classmethod
     def open(cls, fd: int) -> Board:
@@ -64,11 +85,13 @@ class Board:
         size = os.fstat(self.fd).st_size
         if self._map is None or len(self._map) != size:
             if self._map is not None:
-                self._items = None
+                self._items = self._receipts = None
                 self._map.close()
             self._map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             count = (size - _HEADER) // 4
             self._items = np.frombuffer(self._map, dtype=np.uint32, count=count, offset=_HEADER)
+            # One aligned 8-byte store per receipt (a numpy element), never two halves.
+            self._receipts = np.frombuffer(self._map, dtype=np.uint64, count=RECEIPT_SLOTS, offset=_RECEIPTS_AT)
         return self._map
 
     def _get(self, offset: int) -> int:
@@ -94,7 +117,7 @@ class Board:
         """The keeper attached the job again: new identity, then a new generation."""
         data = json.dumps(identity).encode()
         mapping = self._remap()
-        if _IDENTITY_AT + len(data) > _NOTICES_AT:
+        if _IDENTITY_AT + len(data) > _RECEIPTS_AT:
             raise ValueError("joader board: identity too large")
         mapping[_IDENTITY_AT:_IDENTITY_AT + len(data)] = data
         struct.pack_into("=I", mapping, 32, len(data))
@@ -120,6 +143,17 @@ class Board:
         finally:
             fcntl.lockf(self.fd, fcntl.LOCK_UN, 8, _NOTICES_AT)
 
+    def receipt(self, slot: int) -> int:
+        """The last receipt noted in worker slot `slot` (0: none)."""
+        self._remap()
+        assert self._receipts is not None
+        return int(self._receipts[slot])
+
+    def note_receipt(self, slot: int, value: int) -> None:
+        self._remap()
+        assert self._receipts is not None
+        self._receipts[slot] = value
+
     def current_pass(self) -> tuple[int, int]:
         """(epoch, token) of the newest pass a reader of this rank received items of."""
         return self._get(16), self._get(24)
@@ -142,7 +176,7 @@ class Board:
         return BitMap(np.flatnonzero(self._items == epoch).astype(np.uint32))
 
     def close(self) -> None:
-        self._items = None
+        self._items = self._receipts = None
         if self._map is not None:
             self._map.close()
             self._map = None

@@ -45,6 +45,7 @@ from joader.cache.arena import ArenaReader
 from joader.client.batchpool import BatchPool
 from joader.client.board import Board
 from joader.client.channel import PendingCall, call_async, reset_channel
+from joader.client.handoff import Arena, ArenaBatch, Layout, Receipts
 from joader.errors import (
     ERROR_CLASSES,
     DecodeError,
@@ -418,19 +419,26 @@ class JoaderDataset(IterableDataset):
         stream.resume, self._resume = self._resume, None
         self._current = stream
         board = self._board
-        if worker is not None and self.transform is None and board is not None and board.first_notice(_NOTICE_WORKERS):
+        if (worker is not None and self.transform is None and not self.batched and board is not None
+                and board.first_notice(_NOTICE_WORKERS)):
             logger.warning(
                 "JoaderDataset in DataLoader workers without a transform: the workers only copy what "
                 "joaderd prepared, and each batch then crosses to the training process once more "
-                "(a shared-memory copy and a file-descriptor hand-off). num_workers=0 is faster here; "
-                "keep workers for a heavy per-job transform.")
+                "(a shared-memory copy and a file-descriptor hand-off). num_workers=0 is faster here, "
+                "or batched=True with DataLoader(batch_size=None), whose workers hand over only "
+                "where each batch is; keep workers for a heavy per-job transform.")
         if board is not None and board.generation != self._generation:
             # joaderd restarted since this process last read (a DataLoader worker forked from a
             # main process that never reads itself): take the job's new identity first.
             self._adopt_identity(board)
             if stream.resume is None:
                 stream.resume = self._resume_point(board, stream)
-        return self._batches(stream) if self.batched else self._items(stream)
+        if not self.batched:
+            return self._items(stream)
+        if worker is not None and self.transform is None and Receipts.possible(board, worker.id):
+            assert board is not None
+            return self._handed_off(stream, Receipts(board, worker.id, stream.token))
+        return self._batches(stream)
 
     def _arena(self) -> ArenaReader:
         pid = os.getpid()
@@ -540,10 +548,13 @@ class JoaderDataset(IterableDataset):
             pass
         return ""
 
-    def _stream(self, stream: _Pass, place: Callable[[Any], None]) -> Iterator[None]:
+    def _stream(self, stream: _Pass, place: Callable[[Any], None],
+                copied: Callable[[list[int]], list[int]] | None = None) -> Iterator[None]:
         """One epoch of responses. `place(response)` copies the response's items out of the
         arena; each batch is then acknowledged at once, in the request that fetches the next
-        batch, so that request travels while this one is consumed. Yields after each placing."""
+        batch, so that request travels while this one is consumed. Yields after each placing.
+        `copied(ids)`, if given, says what to acknowledge instead of the placed `ids`: items
+        another process copies out (`joader.client.handoff`)."""
         pending: PendingCall | None = self._next(stream, [], self.batch_size)
         idle_s = 0.0
         try:
@@ -566,11 +577,12 @@ class JoaderDataset(IterableDataset):
                     self._raise_failure(response.failed[0])
                 for failed in response.failed:
                     self._warn_failure(failed)
+                acks = ids if copied is None else copied(ids)
                 if response.end_of_epoch:
-                    if ids:
-                        self._next(stream, ids, 0).result()  # acknowledge only
+                    if acks:
+                        self._next(stream, acks, 0).result()  # acknowledge only
                 else:
-                    pending = self._next(stream, ids, self.batch_size)
+                    pending = self._next(stream, acks, self.batch_size)
                 if ids:
                     idle_s = 0.0
                 elif not response.end_of_epoch:
@@ -647,14 +659,8 @@ class JoaderDataset(IterableDataset):
         current: list[Any] = fresh()
 
         def place(response: Any) -> None:
-            shapes = _shapes(response)
-            for index, item_shape in zip(response.item_ids, shapes, strict=True):
-                if item_shape != shape:
-                    raise InvalidArgumentError(
-                        f"job {self.job_id}: item {index} of {self.source!r} has shape {item_shape}, "
-                        f"not the stage's {shape} (an image smaller than the stage's size is served "
-                        "as it is); set upscale = true for the source, or use batched=False")
-            at, count = 0, len(shapes)
+            self._check_shapes(response)
+            at, count = 0, len(response.item_ids)
             while at < count:
                 images, indices, labels = current
                 take = min(size - len(indices), count - at)
@@ -678,6 +684,56 @@ class JoaderDataset(IterableDataset):
             self._check_current(stream)
             self._yielded(stream, indices)
             yield self._emit(images[: len(indices)], indices, labels)
+
+    def _handed_off(self, stream: _Pass, receipts: Receipts) -> Iterator[ArenaBatch]:
+        """`batched=True` in a forked DataLoader worker without a transform: batches as arena
+        offsets, which the training process copies out (`joader.client.handoff`). Their items
+        are acknowledged once its receipts cover them."""
+        assert self.item_shape is not None
+        layout = Layout(self.item_shape, self.item_dtype, self.batch_size, self.return_index)
+        done: list[ArenaBatch] = []
+        current = [ArenaBatch(layout)]
+
+        def arena() -> Arena:  # a new one after joaderd restarted
+            return Arena(self._arena_path, self._server_uid)
+
+        def place(response: Any) -> None:
+            self._check_shapes(response)
+            where = arena()
+            for offset, length, index, label in zip(response.offsets, response.lengths, response.item_ids,
+                                                    response.labels, strict=True):
+                current[0].add(where, offset, length, index, label)
+                if len(current[0]) == self.batch_size:
+                    done.append(current[0])
+                    current[0] = ArenaBatch(layout)
+
+        for _ in self._stream(stream, place, copied=lambda _: receipts.copied(arena())):
+            while done:
+                self._check_current(stream)
+                batch = done.pop(0)
+                self._yielded(stream, batch.item_ids)
+                yield receipts.hand(batch)
+        if len(current[0]):
+            self._check_current(stream)
+            self._yielded(stream, current[0].item_ids)
+            yield receipts.hand(current[0])
+        # Asked for more after the last batch: acknowledge the rest once the training process
+        # copied it (it reads this worker's batches in order, before this worker's end).
+        deadline = time.monotonic() + self.timeout_s
+        while receipts.outstanding and time.monotonic() < deadline:
+            ids = receipts.copied(arena())
+            if ids:
+                self._next(stream, ids, 0).result()
+            else:
+                time.sleep(0.002)
+
+    def _check_shapes(self, response: Any) -> None:
+        for index, item_shape in zip(response.item_ids, _shapes(response), strict=True):
+            if item_shape != self.item_shape:
+                raise InvalidArgumentError(
+                    f"job {self.job_id}: item {index} of {self.source!r} has shape {item_shape}, "
+                    f"not the stage's {self.item_shape} (an image smaller than the stage's size is "
+                    "served as it is); set upscale = true for the source, or use batched=False")
 
     def _batch_pool(self, nbytes: int) -> BatchPool:
         """This process's pool of batch buffers (`joader.client.batchpool`)."""

@@ -165,6 +165,45 @@ def test_dataset_api_per_item_and_batched(demo_root: Path, start_joaderd: Any) -
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr
 
 
+_HANDOFF_SCRIPT = r"""
+import sys, torch
+from torch.utils.data import DataLoader
+from joader import JoaderDataset
+address, n = sys.argv[1], int(sys.argv[2])
+seen = {}
+with JoaderDataset("demo", indices=range(n), batched=True, return_index=True, address=address,
+                   batch_size=8, timeout_s=30) as ds:
+    for workers in (0, 2, 2):
+        kept = []  # every batch stays referenced: a pooled buffer must not be reused under it
+        for indices, images, labels in DataLoader(ds, batch_size=None, num_workers=workers):
+            assert isinstance(images, torch.Tensor) and images.shape[1:] == (3, 64, 64), type(images)
+            assert len(indices) == len(images) == len(labels)
+            kept.append((indices, images, labels))
+        assert sorted(len(b[0]) for b in kept) == sorted([8] * (n // 8) + [n % 8]), [len(b[0]) for b in kept]
+        got = {int(i): (image, int(label)) for b in kept for i, image, label in zip(*b)}
+        assert sorted(got) == list(range(n)), sorted(got)
+        for index, (image, label) in got.items():
+            if index in seen:  # the same pixels and label, whoever copied them
+                assert torch.equal(seen[index][0], image) and seen[index][1] == label, index
+            seen[index] = (image, label)
+print("ok")
+"""
+
+
+def test_batches_from_workers_are_copied_by_the_training_process(demo_root: Path, start_joaderd: Any) -> None:
+    """`batched=True` in DataLoader workers without a transform: the workers hand over offsets,
+    the training process copies and acknowledges (joader.client.handoff). Same items, same
+    pixels as without workers, every item once per epoch, and no pin left behind: the cache
+    holds under half the items, so batches the training process did not acknowledge would fill
+    it with pins (until a lease after their pass), and the next epoch would stall."""
+    server = start_joaderd({"demo": demo_root}, cache_items=32, lease_s=120.0)
+    result = subprocess.run([sys.executable, "-c", _HANDOFF_SCRIPT, server.address, "76"],
+                            capture_output=True, text=True, timeout=180, check=False)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+    assert "without a transform" not in result.stderr  # batched workers are not the slow case
+    assert server.status()["cache"]["pinned"] == 0
+
+
 _THREADS_SCRIPT = r"""
 import logging, sys, torch
 from joader import JoaderDataset
