@@ -86,7 +86,7 @@ def run_mix(root: Path, cache_bytes: int, jobs: list[dict[str, Any]], args: argp
         "started_at": [r["epochs"][0]["started_at"] - start_at for r in reports],
         "items_decoded": status["items_decoded"],
         "items_delivered": status["items_delivered"],
-        "sharing_factor": status["sharing_factor"],
+        "sharing_within_epoch": status["sharing"]["within_epoch"],
         "evictions": status["cache"]["evictions"],
         # joaderd's own count, per pair: rounds both took part in, and those that gave both one item
         "pairs": [{k: p[k] for k in ("rounds", "shared", "rate", "bound")} for p in status.get("sharing_pairs", [])],
@@ -167,7 +167,7 @@ def part_staggered(root: Path, n: int, args: argparse.Namespace) -> dict[str, An
         mix["alone"] = alones[-1]
         reps.append(mix)
         print(f"(b) rep {rep}: {mix['samples_per_s']} samples/s, decoded {mix['items_decoded']} "
-              f"(baseline {4 * n}), sharing {mix['sharing_factor']}", flush=True)
+              f"(baseline {4 * n}), sharing {mix['sharing_within_epoch']}", flush=True)
     full = run_mix(root, full_cache_bytes(n), jobs, args) if args.full_cache_rows else None
     per_job = [median([r["samples_per_s"][i] for r in reps]) for i in range(4)]
     alone = median(alones)
@@ -175,7 +175,7 @@ def part_staggered(root: Path, n: int, args: argparse.Namespace) -> dict[str, An
         "stagger_s": args.stagger_s, "alone_samples_per_s": alone, "together_samples_per_s": per_job,
         "ratio_to_alone": [round(x / alone, 4) for x in per_job],
         "items_decoded": median([r["items_decoded"] for r in reps]), "baseline_decodes": 4 * n,
-        "sharing_factor": median([r["sharing_factor"] for r in reps]), "reps": reps, "full_cache": full,
+        "sharing_within_epoch": median([r["sharing_within_epoch"] for r in reps]), "reps": reps, "full_cache": full,
     }
 
 
@@ -320,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         print_table(["job", "alone samp/s", "together samp/s", "ratio"],
                     [[k, s["alone_samples_per_s"], s["together_samples_per_s"][k], s["ratio_to_alone"][k]]
                      for k in range(4)])
-        print(f"decodes {s['items_decoded']:.0f} (independent baseline {s['baseline_decodes']}), sharing factor "
-              f"{s['sharing_factor']}")
+        print(f"decodes {s['items_decoded']:.0f} (independent baseline {s['baseline_decodes']}), within-epoch sharing "
+              f"{s['sharing_within_epoch']}")
         if s["full_cache"]:
             print(f"whole-dataset cache: decoded {s['full_cache']['items_decoded']}, "
                   f"{s['full_cache']['samples_per_s']} samples/s")

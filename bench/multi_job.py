@@ -85,7 +85,7 @@ def joader_trial(root: Path, num_items: int, num_jobs: int, args: argparse.Names
         "side": "joader", "variant": variant, "num_jobs": num_jobs, "server_cpu_s": round(server_cpu, 3),
         "cpu_s": round(server_cpu + out["jobs_cpu_s"], 3),
         "items_decoded": status["items_decoded"], "items_delivered": delivered,
-        "sharing_factor": status["sharing_factor"], "cache": status["cache"],
+        "sharing_within_epoch": status["sharing"]["within_epoch"], "cache": status["cache"],
         "total_cpu_s": round(children_cpu_s() - cpu_before - server.status_cpu_s, 3),
         "total_samples": sum(e["num_samples"] for r in reports for e in r["epochs"]),
     })

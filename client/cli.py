@@ -34,6 +34,14 @@ def _bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}" if value < 100 else f"{value:.0f}"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
 def format_status(status: dict[str, Any]) -> str:
     """A human-readable table of a status snapshot."""
     workers = status.get("workers", {})
@@ -51,12 +59,17 @@ def format_status(status: dict[str, Any]) -> str:
             lines.append(f"  {s['small_items']} images smaller than the stage's size, served at their own size")
     lines.append("")
     if status["jobs"]:
-        lines.append(f"{'JOB':<28} {'SOURCE':<12} {'ITEMS':>8} {'RANKS':>6} {'EPOCH':>6} {'DELIVERED':>10} "
-                     f"{'WAIT_S':>8}")
+        lines.append(f"{'JOB':<24} {'SOURCE':<12} {'ITEMS':>8} {'RANKS':>5} {'EPOCH':>6} {'PROGRESS':>13} "
+                     f"{'SAMPLES/S':>9} {'STALL':>6} {'DELIVERED':>10}")
         for j in status["jobs"]:
             ranks = f"{j.get('ranks_attached', 1)}/{j.get('world_size', 1)}"
-            lines.append(f"{j['name'][:28]:<28} {j['source'][:12]:<12} {j['num_items']:>8} {ranks:>6} "
-                         f"{j['epoch']:>6} {j['items_delivered']:>10} {j['wait_s']:>8.1f}")
+            progress = f"{j['epoch_delivered']}/{j['epoch_items']}" if j["epoch"] else "not started"
+            lines.append(f"{j['name'][:24]:<24} {j['source'][:12]:<12} {j['num_items']:>8} {ranks:>5} "
+                         f"{j['epoch']:>6} {progress:>13} {_number(j.get('samples_per_s')):>9} "
+                         f"{_percent((j.get('stall') or {}).get('fraction')):>6} {j['items_delivered']:>10}")
+        lines.append("  EPOCH: the epoch the job reads now; STALL: the share of its training loop's time spent "
+                     "waiting for data in that epoch (reported by a reader in the training process; - with "
+                     "DataLoader workers)")
     else:
         lines.append("no jobs")
     pairs = [p for p in status.get("sharing_pairs", []) if p.get("rounds") and p.get("live", True)]
@@ -67,21 +80,28 @@ def format_status(status: dict[str, Any]) -> str:
             pair = f"{p['name_a'][:22]} + {p['name_b'][:21]}"
             lines.append(f"{pair:<46} {p['rounds']:>8} {p['rate']:>8.0%} {p['bound']:>6.0%}")
     c = status["cache"]
+    lookups, ahead = c["lookups"], c["lookahead"]
     lines.append("")
     lines.append(
         f"cache: {_bytes(c['used_bytes'])} of {_bytes(c['capacity_bytes'])} used, {c['items']} items "
-        f"({c['pinned']} pinned); hits {c['hits']}, misses {c['misses']}, evictions {c['evictions']}"
+        f"({c['pinned_items']} pinned), evictions {c['evictions']}; hit rate {_percent(c['hit_rate'])} "
+        f"(hits {lookups['hits']}, joined a decode {lookups['joined_decode']}, misses {lookups['misses']}; "
+        f"lookahead for next epochs: hits {ahead['hits']}, misses {ahead['misses']})"
     )
     if "largest_free_bytes" in c:
         lines.append(
             f"       items hold {_bytes(c['items_bytes'])}; free {_bytes(c['free_bytes'])}, largest "
             f"free block {_bytes(c['largest_free_bytes'])} (fragmentation {c['fragmentation']:.0%})"
         )
-    sharing = status.get("sharing_factor")
+    d = status["decodes"]
     lines.append(
-        f"items decoded {status['items_decoded']}, delivered {status['items_delivered']}, "
-        f"failed {status['items_failed']} (retried {status.get('items_retried', 0)}); sharing factor "
-        + (f"{sharing:.2f}" if sharing is not None else "n/a (nothing decoded yet)")
+        f"decodes: {status['items_decoded']} done, {d['in_flight']} in flight, {d['failures']} failed "
+        f"({status['items_failed']} items failing now, {d['retried']} retried), {d['cancelled']} cancelled"
+    )
+    sharing = status["sharing"]
+    lines.append(
+        f"delivered {status['items_delivered']}: sharing within epochs {_number(sharing['within_epoch'])} jobs "
+        f"per decode, cross-epoch reuse {_number(sharing['cross_epoch_reuse'])} per decode"
     )
     for f in status.get("failed", [])[:10]:
         lines.append(f"  failed: {f['source']}/{f['path']}: {f['reason']}")

@@ -434,11 +434,36 @@ class JoaderDataset(IterableDataset):
             if stream.resume is None:
                 stream.resume = self._resume_point(board, stream)
         if not self.batched:
-            return self._items(stream)
-        if worker is not None and self.transform is None and Receipts.possible(board, worker.id):
+            readings: Iterator[Any] = self._items(stream)
+        elif worker is not None and self.transform is None and Receipts.possible(board, worker.id):
             assert board is not None
             return self._handed_off(stream, Receipts(board, worker.id, stream.token))
-        return self._batches(stream)
+        else:
+            readings = self._batches(stream)
+        return readings if worker is not None else self._timed(stream, readings)
+
+    def _timed(self, stream: _Pass, readings: Iterator[Any]) -> Iterator[Any]:
+        """`readings`, timing the training loop around them: seconds inside `next()` (the data
+        stall) and between calls (the step). Each request reports them; the last one, once the
+        loop asks past the end (after its last step), goes alone."""
+        stream.measured = True
+        clock = time.perf_counter
+        started = clock()
+        try:
+            for reading in readings:
+                yielded = clock()
+                stream.wait_s += yielded - started
+                yield reading
+                started = clock()
+                stream.step_s += started - yielded
+        finally:
+            readings.close()  # type: ignore[attr-defined]  # a generator: its cleanup runs now
+        stream.wait_s += clock() - started
+        if stream.epoch and self._current is stream:
+            try:
+                self._next(stream, [], 0).result()
+            except Exception as error:  # noqa: BLE001  a lost figure must not fail the epoch
+                logger.debug("job %s: stall report not delivered: %s", self.job_id, error)
 
     def _arena(self) -> ArenaReader:
         pid = os.getpid()
@@ -452,6 +477,10 @@ class JoaderDataset(IterableDataset):
             acks=acks, worker_id=stream.worker_id, pid=os.getpid(), rank=self.rank,
             max_batches=BATCHES_PER_REQUEST if max_items else 0,
         )
+        if stream.measured and stream.epoch:
+            request.stall_epoch = stream.epoch
+            request.stall_wait_s = stream.wait_s
+            request.stall_step_s = stream.step_s
         if max_items and stream.resume is not None:  # until the pass's first reply
             request.resume_epoch = int(stream.resume["epoch"])
             request.resume_consumed = stream.resume["consumed"].serialize()
@@ -805,7 +834,8 @@ class _Pass:
     """One pass in this process: its token and DataLoader worker id (what names it on the
     wire), its epoch once the first reply named it, and the checkpoint it resumes, if any."""
 
-    __slots__ = ("epoch", "num_workers", "resume", "token", "unreachable_since", "worker_id")
+    __slots__ = ("epoch", "measured", "num_workers", "resume", "step_s", "token", "unreachable_since",
+                 "wait_s", "worker_id")
 
     def __init__(self, token: int, worker_id: int, num_workers: int) -> None:
         self.token = token
@@ -814,6 +844,11 @@ class _Pass:
         self.epoch = 0
         self.resume: dict[str, Any] | None = None
         self.unreachable_since: float | None = None
+        # The training loop's time inside next() and between calls, in this pass's epoch
+        # (measured only by a reader in the training process: `JoaderDataset._timed`).
+        self.measured = False
+        self.wait_s = 0.0
+        self.step_s = 0.0
 
 
 def _start_keeper(registration: dict[str, Any], timeout_s: float,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import heapq
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from pyroaring import BitMap
@@ -46,6 +47,27 @@ class DecodeSubmitter(Protocol):
     def submit(self, task_id: int, source_index: int, item_id: int, offset: int, capacity: int) -> None: ...
 
 
+@dataclass
+class Lookups:
+    """What queue entries found when a job's queue took an item (one entry per item a job
+    will read): a cached copy, a decode already waiting or running for another entry (the
+    decode is shared), nothing (a decode is requested: a miss), or a failure not yet due for a
+    retry (the job will skip it)."""
+
+    hits: int = 0
+    joined: int = 0
+    misses: int = 0
+    failed: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.hits + self.joined + self.misses + self.failed
+
+    def as_dict(self) -> dict[str, int]:
+        return {"hits": self.hits, "joined_decode": self.joined, "misses": self.misses,
+                "failed": self.failed}
+
+
 class ItemCache:
     """Items, pins, arena bytes and the RefCnt policy of one joaderd (see the module docstring)."""
 
@@ -60,35 +82,41 @@ class ItemCache:
         # jobs' speeds): eviction by expected time to next use; None: plain RefCnt.
         self.reuse_hazard: Callable[[int], float] | None = None
         self._demand: list[tuple[float, int, int]] = []  # (due, round seq, key): earliest due first
-        self.hits = 0
-        self.misses = 0
+        # What each queue entry found (`Lookups`), for the epoch its job reads and for later
+        # epochs (lookahead); and what became of every requested decode.
+        self.lookups = Lookups()
+        self.lookahead = Lookups()
         self.evictions = 0
         self.items_decoded = 0
+        self.decode_failures = 0
+        self.decodes_cancelled = 0  # requested, then dropped: every job that wanted it left first
         self.items_retried = 0
         self.decode_s = 0.0
 
     # ----------------------------------------------------------------------------- wanting
 
     def want(self, source: Source, item_id: int, round_seq: int, *, consumed: bool,
-             due_s: float = 0.0) -> Item:
-        """A queue entry now holds the item: pin it, counting a hit or a miss.
+             due_s: float = 0.0, ahead: bool = False) -> Item:
+        """A queue entry now holds the item: pin it, counting what it found (`Lookups`).
 
         `consumed`: the pick took the item out of a job's remaining set, so a cached item loses
         one reference (False for a padding copy, which no remaining set held). `due_s`: when
         this queue will reach it (`joader.server.pacing`); decodes run earliest-due first, and
-        an item several queues wait for is due at the earliest of their times.
+        an item several queues wait for is due at the earliest of their times. `ahead`: the
+        entry is for an epoch after the one its job reads (counted apart, as lookahead).
         """
+        lookups = self.lookahead if ahead else self.lookups
         key = source.key_base + item_id
         item = self.items.get(key)
         if item is None:
             item = self.items[key] = Item(source, item_id)
             item.due_s = due_s
             heapq.heappush(self._demand, (due_s, round_seq, key))
-            self.misses += 1
+            lookups.misses += 1
         elif item.state is ItemState.READY:
             if consumed:
                 self.policy.add_refcount(key, -1)
-            self.hits += 1
+            lookups.hits += 1
         elif item.state is ItemState.FAILED:
             if self._clock() - item.failed_s >= self.retry_failed_s:
                 # Failures are not forever: the file may have been fixed (or its storage come
@@ -97,9 +125,11 @@ class ItemCache:
                 item.due_s = due_s
                 heapq.heappush(self._demand, (due_s, round_seq, key))
                 self.items_retried += 1
-                self.misses += 1
+                lookups.misses += 1
+            else:
+                lookups.failed += 1
         else:
-            self.hits += 1
+            lookups.joined += 1
             if item.state is ItemState.WAITING and due_s < item.due_s:
                 # needed sooner than its first queue thought: a second entry, earlier (the later
                 # one is skipped once the item is no longer WAITING)
@@ -152,6 +182,7 @@ class ItemCache:
             if item.pins == 0:  # every job that wanted it left before it was decoded
                 heapq.heappop(demand)
                 del self.items[key]
+                self.decodes_cancelled += 1
                 continue
             bound = item.source.max_item_bytes
             offset = self._allocate(bound)
@@ -206,6 +237,7 @@ class ItemCache:
                 logger.info("source %s: item %d decodes again", source.name, item.item_id)
             self.items_decoded += 1
         else:
+            self.decode_failures += 1
             item.move(ItemState.FAILED)
             item.failed_s = self._clock()
             self.allocator.free(item.offset)
@@ -223,6 +255,15 @@ class ItemCache:
         """Bytes of the cached items themselves (the allocator's `used_bytes` adds alignment
         and the bounds of decodes in flight)."""
         return sum(item.nbytes for item in self.items.values() if item.state is ItemState.READY)
+
+    @property
+    def decodes_requested(self) -> int:
+        """Every decode asked for: decoded + failed + cancelled + in flight."""
+        return self.lookups.misses + self.lookahead.misses
+
+    def decodes_in_flight(self) -> int:
+        """Items waiting for a decode worker or being decoded."""
+        return sum(1 for item in self.items.values() if not item.state.settled)
 
     def pinned_items(self) -> int:
         return sum(1 for item in self.items.values() if item.pins)
@@ -267,6 +308,9 @@ class ItemCache:
                     assert item.offset == -1, (item.item_id, item.state, item.offset)
         assert allocator.allocations() == wanted, "the allocator's ranges are not the items'"
         assert len(self.policy) == sum(1 for i in self.items.values() if i.state is ItemState.READY)
+        accounted = self.items_decoded + self.decode_failures + self.decodes_cancelled + self.decodes_in_flight()
+        assert self.decodes_requested == accounted, (
+            f"{self.decodes_requested} decodes requested, {accounted} decoded, failed, cancelled or in flight")
         if expected_pins is not None:
             actual = {key: item.pins for key, item in self.items.items() if item.pins}
             wanted = {key: n for key, n in expected_pins.items() if n}

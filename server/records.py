@@ -92,8 +92,8 @@ class Source:
 class Item:
     """One item of one source, keyed by `source.key_base + item_id` in the registry."""
 
-    __slots__ = ("dtype", "due_s", "failed_s", "item_id", "key", "nbytes", "offset", "pins", "shape",
-                 "source", "state", "waiters")
+    __slots__ = ("dtype", "due_s", "failed_s", "item_id", "key", "nbytes", "offset", "pins", "served",
+                 "shape", "source", "state", "waiters")
 
     def __init__(self, source: Source, item_id: int) -> None:
         self.source = source
@@ -110,6 +110,9 @@ class Item:
         self.failed_s = 0.0  # when it last failed (clock of the registry)
         self.waiters: list[Job] = []  # jobs with this item queued, to wake when it settles
         self.due_s = float("inf")  # while WAITING: when the first job queueing it will read it
+        # Jobs this copy was delivered to: a second delivery to one of them is cross-epoch
+        # reuse (or a padding copy), not sharing. A new decode is a new Item.
+        self.served: set[str] = set()
 
     def move(self, state: ItemState) -> None:
         if state not in _TRANSITIONS[self.state]:
@@ -241,8 +244,10 @@ class Job:
     resume: Resume | None = None  # a resumed epoch still gathering its reports
     resumed_epoch: int = 0  # the last epoch that resumed (later reports of it are late)
     items_delivered: int = 0
+    items_reused: int = 0  # of those, copies this job had been delivered before (an earlier epoch)
     items_skipped: int = 0
-    wait_s: float = 0.0
+    wait_s: float = 0.0  # time its `Next` calls waited in joaderd for a ready item
+    stall: StallBook = field(default_factory=lambda: StallBook())
     # Called (under the registry's lock) when items of this job may have become ready; each
     # waiting `Next` registers one. They must not block.
     wakers: set[Callable[[], None]] = field(default_factory=set)
@@ -273,6 +278,49 @@ class Job:
     def wake(self) -> None:
         for waker in list(self.wakers):
             waker()
+
+
+class StallBook:
+    """The data stall of one job's training loop, as its readers report it (`NextRequest`'s
+    stall fields): per epoch and reader (rank, pass token), the cumulative seconds spent inside
+    `next()` waiting for data and between calls (the step). The stall fraction of an epoch is
+    wait / (wait + step), summed over its readers. Only a reader in the training process
+    (num_workers=0) measures it; DataLoader workers cannot see the training loop."""
+
+    KEEP_EPOCHS = 8
+
+    def __init__(self) -> None:
+        self.epochs: dict[int, dict[tuple[int, int], tuple[float, float]]] = {}
+        self._dropped = (0.0, 0.0)  # totals of epochs no longer kept
+
+    def report(self, epoch: int, reader: tuple[int, int], wait_s: float, step_s: float) -> None:
+        if epoch <= 0 or wait_s < 0 or step_s < 0:
+            return
+        self.epochs.setdefault(epoch, {})[reader] = (wait_s, step_s)
+        while len(self.epochs) > self.KEEP_EPOCHS:
+            oldest = min(self.epochs)
+            wait, step = self.epoch(oldest)
+            self._dropped = (self._dropped[0] + wait, self._dropped[1] + step)
+            del self.epochs[oldest]
+
+    def epoch(self, epoch: int) -> tuple[float, float]:
+        readers = self.epochs.get(epoch, {})
+        return sum(w for w, _ in readers.values()), sum(s for _, s in readers.values())
+
+    def total(self) -> tuple[float, float]:
+        wait, step = self._dropped
+        for epoch in self.epochs:
+            w, s = self.epoch(epoch)
+            wait, step = wait + w, step + s
+        return wait, step
+
+    @property
+    def latest(self) -> int:
+        return max(self.epochs, default=0)
+
+
+def stall_fraction(wait_s: float, step_s: float) -> float | None:
+    return round(wait_s / (wait_s + step_s), 4) if wait_s + step_s > 0 else None
 
 
 @dataclass(frozen=True)
@@ -306,6 +354,7 @@ class NextArgs:
     resume_consumed: BitMap | None = None
     resume_parts: int = 1  # how many readers of this rank report a part of the resume
     max_batches: int = 1  # whole batches of `max_items` one reply may carry, if ready at once
+    stall: tuple[int, float, float] | None = None  # (epoch, wait s, step s) the reader measured
 
 
 @dataclass

@@ -42,7 +42,7 @@ from joader.server.item_cache import DecodeSubmitter, ItemCache
 from joader.server.jobs import JobTable, printable_name
 from joader.server.records import Batch, Item, ItemState, Job, NextArgs, NextCall, Rank, Source
 from joader.server.scheduler import Scheduler
-from joader.sources.safe_open import display_path
+from joader.server.status import snapshot
 
 __all__ = ["DecodeSubmitter", "Registry", "RegistryConfig", "Source", "max_indices_bytes", "printable_name"]
 
@@ -120,6 +120,7 @@ class Registry:
         self._failure: str | None = None
         self._started_s = clock()
         self.items_delivered = 0
+        self.items_reused = 0  # deliveries of a copy its job had already had (cross-epoch reuse)
 
     # ----------------------------------------------------------------------------- jobs
 
@@ -240,6 +241,8 @@ class Registry:
             now = self._clock()
             rank.last_seen_s = now
             known = rank.passes.get(args.token)
+            if args.stall is not None:
+                job.stall.report(args.stall[0], (rank.index, args.token), args.stall[1], args.stall[2])
             if known is not None and args.acks:
                 self.jobs.acknowledge(job, known, args.acks)
                 self._cond.notify_all()
@@ -344,11 +347,12 @@ class Registry:
         resume_consumed: BitMap | None = None,
         resume_parts: int = 1,
         max_batches: int = 1,
+        stall: tuple[int, float, float] | None = None,
     ) -> Batch:
         """`begin_next`, `poll_next` and `end_next`, blocking this thread while it waits."""
         event = threading.Event()
         args = NextArgs(job_id, secret, token, max_items, tuple(acks), worker_id, pid, rank,
-                        resume_epoch, resume_consumed, resume_parts, max_batches)
+                        resume_epoch, resume_consumed, resume_parts, max_batches, stall)
         call = self.begin_next(args, event.set)
         if isinstance(call, Batch):
             return call
@@ -382,6 +386,7 @@ class Registry:
         while queue and queue[0].epoch < epoch:  # leftovers of an abandoned epoch
             self.cache.release(queue.popleft().key)
         batch = Batch(epoch, False, [], [], [], [])
+        reused = 0
         source = job.source
         source_labels = source.listing.labels
         items = self.cache.items
@@ -391,6 +396,10 @@ class Registry:
                 break
             item = items[entry.key]
             if item.state is ItemState.READY:
+                if job.job_id in item.served:
+                    reused += 1
+                else:
+                    item.served.add(job.job_id)
                 batch.item_ids.append(entry.item_id)
                 batch.labels.append(int(source_labels[entry.item_id]))
                 batch.offsets.append(item.offset)
@@ -412,6 +421,8 @@ class Registry:
         job.items_delivered += len(item_ids)
         job.items_skipped += len(failed)
         self.items_delivered += len(item_ids)
+        job.items_reused += reused
+        self.items_reused += reused
         self._cond.notify_all()  # the queue has room again
         return dataclasses.replace(batch, end_of_epoch=self._left(job, rank, epoch) == 0)
 
@@ -525,105 +536,14 @@ class Registry:
                 "traceback. Restart joaderd, then the job."
             )
 
-    def _pair_status(self) -> list[dict[str, Any]]:
-        """Per pair of jobs on one source: the share of rounds (both taking part) that gave both
-        the same item, beside its Theorem 1 bound |D1 ∩ D2| / max(|D1|, |D2|); live pairs first,
-        then recent pairs with a job that has gone."""
-        jobs = self.jobs.jobs
-        pairs = []
-        for source in self._sources.values():
-            for (a, b), (rounds, shared) in sorted(source.pair_rounds.items()):
-                da, db = jobs[a].dataset, jobs[b].dataset
-                bound = da.intersection_cardinality(db) / max(len(da), len(db))
-                pairs.append(_pair(source.name, a, b, jobs[a].name, jobs[b].name, rounds, shared, bound, True))
-            for (a, b), (name_a, name_b, rounds, shared, bound) in reversed(source.pair_history.items()):
-                pairs.append(_pair(source.name, a, b, name_a, name_b, rounds, shared, bound, False))
-        return pairs
-
     def status(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        """A JSON-ready snapshot (the schema `joader status --json` documents)."""
+        """A JSON-ready snapshot (`joader.server.status`; the schema `joader status --json`
+        documents)."""
         with self._cond:
-            now = self._clock()
-            cache = self.cache
-            policy_stats = cache.policy.statistics()
-            allocation = cache.allocator.stats()
-            failed = [
-                {"source": s.name, "item_id": i, "path": display_path(s.listing.paths[i]), "reason": display_path(r)}
-                for s in self._sources.values()
-                for i, r in sorted(s.failed.items())
-            ]
-            status = {
-                "uptime_s": round(now - self._started_s, 3),
-                "sources": [
-                    {
-                        "name": s.name,
-                        "root": display_path(str(s.listing.root)),
-                        "num_items": s.num_items,
-                        "num_classes": len(s.listing.classes),
-                        "kind": getattr(s.listing, "kind", "imagefolder"),
-                        "stage": s.stage.name,
-                        "image_size": getattr(s.stage, "size", None),
-                        "small_items": s.small_items,
-                        "num_jobs": len(s.job_ids),
-                    }
-                    for s in self._sources.values()
-                ],
-                "jobs": [
-                    {
-                        "job_id": j.job_id,
-                        "name": j.name,
-                        "source": j.source.name,
-                        "num_items": j.num_items,
-                        "world_size": j.world_size,
-                        "ranks_attached": sum(1 for r in j.ranks if r.attached),
-                        "epoch": j.claimed_epoch,
-                        "items_delivered": j.items_delivered,
-                        "items_skipped": j.items_skipped,
-                        "wait_s": round(j.wait_s, 3),
-                        "queued": sum(len(r.queue) for r in j.ranks),
-                        "queue_capacity": j.queue_capacity * j.world_size,
-                        "age_s": round(now - j.created_s, 3),
-                    }
-                    for j in self.jobs.jobs.values()
-                ],
-                "sharing_pairs": self._pair_status(),
-                "max_jobs": self.config.max_jobs,
-                "cache": {
-                    "capacity_bytes": cache.capacity_bytes,
-                    "used_bytes": allocation.used_bytes,
-                    "items_bytes": cache.items_bytes(),
-                    "free_bytes": allocation.free_bytes,
-                    "largest_free_bytes": allocation.largest_free_bytes,
-                    "fragmentation": round(allocation.fragmentation, 4),
-                    "items": policy_stats.num_items,
-                    "pinned": cache.pinned_items(),  # items with a pin
-                    "pins": cache.pins(),  # queue entries plus unacknowledged copies
-                    "hits": cache.hits,
-                    "misses": cache.misses,
-                    "evictions": cache.evictions,
-                },
-                "items_decoded": cache.items_decoded,
-                "items_delivered": self.items_delivered,
-                "items_failed": len(failed),
-                "items_retried": cache.items_retried,
-                "failed": failed[:50],
-                "decode_s": round(cache.decode_s, 3),
-                "sharing_factor": (
-                    round(self.items_delivered / cache.items_decoded, 4) if cache.items_decoded else None
-                ),
-            }
-            if extra:
-                status.update(extra)
-            return status
-
-
-def _pair(source: str, a: str, b: str, name_a: str, name_b: str, rounds: int, shared: int,
-          bound: float, live: bool) -> dict[str, Any]:
-    return {
-        "source": source, "a": a, "b": b, "name_a": name_a, "name_b": name_b, "live": live,
-        "rounds": rounds, "shared": shared, "rate": round(shared / rounds, 4) if rounds else None,
-        "bound": round(bound, 4),
-    }
+            status = snapshot(self, self._clock())
+        if extra:
+            status.update(extra)
+        return status
 
 
 def _describe_ids(ids: BitMap) -> str:

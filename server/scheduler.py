@@ -241,7 +241,8 @@ class Scheduler:
                 self._cache.consume_unqueued(job.source, item_id)
             return
         due_s = due_time(self._now, len(rank.queue), job.rate.rate(self._now)) if self._deadlines else 0.0
-        item = self._cache.want(job.source, item_id, self._round_seq, consumed=consumed, due_s=due_s)
+        item = self._cache.want(job.source, item_id, self._round_seq, consumed=consumed, due_s=due_s,
+                                ahead=share.epoch > rank.claimed_epoch)
         rank.queue.append(Entry(share.epoch, item_id, item.key))
         if not item.state.settled:
             item.waiters.append(job)  # woken when it settles; settled ones: after the round

@@ -201,7 +201,7 @@ def test_batches_from_workers_are_copied_by_the_training_process(demo_root: Path
                             capture_output=True, text=True, timeout=180, check=False)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr
     assert "without a transform" not in result.stderr  # batched workers are not the slow case
-    assert server.status()["cache"]["pinned"] == 0
+    assert server.status()["cache"]["pinned_items"] == 0
 
 
 _THREADS_SCRIPT = r"""

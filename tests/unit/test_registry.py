@@ -155,7 +155,7 @@ def test_interleaved_jobs_get_each_item_once_per_epoch_and_release_every_pin() -
     assert status["cache"]["used_bytes"] <= status["cache"]["capacity_bytes"]
     # Everything was acknowledged: only items in the queues (next epoch's lookahead) are pinned.
     queued = {entry.key for job in (a, b) for entry in job.ranks[0].queue}
-    assert status["cache"]["pinned"] == len(queued)
+    assert status["cache"]["pinned_items"] == len(queued)
 
 
 def test_a_new_pass_abandons_an_unfinished_epoch_and_starts_a_whole_one() -> None:
@@ -174,7 +174,7 @@ def test_a_new_pass_abandons_an_unfinished_epoch_and_starts_a_whole_one() -> Non
     late_ack = nxt(registry, job.job_id, 7, 0, first.item_ids)  # acknowledging still works
     assert not late_ack.item_ids
     registry.remove_job(job.job_id, "test")
-    assert registry.status()["cache"]["pinned"] == 0
+    assert registry.status()["cache"]["pinned_items"] == 0
 
 
 def test_a_silent_job_loses_its_lease_and_its_pins() -> None:
@@ -196,7 +196,7 @@ def test_a_silent_job_loses_its_lease_and_its_pins() -> None:
         nxt(registry, quiet.job_id, 1, 4, held.item_ids)
     assert sorted(read_epoch(registry, pool, busy.job_id, 1)) == list(range(40))
     registry.remove_job(busy.job_id, "test")
-    assert registry.status()["cache"]["pinned"] == 0
+    assert registry.status()["cache"]["pinned_items"] == 0
 
 
 def test_failed_items_are_skipped_reported_and_not_decoded_again_before_the_retry_time() -> None:
@@ -209,7 +209,7 @@ def test_failed_items_are_skipped_reported_and_not_decoded_again_before_the_retr
     status = registry.status()
     assert status["items_failed"] == 2
     assert {f["path"] for f in status["failed"]} == {"b/003.jpg", "b/011.jpg"}
-    assert status["cache"]["misses"] - status["items_decoded"] == 2  # tried once each
+    assert status["decodes"]["requested"] - status["items_decoded"] == 2  # tried once each
     registry.remove_job(job.job_id, "test")
 
 
@@ -237,9 +237,9 @@ def test_a_failed_item_is_decoded_again_at_its_next_use_after_the_retry_time() -
     order = read_epoch(registry, pool, job.job_id, token=3)
     assert sorted(order) == list(range(20))
     status = registry.status()
-    assert status["items_failed"] == 0 and status["items_retried"] == 1
+    assert status["items_failed"] == 0 and status["decodes"]["retried"] == 1
     registry.remove_job(job.job_id, "test")
-    assert registry.status()["cache"]["pinned"] == 0
+    assert registry.status()["cache"]["pinned_items"] == 0
 
 
 def test_fresh_workers_with_a_repeated_token_start_a_new_whole_epoch() -> None:
@@ -636,3 +636,50 @@ def test_sharing_is_counted_per_pair_beside_its_bound() -> None:
     after = {(p["a"], p["b"]): p for p in registry.status()["sharing_pairs"]}
     kept = after[tuple(sorted((a.job_id, b.job_id)))]  # kept for status and benches, not live
     assert not kept["live"] and kept["shared"] == ab["shared"] and {kept["name_a"], kept["name_b"]} == {"a", "b"}
+
+
+def test_status_splits_sharing_from_cross_epoch_reuse_and_counts_lookahead_apart() -> None:
+    """Two identical jobs, two epochs each, a cache that holds everything: each decode serves
+    both jobs once per epoch. Within-epoch sharing is 2 (at most the number of jobs), the second
+    epoch is cross-epoch reuse, and every requested decode is accounted for."""
+    registry, pool, _ = make_registry(num_slots=NUM_ITEMS + 10)
+    jobs = [attach(registry, "demo", BitMap(range(20)), name, 4) for name in ("a", "b")]
+    for epoch in (1, 2):
+        acks: dict[str, list[int]] = {job.job_id: [] for job in jobs}
+        done = {job.job_id: False for job in jobs}
+        while not all(done.values()):
+            pump(registry, pool)
+            for job in jobs:  # in step: both read each round's picks
+                if not done[job.job_id]:
+                    result = nxt(registry, job.job_id, epoch, 4, acks[job.job_id])
+                    acks[job.job_id], done[job.job_id] = result.item_ids, result.end_of_epoch
+        for job in jobs:
+            nxt(registry, job.job_id, epoch, 0, acks[job.job_id])
+        status = registry.status()
+        assert [(j["epoch"], j["epoch_delivered"], j["epoch_items"], j["epochs_completed"])
+                for j in status["jobs"]] == [(epoch, 20, 20, epoch)] * 2
+    assert status["items_decoded"] == 20 and status["items_delivered"] == 80
+    assert status["sharing"] == {"within_epoch": 2.0, "cross_epoch_reuse": 2.0, "deliveries_per_decode": 4.0,
+                                 "items_reused": 40}
+    assert [j["items_reused"] for j in status["jobs"]] == [20, 20]
+    cache, decodes = status["cache"], status["decodes"]
+    assert decodes["requested"] == 20 + decodes["in_flight"] + decodes["cancelled"]
+    assert cache["lookups"]["misses"] + cache["lookahead"]["misses"] == decodes["requested"]
+    # every entry of both epochs was looked up once; entries queued for the next epoch while
+    # the current one was read are lookahead
+    assert sum(sum(c.values()) for c in (cache["lookups"], cache["lookahead"])) >= 80
+    assert cache["lookahead"]["hits"] > 0
+
+
+def test_stall_reports_are_summed_over_readers_per_epoch() -> None:
+    registry, pool, _ = make_registry()
+    job = attach(registry, "demo", BitMap(range(8)), "a", 4, world_size=2)
+    for rank, (wait, step) in enumerate(((1.0, 3.0), (2.0, 2.0))):
+        nxt(registry, job.job_id, 7, 0, [], rank=rank, stall=(1, wait, step))
+    nxt(registry, job.job_id, 7, 0, [], rank=0, stall=(1, 1.5, 4.5))  # a later, cumulative report
+    stall = next(j for j in registry.status()["jobs"])["stall"]
+    assert stall == {"epoch": 1, "wait_s": 3.5, "step_s": 6.5, "fraction": 0.35}
+    nxt(registry, job.job_id, 8, 0, [], rank=0, stall=(2, 1.0, 1.0))
+    status = registry.status()["jobs"][0]
+    assert status["stall"]["epoch"] == 2 and status["stall"]["fraction"] == 0.5
+    assert status["stall_total"] == {"wait_s": 4.5, "step_s": 7.5, "fraction": 0.375}
