@@ -1,6 +1,7 @@
-"""The `joader` command: `status`, `make-demo-data` and `verify`.
+"""The `joader` command: `status`, `top`, `make-demo-data` and `verify`.
 
     joader status [--json] [--address ADDRESS]
+    joader top [--once] [--interval S] [--address ADDRESS]   (see `joader top --help`)
     joader make-demo-data DIR --items N [--classes K] [--seed S]
     joader verify --job a=0:600 --job b=300:1300 ...   (see `joader verify --help`)
 """
@@ -26,7 +27,7 @@ def fetch_status(address: str | None = None, timeout_s: float = 10.0) -> dict[st
     return json.loads(response.json)
 
 
-def _bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -83,15 +84,15 @@ def format_status(status: dict[str, Any]) -> str:
     lookups, ahead = c["lookups"], c["lookahead"]
     lines.append("")
     lines.append(
-        f"cache: {_bytes(c['used_bytes'])} of {_bytes(c['capacity_bytes'])} used, {c['items']} items "
+        f"cache: {format_bytes(c['used_bytes'])} of {format_bytes(c['capacity_bytes'])} used, {c['items']} items "
         f"({c['pinned_items']} pinned), evictions {c['evictions']}; hit rate {_percent(c['hit_rate'])} "
         f"(hits {lookups['hits']}, joined a decode {lookups['joined_decode']}, misses {lookups['misses']}; "
         f"lookahead for next epochs: hits {ahead['hits']}, misses {ahead['misses']})"
     )
     if "largest_free_bytes" in c:
         lines.append(
-            f"       items hold {_bytes(c['items_bytes'])}; free {_bytes(c['free_bytes'])}, largest "
-            f"free block {_bytes(c['largest_free_bytes'])} (fragmentation {c['fragmentation']:.0%})"
+            f"       items hold {format_bytes(c['items_bytes'])}; free {format_bytes(c['free_bytes'])}, largest "
+            f"free block {format_bytes(c['largest_free_bytes'])} (fragmentation {c['fragmentation']:.0%})"
         )
     d = status["decodes"]
     lines.append(
@@ -120,12 +121,17 @@ def main(argv: list[str] | None = None) -> int:
     p_demo.add_argument("--classes", type=int, default=10)
     p_demo.add_argument("--seed", type=int, default=0)
     sub.add_parser("verify", help="simulate a job mix and test the sampler's guarantees", add_help=False)
+    sub.add_parser("top", help="a live view of joaderd's jobs, decode workers and cache", add_help=False)
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "verify":
             from joader.verify import main as verify_main
 
             return verify_main(rest)
+        if args.command == "top":
+            from joader.client.top import main as top_main
+
+            return top_main(rest)
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         if args.command == "status":

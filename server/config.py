@@ -16,6 +16,7 @@ TOML (`--config FILE`), every key optional, command-line flags win:
     max_jobs = 1024            # jobs attached at once; more are refused
     pacing = "deadline"        # decode by when jobs read, evict by speed; "rounds": the old order
     ready_file = "/run/joaderd.ready"   # JSON written once joaderd serves (joader.launch)
+    metrics_listen = "127.0.0.1:9400"  # Prometheus /metrics (off by default; loopback unless allow_remote)
 
     decoder = "turbo"          # decoder of the built-in stages: turbo (default) | pil (exact)
 
@@ -102,6 +103,7 @@ class ServerConfig:
     decode_timeout_s: float = 60.0
     max_jobs: int = 1024
     pacing: str = "deadline"
+    metrics_listen: str | None = None  # HOST:PORT of Prometheus /metrics; None: off
 
 
 # --- value checks: (value, where, example) -> the value; where names the key or the flag ---
@@ -224,6 +226,7 @@ _KEYS: dict[str, _Key] = {
     "max_jobs": _Key("--max-jobs", _positive_int, "1024"),
     "pacing": _Key("--pacing", lambda v, w, e: _choice(v, w, e, PACINGS), '"deadline"'),
     "ready_file": _Key("--ready-file", _path, '"/run/user/1000/joaderd.ready"'),
+    "metrics_listen": _Key("--metrics-listen", _string, '"127.0.0.1:9400"'),
 }
 _KEYS["decoder"] = _Key("--decoder", lambda v, w, e: _choice(v, w, e, DECODERS), '"turbo"')
 _TOML_KEYS = (*_KEYS, "sources")
@@ -280,7 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="deadline (default): decode what jobs read soonest first and evict what they read "
              "last (RefCnt weighted by speed); rounds: decode in round order, plain RefCnt")
     add("--ready-file", metavar="PATH",
-        help="once serving, write JSON there: address, port, arena_path, pid, num_workers")
+        help="once serving, write JSON there: address, port, arena_path, pid, num_workers, metrics_port")
+    add("--metrics-listen", metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (off by default; a loopback "
+             "address unless --allow-remote)")
     return parser
 
 
@@ -318,7 +324,7 @@ def load_config(argv: list[str] | None = None) -> ServerConfig:
 
 # Settings whose ServerConfig field has the same name as the key.
 _PLAIN_FIELDS = ("lease_s", "lookahead_batches", "seed", "log_level", "allow_remote",
-                 "ready_file", "retry_failed_s", "decode_timeout_s", "max_jobs", "pacing")
+                 "ready_file", "retry_failed_s", "decode_timeout_s", "max_jobs", "pacing", "metrics_listen")
 
 
 def _read_toml(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -452,3 +458,12 @@ def _check_listen(config: ServerConfig) -> None:
             "jobs. Listen on 127.0.0.1:PORT or a unix: socket, or pass --allow-remote "
             "(allow_remote = true) if that is what you want"
         )
+    if config.metrics_listen is not None:
+        from joader.server.metrics import split_metrics_listen
+
+        host, _ = split_metrics_listen(config.metrics_listen)
+        if not config.allow_remote and not is_loopback(f"{host}:0"):
+            raise InvalidArgumentError(
+                f"--metrics-listen {config.metrics_listen} would show other hosts joaderd's jobs "
+                "and figures. Listen on 127.0.0.1:PORT, or pass --allow-remote "
+                "(allow_remote = true) if that is what you want")

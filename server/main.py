@@ -34,6 +34,7 @@ from joader.errors import JoaderError
 from joader.launch import write_ready_file
 from joader.server.config import ServerConfig, load_config
 from joader.server.decode_pool import DecodePool, PoolConfig, SourceSpec
+from joader.server.metrics import serve_metrics
 from joader.server.registry import Registry, RegistryConfig, Source
 from joader.sources.base import open_source
 from joader.stages import build_stage
@@ -207,18 +208,24 @@ async def _serve(
 
     servicer = JoaderServicer(registry, str(arena.path), extra_status)
     server, port = await start_server(servicer, address, receive_limit_bytes(source_sizes))
+    metrics_server = None
     try:
         sock = socket_path(address)
         if sock is not None:
             os.chmod(sock, 0o600)
         elif address.rpartition(":")[2] == "0":
             address = f"{address.rpartition(':')[0]}:{port}"  # the port the kernel chose
+        metrics_port = None
+        if config.metrics_listen is not None:
+            metrics_server, metrics_port = serve_metrics(config.metrics_listen,
+                                                         lambda: registry.status(extra_status()))
         ready = {
             "address": address,
             "port": port if sock is None else None,
             "arena_path": str(arena.path),
             "pid": os.getpid(),
             "num_workers": pool.num_workers,
+            "metrics_port": metrics_port,
             "version": 1,
         }
         if config.ready_file is not None:
@@ -231,6 +238,8 @@ async def _serve(
         logger.info("joaderd stopping")
     finally:
         stopping.set()
+        if metrics_server is not None:
+            metrics_server.shutdown()
         registry.stop()
         await server.stop(grace=0.5)
         supervisor.join(timeout_s=5)

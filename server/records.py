@@ -245,6 +245,7 @@ class Job:
     resumed_epoch: int = 0  # the last epoch that resumed (later reports of it are late)
     items_delivered: int = 0
     items_reused: int = 0  # of those, copies this job had been delivered before (an earlier epoch)
+    items_shared: int = 0  # of those, first deliveries of a copy another job had received first
     items_skipped: int = 0
     wait_s: float = 0.0  # time its `Next` calls waited in joaderd for a ready item
     stall: StallBook = field(default_factory=lambda: StallBook())

@@ -386,7 +386,7 @@ class Registry:
         while queue and queue[0].epoch < epoch:  # leftovers of an abandoned epoch
             self.cache.release(queue.popleft().key)
         batch = Batch(epoch, False, [], [], [], [])
-        reused = 0
+        reused = shared = 0
         source = job.source
         source_labels = source.listing.labels
         items = self.cache.items
@@ -399,6 +399,8 @@ class Registry:
                 if job.job_id in item.served:
                     reused += 1
                 else:
+                    if item.served:
+                        shared += 1  # another job's decode
                     item.served.add(job.job_id)
                 batch.item_ids.append(entry.item_id)
                 batch.labels.append(int(source_labels[entry.item_id]))
@@ -422,6 +424,7 @@ class Registry:
         job.items_skipped += len(failed)
         self.items_delivered += len(item_ids)
         job.items_reused += reused
+        job.items_shared += shared
         self.items_reused += reused
         self._cond.notify_all()  # the queue has room again
         return dataclasses.replace(batch, end_of_epoch=self._left(job, rank, epoch) == 0)

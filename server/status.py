@@ -125,6 +125,7 @@ def _job(job: Job, now: float) -> dict[str, Any]:
         "epochs_completed": max(0, epoch - 1) + (1 if epoch and epoch_delivered >= epoch_items else 0),
         "items_delivered": job.items_delivered,
         "items_reused": job.items_reused,
+        "items_shared": job.items_shared,
         "items_skipped": job.items_skipped,
         "samples_per_s": round(rate, 2) if rate is not None else None,
         "server_wait_s": round(job.wait_s, 3),  # its Next calls waiting in joaderd for items

@@ -206,3 +206,16 @@ def test_addresses(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 def test_num_workers_default_is_the_affinity_mask() -> None:
     assert config_module.default_num_workers() == len(os.sched_getaffinity(0))
+
+
+def test_metrics_are_off_by_default_and_loopback_unless_allowed(tmp_path: Path) -> None:
+    source = ["--source", f"a={tmp_path}", "--listen", "unix:/tmp/x.sock"]
+    assert load_config(source).metrics_listen is None
+    assert load_config([*source, "--metrics-listen", "127.0.0.1:9400"]).metrics_listen == "127.0.0.1:9400"
+    with pytest.raises(InvalidArgumentError, match="other hosts.*--allow-remote"):
+        load_config([*source, "--metrics-listen", "0.0.0.0:9400"])
+    assert load_config([*source, "--metrics-listen", "0.0.0.0:9400", "--allow-remote"]).metrics_listen
+    with pytest.raises(InvalidArgumentError, match="scrapes over TCP"):
+        load_config([*source, "--metrics-listen", "unix:/tmp/m.sock"])
+    path = write_toml(tmp_path, 'metrics_listen = "localhost:9400"\n')
+    assert load_config(["--config", path, *source]).metrics_listen == "localhost:9400"

@@ -1,0 +1,190 @@
+"""`joader top`: a live view of one joaderd, refreshed every second; `q` quits.
+
+Each frame is built from two status snapshots (`joader status --json`, docs/status.md) an
+interval apart: rates (samples/s, images decoded/s, decode workers' busy share, hit rate,
+evictions/s) are differences over that interval, not averages since joaderd started. The host's
+CPU comes from psutil. `rich` draws it; it works over ssh in any terminal that shows colour or
+not. `--once` prints one frame (two snapshots `--interval` apart) and exits, for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import select
+import sys
+import termios
+import time
+import tty
+from collections.abc import Iterator
+from typing import Any
+
+import psutil
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from joader.client.cli import fetch_status, format_bytes
+
+
+def _rate(now: dict[str, Any], before: dict[str, Any] | None, dt: float, *path: str) -> float | None:
+    if before is None or dt <= 0:
+        return None
+    a, b = now, before
+    for key in path:
+        a, b = a[key], b[key]
+    return (a - b) / dt
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _number(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _bar(done: int, total: int, width: int) -> Text:
+    """A text progress bar: readable in any terminal and in a captured `--once` frame."""
+    filled = round(width * min(1.0, done / total)) if total > 0 else 0
+    return Text.assemble(("█" * filled, "green"), ("░" * (width - filled), "dim"))
+
+
+def render(now: dict[str, Any], before: dict[str, Any] | None, dt: float, cpu: list[float],
+           live: bool = False) -> Group:
+    """One frame from two snapshots `dt` seconds apart (`before` None: the first frame)."""
+    workers = now.get("workers", {})
+    alive = workers.get("alive", 0)
+    header = Text.assemble(
+        ("joaderd ", "bold"), f"{now.get('address', '?')} (pid {now.get('pid', '?')}), up "
+        f"{now['uptime_s']:.0f} s   host CPU ",
+        (f"{sum(cpu) / max(1, len(cpu)):.0f}%", "bold"),
+        f" ({' '.join(f'{c:.0f}' for c in cpu)} per core)" + ("   q quits" if live else ""),
+    )
+
+    jobs = Table(title="jobs", title_justify="left", expand=True, pad_edge=False)
+    for name, justify in (("JOB", "left"), ("RANKS", "right"), ("EPOCH", "right"), ("PROGRESS", "left"),
+                          ("SAMPLES/S", "right"), ("STALL", "right"), ("SHARED", "right"),
+                          ("DELIVERED", "right")):
+        jobs.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    previous = {j["job_id"]: j for j in (before or {}).get("jobs", [])}
+    for job in now["jobs"]:
+        old = previous.get(job["job_id"])
+        rate = (job["items_delivered"] - old["items_delivered"]) / dt if old is not None and dt > 0 else \
+            job.get("samples_per_s")
+        bar = _bar(job["epoch_delivered"], job["epoch_items"], 12)
+        bar.append(f" {job['epoch_delivered']:,}/{job['epoch_items']:,}", style="dim")
+        stall = (job.get("stall") or {}).get("fraction")
+        delivered = job["items_delivered"]
+        jobs.add_row(
+            job["name"], f"{job['ranks_attached']}/{job['world_size']}", str(job["epoch"]) if job["epoch"] else "-",
+            bar, _number(rate), _percent(stall),
+            _percent(job.get("items_shared", 0) / delivered if delivered else None), f"{delivered:,}",
+        )
+    if not now["jobs"]:
+        jobs.add_row("no jobs attached", "", "", "", "", "", "", "")
+
+    decoded_rate = _rate(now, before, dt, "items_decoded")
+    busy_rate = _rate(now, before, dt, "decodes", "decode_s")
+    pool = Table(title="decode workers", title_justify="left", expand=True, pad_edge=False)
+    for name in ("ALIVE", "BUSY", "IMAGES/S", "IN FLIGHT", "FAILED", "REPLACED"):
+        pool.add_column(name, justify="right", no_wrap=True)
+    pool.add_row(
+        f"{alive}/{workers.get('configured', '?')}",
+        _percent(busy_rate / alive if busy_rate is not None and alive else None),
+        _number(decoded_rate), str(now["decodes"]["in_flight"]), str(now["decodes"]["failures"]),
+        str(workers.get("replaced", 0)),
+    )
+
+    cache = now["cache"]
+    hit_rate = cache["hit_rate"]
+    if before is not None:
+        found = [cache["lookups"][k] - before["cache"]["lookups"][k] for k in ("hits", "joined_decode", "misses", "failed")]
+        if sum(found):
+            hit_rate = (found[0] + found[1]) / sum(found)
+    table = Table(title="cache", title_justify="left", expand=True, pad_edge=False)
+    for name in ("USED", "", "ITEMS", "PINNED", "HIT RATE", "EVICTIONS/S", "EVICTIONS"):
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_row(
+        f"{format_bytes(cache['used_bytes'])} of {format_bytes(cache['capacity_bytes'])}",
+        _bar(cache["used_bytes"], cache["capacity_bytes"], 12),
+        f"{cache['items']:,}", f"{cache['pinned_items']:,}", _percent(hit_rate),
+        _number(_rate(now, before, dt, "cache", "evictions")), f"{cache['evictions']:,}",
+    )
+    sharing = now["sharing"]
+    footer = Text(
+        f"sharing within epochs {_number(sharing['within_epoch'], 2)} jobs per decode, cross-epoch reuse "
+        f"{_number(sharing['cross_epoch_reuse'], 2)} per decode; {now['items_decoded']:,} decoded, "
+        f"{now['items_delivered']:,} delivered", style="dim")
+    parts: list[Any] = [header, jobs, pool, table, footer]
+    events = now.get("workers", {}).get("events") or []
+    if events:
+        log = Text("decode pool changes:\n", style="bold")
+        for event in events[-5:]:
+            log.append(f"  {event}\n")
+        parts.append(log)
+    return Group(*parts)
+
+
+@contextlib.contextmanager
+def _keys() -> Iterator[Any]:
+    """stdin in cbreak mode (single keys, no echo) while the view runs, if it is a terminal."""
+    if not sys.stdin.isatty():
+        yield None
+        return
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    try:
+        tty.setcbreak(fd)
+        yield fd
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def _quit_pressed(fd: int | None, timeout_s: float) -> bool:
+    """Waits up to `timeout_s` for a key; True if it was q (or Q, or Ctrl-D)."""
+    if fd is None:
+        time.sleep(timeout_s)
+        return False
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([fd], [], [], left)
+        if ready:
+            key = os.read(fd, 1)
+            if key in (b"q", b"Q", b"\x04", b""):
+                return True
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="joader top", description=__doc__.split("\n")[0])
+    parser.add_argument("--address", help="joaderd's address (default: $JOADER_ADDRESS or the per-user socket)")
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between frames (default 1)")
+    parser.add_argument("--once", action="store_true", help="print one frame and exit")
+    args = parser.parse_args(argv)
+    if args.interval <= 0:
+        parser.error("--interval must be > 0")
+    psutil.cpu_percent(percpu=True)  # starts the host CPU measurement
+    before = fetch_status(args.address)
+    taken = time.monotonic()
+    if args.once:
+        time.sleep(args.interval)
+        now = fetch_status(args.address)
+        frame = render(now, before, time.monotonic() - taken, psutil.cpu_percent(percpu=True))
+        Console(width=max(100, Console().width)).print(frame)
+        return 0
+    console = Console()
+    with _keys() as fd, Live(render(before, None, 0.0, psutil.cpu_percent(percpu=True), live=True), console=console,
+                             screen=console.is_terminal, auto_refresh=False) as live:
+        while not _quit_pressed(fd, args.interval):
+            now = fetch_status(args.address)
+            at = time.monotonic()
+            live.update(render(now, before, at - taken, psutil.cpu_percent(percpu=True), live=True), refresh=True)
+            before, taken = now, at
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
