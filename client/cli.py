@@ -1,7 +1,8 @@
-"""The `joader` command: `status`, `top`, `make-demo-data` and `verify`.
+"""The `joader` command: `status`, `top`, `analyze`, `make-demo-data` and `verify`.
 
     joader status [--json] [--address ADDRESS]
     joader top [--once] [--interval S] [--address ADDRESS]   (see `joader top --help`)
+    joader analyze [--json] [--interval S] [--address ADDRESS]
     joader make-demo-data DIR --items N [--classes K] [--seed S]
     joader verify --job a=0:600 --job b=300:1300 ...   (see `joader verify --help`)
 """
@@ -122,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p_demo.add_argument("--seed", type=int, default=0)
     sub.add_parser("verify", help="simulate a job mix and test the sampler's guarantees", add_help=False)
     sub.add_parser("top", help="a live view of joaderd's jobs, decode workers and cache", add_help=False)
+    sub.add_parser("analyze", help="each job's data stall, and what more decode workers or cache would buy",
+                   add_help=False)
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "verify":
@@ -132,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
             from joader.client.top import main as top_main
 
             return top_main(rest)
+        if args.command == "analyze":
+            from joader.client.analyze import main as analyze_main
+
+            return analyze_main(rest)
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         if args.command == "status":

@@ -134,6 +134,8 @@ def _job(job: Job, now: float) -> dict[str, Any]:
             "fraction": stall_fraction(wait, step)},
         "stall_total": {"wait_s": round(total_wait, 3), "step_s": round(total_step, 3),
                         "fraction": stall_fraction(total_wait, total_step)},
+        # the processes reading it now (training processes, or their DataLoader workers)
+        "pids": sorted({pid for r in job.ranks if r.current is not None for pid in r.current.members.values() if pid}),
         "queued": sum(len(r.queue) for r in job.ranks),
         "queue_capacity": job.queue_capacity * job.world_size,
         "age_s": round(now - job.created_s, 3),

@@ -43,7 +43,9 @@ def test_concurrent_jobs_get_every_item_once_per_epoch_and_share(
     status = server.status()
     assert status["items_delivered"] == 2 * (len(a_items) + len(b_items))
     assert status["items_failed"] == 0
-    assert status["sharing"]["within_epoch"] > 1.0, status
+    # what the old "sharing factor" checked (the jobs start unsynchronized and run at different
+    # speeds here, so within-epoch sharing alone is small and varies with the machine's load)
+    assert status["sharing"]["deliveries_per_decode"] > 1.0, status
     assert status["jobs"] == []  # both leases ended with their processes
     assert status["cache"]["pinned_items"] == 0
 

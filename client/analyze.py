@@ -1,0 +1,216 @@
+"""`joader analyze`: per job, its data stall, what bounds it, and what more CPU or cache would buy.
+
+It watches a running joaderd for `--interval` seconds (two status snapshots, and the CPU time
+of joaderd, its decode workers, the jobs' processes and the whole host, from psutil), then runs
+the model of `joader.analysis` for k more or fewer decode workers and for caches of 1/2x, 2x and
+the whole dataset. `--json` prints the same for scripts. The model, its assumptions and its
+measured error are in docs/analyze.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import psutil
+
+from joader.analysis import HostWindow, JobWindow, Prediction, classify, predict
+from joader.client.cli import fetch_status, format_bytes
+
+
+def _cpu_seconds(pids: list[int]) -> dict[int, float]:
+    seconds = {}
+    for pid in pids:
+        try:
+            times = psutil.Process(pid).cpu_times()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        seconds[pid] = times.user + times.system
+    return seconds
+
+
+def _host_busy() -> float:
+    times = psutil.cpu_times()
+    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+
+
+def _pids(status: dict[str, Any]) -> tuple[int, list[int], list[int]]:
+    workers = list(status.get("workers", {}).get("pids", []))
+    jobs = sorted({pid for job in status["jobs"] for pid in job.get("pids", [])})
+    return int(status.get("pid", 0)), workers, jobs
+
+
+def measure(address: str | None, interval_s: float) -> tuple[list[JobWindow], HostWindow, dict[str, Any]]:
+    """Watches joaderd for `interval_s`; the jobs' and the host's figures over that window."""
+    before = fetch_status(address)
+    server_pid, worker_pids, job_pids = _pids(before)
+    cpu_before = _cpu_seconds([server_pid, *worker_pids, *job_pids])
+    busy_before, started = _host_busy(), time.monotonic()
+    time.sleep(interval_s)
+    after = fetch_status(address)
+    cpu_after = _cpu_seconds([server_pid, *worker_pids, *job_pids])
+    busy_after, elapsed = _host_busy(), time.monotonic() - started
+
+    def used(pids: list[int]) -> float:
+        return sum(cpu_after[p] - cpu_before[p] for p in pids if p in cpu_before and p in cpu_after)
+
+    workers_cpu, server_cpu, jobs_cpu = used(worker_pids), used([server_pid]), used(job_pids)
+    decoded = after["items_decoded"] - before["items_decoded"]
+    delivered = after["items_delivered"] - before["items_delivered"]
+    reused = after["sharing"]["items_reused"] - before["sharing"]["items_reused"]
+    old = {j["job_id"]: j for j in before["jobs"]}
+    jobs = []
+    for job in after["jobs"]:
+        prior = old.get(job["job_id"])
+        items = job["items_delivered"] - (prior["items_delivered"] if prior else 0)
+        wait = job["stall_total"]["wait_s"] - (prior["stall_total"]["wait_s"] if prior else 0.0)
+        step = job["stall_total"]["step_s"] - (prior["stall_total"]["step_s"] if prior else 0.0)
+        measured = items > 0 and wait + step > 0
+        jobs.append(JobWindow(
+            name=job["name"], job_id=job["job_id"], epoch_items=job["epoch_items"],
+            samples_per_s=items / elapsed,
+            stall=wait / (wait + step) if measured else None,
+            step_s_per_sample=step / items if measured and step > 0 else None,
+        ))
+    cache = after["cache"]
+    item_bytes = cache["items_bytes"] / cache["items"] if cache["items"] else 0
+    source_items = {s["name"]: s["num_items"] for s in after["sources"]}
+    data_items = sum(source_items.get(name, 0) for name in {j["source"] for j in after["jobs"]})
+    first = max(1, delivered - reused)
+    host = HostWindow(
+        cores=float(psutil.cpu_count() or 1),
+        workers=int(after.get("workers", {}).get("configured", 1)),
+        decode_cpu_s=workers_cpu / decoded if decoded else 0.0,
+        decodes_per_delivery=decoded / delivered if delivered else 1.0,
+        fresh_decodes_per_delivery=min(1.0, decoded / first) if decoded else 1.0,
+        server_cpu_per_sample=server_cpu / delivered if delivered else 0.0,
+        jobs_cpu_per_sample=jobs_cpu / delivered if delivered else 0.0,
+        rest_cores=max(0.0, (busy_after - busy_before - workers_cpu - server_cpu - jobs_cpu) / elapsed),
+        cache_bytes=int(cache["capacity_bytes"]),
+        data_bytes=int(item_bytes * data_items),
+    )
+    window = {"interval_s": round(elapsed, 3), "decoded": decoded, "delivered": delivered,
+              "workers_cpu_s": round(workers_cpu, 3), "joaderd_cpu_s": round(server_cpu, 3),
+              "jobs_cpu_s": round(jobs_cpu, 3)}
+    return jobs, host, window
+
+
+def analyze(jobs: list[JobWindow], host: HostWindow, extra_workers: int = 2) -> dict[str, Any]:
+    """The report: per job, measured figures, what-ifs and a recommendation."""
+    worker_counts = sorted({k for k in range(host.workers - 1, host.workers + extra_workers + 1) if k >= 1})
+    caches = [("1/2x", host.cache_bytes // 2), ("2x", host.cache_bytes * 2)]
+    if host.data_bytes > 0:
+        caches.append(("whole dataset", max(host.data_bytes, 1)))
+    by_workers = {k: predict(jobs, host, workers=k) for k in worker_counts}
+    by_cache = [(label, size, predict(jobs, host, cache_bytes=size)) for label, size in caches]
+    now = by_workers.get(host.workers) or predict(jobs, host)
+
+    def figures(prediction: Prediction, job_id: str) -> dict[str, Any]:
+        epoch_s, stall = prediction.epoch_s[job_id], prediction.stall[job_id]
+        return {"samples_per_s": round(prediction.samples_per_s[job_id], 1),
+                "stall": None if stall is None else round(stall, 4),
+                "epoch_s": None if epoch_s is None else round(epoch_s, 2)}
+
+    report_jobs = []
+    for job in jobs:
+        bound = classify(job)
+        entry: dict[str, Any] = {
+            "name": job.name, "job_id": job.job_id, "bound": bound,
+            "measured": {"samples_per_s": round(job.samples_per_s, 1),
+                         "stall": None if job.stall is None else round(job.stall, 4),
+                         "epoch_s": round(job.epoch_items / job.samples_per_s, 2) if job.samples_per_s > 0 else None,
+                         "step_s_per_sample": None if job.step_s_per_sample is None else round(job.step_s_per_sample, 6)},
+            "model_now": figures(now, job.job_id),
+            "workers": [{"workers": k, **figures(p, job.job_id)} for k, p in by_workers.items()],
+            "cache": [{"cache": label, "cache_bytes": size, **figures(p, job.job_id)} for label, size, p in by_cache],
+        }
+        entry["recommendation"] = _recommend(job, bound, host, by_workers, by_cache)
+        report_jobs.append(entry)
+    return {
+        "jobs": report_jobs,
+        "host": {"cores": host.cores, "decode_workers": host.workers,
+                 "decode_cpu_ms_per_item": round(1000 * host.decode_cpu_s, 3),
+                 "decodes_per_delivery": round(host.decodes_per_delivery, 4),
+                 "joaderd_cpu_ms_per_sample": round(1000 * host.server_cpu_per_sample, 4),
+                 "jobs_cpu_ms_per_sample": round(1000 * host.jobs_cpu_per_sample, 4),
+                 "other_cores_busy": round(host.rest_cores, 2),
+                 "cache_bytes": host.cache_bytes, "data_bytes": host.data_bytes,
+                 "limit_now": now.limit, "capacity_samples_per_s": round(now.capacity, 1)},
+        "model": "joader.analysis (docs/analyze.md)",
+    }
+
+
+def _recommend(job: JobWindow, bound: str, host: HostWindow, by_workers: dict[int, Prediction],
+               by_cache: list[tuple[str, int, Prediction]]) -> str:
+    if bound == "unknown":
+        return ("no stall measured: the job reads through DataLoader workers, which cannot see its "
+                "training loop; read with num_workers=0 to have it measured")
+    stall = job.stall or 0.0
+    more = by_workers.get(host.workers + 1)
+    if bound == "compute":
+        fewer = by_workers.get(host.workers - 1)
+        if fewer is not None and (fewer.stall[job.job_id] or 0.0) < 0.05:
+            return (f"compute-bound (stall {stall:.0%}): data keeps up; {host.workers - 1} decode "
+                    f"worker(s) would still keep its stall under 5%, leaving a core to training")
+        return f"compute-bound (stall {stall:.0%}): data keeps up; nothing to change"
+    options = []
+    if more is not None:
+        gain = (more.stall[job.job_id] or 0.0)
+        options.append((gain, f"{host.workers + 1} decode workers (predicted stall {gain:.0%}, "
+                              f"limited by {more.limit})"))
+    for label, size, prediction in by_cache:
+        options.append((prediction.stall[job.job_id] or 0.0,
+                        f"a {label} cache ({format_bytes(size)}, predicted stall "
+                        f"{prediction.stall[job.job_id] or 0.0:.0%} after the first epoch)"))
+    best = min(options, default=None)
+    if best is None or best[0] >= stall - 0.02:
+        return f"prep-bound (stall {stall:.0%}); the host's CPU is the limit: no setting here helps much"
+    return f"prep-bound (stall {stall:.0%}): try {best[1]}"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    host = report["host"]
+    lines = [f"host: {host['cores']:.0f} cores, {host['decode_workers']} decode workers, "
+             f"{host['decode_cpu_ms_per_item']:.2f} ms CPU per decode, {host['decodes_per_delivery']:.2f} "
+             f"decodes per delivery, other processes {host['other_cores_busy']:.2f} cores; "
+             f"limit now: {host['limit_now']}", ""]
+    for job in report["jobs"]:
+        measured = job["measured"]
+        stall = "-" if measured["stall"] is None else f"{measured['stall']:.0%}"
+        lines.append(f"{job['name']}: {job['bound']}-bound, stall {stall}, {measured['samples_per_s']:.0f} samples/s")
+        if job["bound"] != "unknown":
+            lines.append("  what if     decode workers: " + ", ".join(
+                f"{w['workers']}: stall {w['stall']:.0%} epoch {w['epoch_s']:.1f} s" for w in job["workers"]
+                if w["stall"] is not None and w["epoch_s"] is not None))
+            lines.append("              cache: " + ", ".join(
+                f"{c['cache']}: stall {c['stall']:.0%} epoch {c['epoch_s']:.1f} s" for c in job["cache"]
+                if c["stall"] is not None and c["epoch_s"] is not None))
+        lines.append(f"  -> {job['recommendation']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="joader analyze", description=__doc__.split("\n")[0])
+    parser.add_argument("--address", help="joaderd's address (default: $JOADER_ADDRESS or the per-user socket)")
+    parser.add_argument("--interval", type=float, default=5.0, help="seconds to watch (default 5)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    if args.interval <= 0:
+        parser.error("--interval must be > 0")
+    jobs, host, window = measure(args.address, args.interval)
+    report = analyze(jobs, host)
+    report["window"] = window
+    if args.json:
+        print(json.dumps(report, indent=2))
+    elif not jobs:
+        print("no jobs attached: nothing to analyze")
+    else:
+        print(format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
