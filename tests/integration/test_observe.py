@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -22,21 +23,25 @@ def _stalls(server: Any) -> dict[str, float]:
             if j.get("stall") and j["stall"]["fraction"] is not None}
 
 
-def test_top_once_shows_each_job_with_its_stall(demo_root: Path, start_joaderd: Any) -> None:
-    """Two jobs: one whose loop does nothing but read (prep-bound, it waits for decodes) and one
-    with a long step (compute-bound). `joader top --once` lists both, with their stall."""
-    server = start_joaderd({"demo": demo_root}, cache_items=NUM_DEMO_ITEMS // 4)
+def _run_beside_two_jobs(server: Any, command: list[str]) -> subprocess.CompletedProcess[str]:
+    """Runs `joader COMMAND --address ...` while two jobs read: one whose loop does nothing but
+    read (prep-bound: it waits for decodes) and one with a long step (compute-bound)."""
     jobs = [server.job("--epochs", "10000", "--batch-size", "8", "--step-s", step, name=name)
             for name, step in (("prepbound", "0"), ("computebound", "0.25"))]
     try:
         wait_for(lambda: len(_stalls(server)) == 2, 120, "both jobs to report a stall")
-        result = subprocess.run(
-            [sys.executable, "-m", "joader.client.cli", "top", "--once", "--interval", "1",
-             "--address", server.address], capture_output=True, text=True, timeout=60, check=False)
+        return subprocess.run([sys.executable, "-m", "joader.client.cli", *command, "--address", server.address],
+                              capture_output=True, text=True, timeout=90, check=False)
     finally:
         for job in jobs:
             job.terminate()
             finish(job)
+
+
+def test_top_once_shows_each_job_with_its_stall(demo_root: Path, start_joaderd: Any) -> None:
+    """`joader top --once` lists both jobs, with their stall."""
+    server = start_joaderd({"demo": demo_root}, cache_items=NUM_DEMO_ITEMS // 4)
+    result = _run_beside_two_jobs(server, ["top", "--once", "--interval", "1"])
     assert result.returncode == 0, result.stderr
     frame = result.stdout
     assert "STALL" in frame and "decode workers" in frame and "cache" in frame, frame
@@ -104,3 +109,28 @@ def test_metrics_scrape_after_a_known_workload(demo_root: Path, start_joaderd: A
     wait = value("joader_job_wait_seconds_total", job="scraped")
     step = value("joader_job_step_seconds_total", job="scraped")
     assert wait > 0 and step > 0 and wait + step < 60, (wait, step)  # its first items waited for decodes
+
+
+def test_analyze_classifies_a_prep_bound_and_a_compute_bound_job(demo_root: Path, start_joaderd: Any) -> None:
+    """`joader analyze --json`: per job, the measured stall, the bound, what-ifs for decode
+    workers and cache sizes, and a recommendation; the two jobs classified right."""
+    server = start_joaderd({"demo": demo_root}, cache_items=NUM_DEMO_ITEMS // 4)
+    result = _run_beside_two_jobs(server, ["analyze", "--json", "--interval", "3"])
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    jobs = {job["name"]: job for job in report["jobs"]}
+    assert set(jobs) == {"prepbound", "computebound"}, report
+    assert jobs["prepbound"]["bound"] == "prep" and jobs["computebound"]["bound"] == "compute", report
+    assert jobs["prepbound"]["measured"]["stall"] > jobs["computebound"]["measured"]["stall"]
+    for job in jobs.values():
+        assert [w["workers"] for w in job["workers"]] == [1, 2, 3, 4]  # 2 now: one fewer, two more
+        assert [c["cache"] for c in job["cache"]] == ["1/2x", "2x", "whole dataset"]
+        for what_if in job["workers"] + job["cache"]:
+            assert 0.0 <= what_if["stall"] <= 1.0 and what_if["epoch_s"] > 0, what_if
+        assert job["measured"]["samples_per_s"] > 0 and job["recommendation"]
+    assert jobs["prepbound"]["recommendation"].startswith("prep-bound")
+    assert jobs["computebound"]["recommendation"].startswith("compute-bound")
+    # the compute-bound job is predicted to stay so with more workers
+    assert all(w["stall"] < 0.1 for w in jobs["computebound"]["workers"] if w["workers"] >= 2)
+    host = report["host"]
+    assert host["decode_workers"] == 2 and host["decode_cpu_ms_per_item"] > 0 and host["cores"] >= 1

@@ -1,0 +1,73 @@
+"""The data-stall model behind `joader analyze` (joader.analysis)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from joader.analysis import HostWindow, JobWindow, capacity, classify, predict, water_fill
+
+HOST = HostWindow(cores=2.0, workers=1, decode_cpu_s=0.004, decodes_per_delivery=0.5,
+                  fresh_decodes_per_delivery=0.5, server_cpu_per_sample=0.0001, jobs_cpu_per_sample=0.0002,
+                  rest_cores=0.1, cache_bytes=100, data_bytes=400)
+
+
+def job(name: str, rate: float, step: float | None, stall: float | None, items: int = 1000) -> JobWindow:
+    return JobWindow(name, name, items, rate, stall, step)
+
+
+def test_water_filling_serves_small_demands_whole_and_splits_the_rest_evenly() -> None:
+    assert water_fill([10, 20], 100) == [10, 20]
+    assert water_fill([10, 100, 100], 110) == [10, 50, 50]
+    assert sum(water_fill([5, 7, 300], 12.5)) == pytest.approx(12.5)
+
+
+def test_capacity_is_bound_by_the_workers_or_by_the_hosts_free_cores() -> None:
+    # one worker: 1 / (0.5 * 0.004) = 500/s; the cores allow 1.9 / 0.0023 = 826/s
+    assert capacity(HOST, 1, 0.5) == (pytest.approx(500.0), "decode workers")
+    by_cpu, limit = capacity(HOST, 4, 0.5)
+    assert limit == "host CPU" and by_cpu == pytest.approx(1.9 / 0.0023)
+
+
+def test_a_compute_bound_mix_is_predicted_without_stall_and_unchanged_by_workers() -> None:
+    jobs = [job("a", 100, 0.01, 0.01), job("b", 50, 0.02, 0.0)]  # 150/s wanted, 500/s possible
+    for workers in (1, 2, 3):
+        prediction = predict(jobs, HOST, workers=workers)
+        assert prediction.limit == "jobs"
+        assert prediction.samples_per_s == {"a": pytest.approx(100), "b": pytest.approx(50)}
+        assert prediction.stall == {"a": pytest.approx(0.0), "b": pytest.approx(0.0)}
+        assert prediction.epoch_s["a"] == pytest.approx(10.0)
+    assert [classify(j) for j in jobs] == ["compute", "compute"]
+
+
+def test_a_prep_bound_mix_is_calibrated_on_what_was_measured_and_gains_from_a_worker() -> None:
+    # each job wants 1000/s; one worker measured 400/s in total (the model says 500: calibrated)
+    jobs = [job("a", 200, 0.001, 0.8), job("b", 200, 0.001, 0.8)]
+    now = predict(jobs, HOST)
+    assert now.samples_per_s == {"a": pytest.approx(200), "b": pytest.approx(200)}
+    assert now.stall["a"] == pytest.approx(0.8) and now.limit == "decode workers"
+    roomy = dataclasses.replace(HOST, cores=8.0)
+    two = predict(jobs, roomy, workers=2)
+    assert two.samples_per_s["a"] == pytest.approx(400)  # twice the workers, same calibration
+    assert two.stall["a"] == pytest.approx(0.6) and two.limit == "decode workers"
+    # on two cores the second worker shares them with joaderd and the jobs: less than twice
+    tight = predict(jobs, HOST, workers=2)
+    assert tight.limit == "host CPU"
+    assert tight.samples_per_s["a"] == pytest.approx(1.9 / 0.0023 * 0.8 / 2)
+    assert classify(jobs[0]) == "prep"
+
+
+def test_a_larger_cache_means_fewer_decodes_and_a_whole_one_none() -> None:
+    jobs = [job("a", 200, 0.001, 0.8)]
+    half, double, whole = (predict(jobs, HOST, cache_bytes=size) for size in (50, 200, 400))
+    assert half.samples_per_s["a"] < predict(jobs, HOST).samples_per_s["a"] < double.samples_per_s["a"]
+    assert whole.samples_per_s["a"] == pytest.approx(1000)  # nothing to decode: as fast as its step
+    assert whole.stall["a"] == pytest.approx(0.0)
+
+
+def test_a_job_without_a_measured_stall_is_reported_as_is() -> None:
+    jobs = [job("w", 300, None, None), job("a", 100, 0.01, 0.0)]
+    prediction = predict(jobs, HOST, workers=2)
+    assert prediction.samples_per_s["w"] == 300 and prediction.stall["w"] is None
+    assert classify(jobs[0]) == "unknown"
