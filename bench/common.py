@@ -90,7 +90,7 @@ class Server:
     also gives the arena's path and joaderd's pid.
     """
 
-    def __init__(self, root: Path, cache_bytes: int, *, workers: int = 2, extra: Sequence[str] = ()) -> None:
+    def __init__(self, root: Path, cache_bytes: int, *, workers: int | str = 2, extra: Sequence[str] = ()) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="jb-", dir="/tmp"))  # short: sun_path is 108 bytes
         self.log_path = self.dir / "joaderd.log"
         self.status_cpu_s = 0.0
@@ -137,7 +137,7 @@ def simjob_command(name: str, *, address: str | None = None, baseline: Path | No
                    indices: str | None = None, epochs: int = 1, batch_size: int = 32, step_s: float = 0.0,
                    num_workers: int = 0, start_at: float = 0.0, start_delay_s: float = 0.0,
                    record: bool = False, batched: bool = False, threads: int = 1,
-                   decoder: str | None = None, augment: int = 0) -> list[str]:
+                   decoder: str | None = None, augment: int = 0, step_cpu_s: float = 0.0) -> list[str]:
     command = [sys.executable, "-m", "joader.client.simjob", "--name", name, "--epochs", str(epochs),
                "--batch-size", str(batch_size), "--step-s", str(step_s), "--num-workers", str(num_workers),
                "--image-size", str(IMAGE_SIZE), "--threads", str(threads)]
@@ -149,6 +149,8 @@ def simjob_command(name: str, *, address: str | None = None, baseline: Path | No
         command += ["--address", str(address), "--source", "demo"]
     if augment:
         command += ["--augment", str(augment)]
+    if step_cpu_s:
+        command += ["--step-cpu-s", str(step_cpu_s)]
     if indices:
         command += ["--indices", indices]
     if start_at:

@@ -49,7 +49,9 @@ def format_status(status: dict[str, Any]) -> str:
     workers = status.get("workers", {})
     lines = [f"joaderd at {status.get('address', '?')} (pid {status.get('pid', '?')}), "
              f"up {status['uptime_s']:.0f} s, decode workers {workers.get('alive', '?')}/"
-             f"{workers.get('configured', '?')} alive, {workers.get('busy', '?')} busy "
+             f"{workers.get('configured', '?')} alive"
+             + (f" (auto, 1..{workers.get('max', '?')})" if workers.get("mode") == "auto" else "")
+             + f", {workers.get('busy', '?')} busy "
              f"(replaced {workers.get('replaced', 0)}, tasks retried {workers.get('tasks_retried', 0)}, "
              f"timed out {workers.get('tasks_timed_out', 0)})"]
     lines.append("")

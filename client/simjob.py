@@ -189,6 +189,8 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
                 bar.update(len(ids))
             if args.step_s:
                 time.sleep(args.step_s)
+            if args.step_cpu_s:
+                _burn_cpu(args.step_cpu_s)
             waited_from = time.perf_counter()
         if bar is not None:
             bar.close()
@@ -220,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--step-s", type=float, default=0.0, help="emulated GPU time per batch")
+    parser.add_argument("--step-cpu-s", type=float, default=0.0,
+                        help="CPU time per batch on top of --step-s: a training step that needs a core "
+                             "(a CPU model, or a busy input pipeline), e.g. for the adaptive-workers bench")
     parser.add_argument("--start-delay-s", type=float, default=0.0)
     parser.add_argument("--start-file", type=Path,
                         help="start reading once this file exists (after registering)")
@@ -258,6 +263,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(text)
     return 0
+
+
+def _burn_cpu(seconds: float) -> None:
+    """Busy for `seconds` of this thread's CPU time (not wall time: a contended core stretches it)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        sum(range(2000))
 
 
 if __name__ == "__main__":

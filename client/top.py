@@ -92,7 +92,8 @@ def render(now: dict[str, Any], before: dict[str, Any] | None, dt: float, cpu: l
     for name in ("ALIVE", "BUSY", "IMAGES/S", "IN FLIGHT", "FAILED", "REPLACED"):
         pool.add_column(name, justify="right", no_wrap=True)
     pool.add_row(
-        f"{alive}/{workers.get('configured', '?')}",
+        f"{alive}/{workers.get('configured', '?')}"
+        + (f" (auto, 1..{workers.get('max', '?')})" if workers.get("mode") == "auto" else ""),
         _percent(busy_rate / alive if busy_rate is not None and alive else None),
         _number(decoded_rate), str(now["decodes"]["in_flight"]), str(now["decodes"]["failures"]),
         str(workers.get("replaced", 0)),
@@ -119,9 +120,9 @@ def render(now: dict[str, Any], before: dict[str, Any] | None, dt: float, cpu: l
         f"{_number(sharing['cross_epoch_reuse'], 2)} per decode; {now['items_decoded']:,} decoded, "
         f"{now['items_delivered']:,} delivered", style="dim")
     parts: list[Any] = [header, jobs, pool, table, footer]
-    events = now.get("workers", {}).get("events") or []
+    events = now.get("workers", {}).get("resizes") or []
     if events:
-        log = Text("decode pool changes:\n", style="bold")
+        log = Text("decode pool changes (--workers auto):\n", style="bold")
         for event in events[-5:]:
             log.append(f"  {event}\n")
         parts.append(log)

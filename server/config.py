@@ -5,7 +5,7 @@ TOML (`--config FILE`), every key optional, command-line flags win:
     listen = "unix:/run/user/1000/joader/joaderd.sock"   # or "127.0.0.1:7070"
     allow_remote = false       # true: allow a non-loopback TCP listen (no authentication!)
     cache_size = "2GiB"
-    workers = 2                # default: the CPUs this process may run on
+    workers = "auto"           # default: adapt between 1 and the CPUs this process may use; or a fixed count
     lease_s = 10
     lookahead_batches = 4
     image_size = 256           # default S for sources that do not set one
@@ -92,7 +92,9 @@ class ServerConfig:
     sources: tuple[SourceConfig, ...]
     listen: str | None = None  # None: $JOADER_ADDRESS or the per-user socket
     cache_size_bytes: int = parse_size(DEFAULT_CACHE_SIZE)
-    num_workers: int = field(default_factory=default_num_workers)
+    num_workers: int = field(default_factory=lambda: initial_auto_workers())  # at start (fixed unless autoscale)
+    autoscale: bool = True  # --workers auto: the pool adapts (joader.server.autoscale)
+    max_workers: int = field(default_factory=default_num_workers)  # autoscale's upper bound
     lease_s: float = 10.0
     lookahead_batches: int = 4
     seed: int = 0
@@ -114,6 +116,21 @@ Check = Callable[[Any, str, str], Any]
 
 def _fail(where: str, form: str, value: Any, example: str) -> InvalidArgumentError:
     return InvalidArgumentError(f"{where}: expected {form}, got {value!r}; write e.g. {example}")
+
+
+def initial_auto_workers() -> int:
+    """`--workers auto` starts with half the CPUs it may use (at least one) and adapts."""
+    return max(1, (default_num_workers() + 1) // 2)
+
+
+def _workers(value: Any, where: str, example: str) -> int | str:
+    if value == "auto":
+        return "auto"
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if not _is_int(value) or value < 1:
+        raise _fail(where, '"auto" or a positive integer', value, example)
+    return int(value)
 
 
 def _is_int(value: Any) -> bool:
@@ -215,7 +232,7 @@ _KEYS: dict[str, _Key] = {
     "listen": _Key("--listen", _string, '"127.0.0.1:7070"'),
     "allow_remote": _Key("--allow-remote", _bool, "true"),
     "cache_size": _Key("--cache-size", _size, '"2GiB"'),
-    "workers": _Key("--workers", _positive_int, "4"),
+    "workers": _Key("--workers", _workers, '"auto"'),
     "lease_s": _Key("--lease-s", _positive_seconds, "10"),
     "lookahead_batches": _Key("--lookahead-batches", _positive_int, "4"),
     "image_size": _Key("--image-size", _positive_int, "256"),
@@ -269,7 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--allow-remote", action="store_true", default=None,
         help="allow --listen on a non-loopback address; joaderd has NO authentication")
     add("--cache-size", metavar="BYTES", help=f"shared-memory cache (default {DEFAULT_CACHE_SIZE})")
-    add("--workers", type=int, help="decode worker processes (default: CPUs this process may use)")
+    add("--workers", metavar="N|auto",
+        help="decode worker processes: auto (default) starts with half the CPUs this process may "
+             "use and adapts between 1 and all of them, by the jobs' stalls and the host's idle CPU; "
+             "N fixes the count")
     add("--lease-s", type=float, help="drop a job after this long without a request (default 10)")
     add("--lookahead-batches", type=int, help="batches prepared ahead per job (default 4)")
     add("--seed", type=int, help="seed of the jobs that do not give their own (default 0)")
@@ -315,11 +335,17 @@ def load_config(argv: list[str] | None = None) -> ServerConfig:
         sources=_source_configs(sources, defaults),
         listen=settings.get("listen"),
         cache_size_bytes=settings.get("cache_size", parse_size(DEFAULT_CACHE_SIZE)),
-        num_workers=settings.get("workers") or default_num_workers(),
+        **_worker_settings(settings.get("workers", "auto")),
         **{k: settings[k] for k in _PLAIN_FIELDS if k in settings},
     )
     _check_listen(config)
     return config
+
+
+def _worker_settings(workers: int | str) -> dict[str, Any]:
+    if workers == "auto":
+        return {"num_workers": initial_auto_workers(), "autoscale": True, "max_workers": default_num_workers()}
+    return {"num_workers": workers, "autoscale": False, "max_workers": workers}
 
 
 # Settings whose ServerConfig field has the same name as the key.

@@ -38,6 +38,39 @@ Faults, handled in `get_result` (the one consumer thread):
 - a task present at `max_attempts` (2) such deaths or timeouts fails, with the reason.
 - replacements are rate-limited (a crash loop is logged, not fed); with no worker left and none
   to be had, pending tasks fail rather than hang.
+- a dead worker is replaced only while the pool is below its target (`num_workers`), and a
+  worker that was retiring (below) is not replaced at all: replacing keeps the size that was
+  asked for, it never undoes a shrink.
+
+Resizing (`resize`; joaderd's autoscaler calls it every few seconds from a thread of its own,
+while the consumer thread waits in `get_result`):
+
+- the target, `num_workers`, changes at once, so the registry's in-flight limit (`num_workers`
+  times its decodes per worker) follows at once too; every change goes into a short log shown by
+  `stats()` (`joader status`), with the caller's reason.
+- growing first takes back workers still retiring (they are running already: no fork, nothing
+  to warm up), then asks the forker for new ones through the same path as a replacement, under
+  the smallest free indices. Growth does not count against the replacement rate limit: it is a
+  decision, not a crash loop.
+- shrinking retires the surplus: idle workers first (they are stopped at once, nothing can be
+  lost), then the least loaded (they drain soonest), newest first among equals (the one a recent
+  grow added is the one to give back). A retiring worker gets no new task but keeps its socket:
+  the tasks already sent to it (at most `tasks_per_worker`) finish there and their results are
+  delivered as usual. Taking them back would throw away work done, and taking back a task a
+  worker may already be running would run it twice. When its last result has been read, it is
+  sent the stop message, its socket is closed, and the forker reaps it (the exit notice is
+  logged). The stop message is sent only then, not at once behind its queued tasks (which the
+  worker would also finish first), so that a grow while it drains can still take it back.
+- a retiring worker is not a member of the pool: it is not counted as alive, and when it dies or
+  times out its unfinished tasks go back to the queue as for any dead worker (the running one
+  counting an attempt), but it is not replaced.
+- no wake-up of the consumer is needed, so none is sent: `resize` does all its work on the
+  calling thread, under `_lock` (as `submit` already may, forking a replacement when a send
+  finds a worker dead). A new worker's socket is registered in the selector, which epoll watches
+  at once even while the consumer is blocked in it (other selectors see it at the next slice of
+  at most `_SLICE_S`), and `_dispatch` hands it queued tasks before `resize` returns. The one
+  step left to the consumer, stopping a retiring worker after its last result, is triggered by
+  that result, an event the consumer wakes up for anyway.
 """
 
 from __future__ import annotations
@@ -56,6 +89,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import count
 from typing import Any, Self
 
 import numpy as np
@@ -75,6 +109,7 @@ _CLOSE_TIMEOUT_S = 5.0
 _REPLACEMENTS_WINDOW_S = 60.0
 _MAX_REPLACEMENTS_PER_WINDOW = 10
 _PR_SET_PDEATHSIG = 1
+_RESIZE_LOG = 20  # entries of the resize log kept for `stats()`
 
 
 @dataclass(frozen=True)
@@ -108,7 +143,9 @@ class PoolConfig:
 
 @dataclass(frozen=True)
 class PoolStats:
-    """A snapshot for `joader status`."""
+    """A snapshot for `joader status`. Retiring workers (see the module docstring) are counted
+    only in `workers_retiring`: `workers_alive`, `workers_busy` and `worker_pids` are the pool's
+    members, `workers_configured` its target."""
 
     workers_configured: int
     workers_alive: int
@@ -117,6 +154,8 @@ class PoolStats:
     tasks_retried: int
     tasks_timed_out: int
     worker_pids: tuple[int, ...]
+    workers_retiring: int = 0  # finishing the tasks they have, then stopped
+    resizes: tuple[str, ...] = ()  # "21:04:05 workers 2 -> 3 (reason)", the most recent last
 
 
 class _Task:
@@ -136,14 +175,16 @@ class _Task:
 
 
 class _Worker:
-    __slots__ = ("index", "pid", "sock", "started_s", "tasks")
+    __slots__ = ("born", "index", "pid", "retiring", "sock", "started_s", "tasks")
 
-    def __init__(self, index: int, pid: int, sock: socket.socket) -> None:
+    def __init__(self, index: int, pid: int, sock: socket.socket, born: int) -> None:
         self.index = index
         self.pid = pid
         self.sock = sock
+        self.born = born  # the pool's count of workers started before this one: larger is newer
         self.tasks: deque[_Task] = deque()  # sent, unfinished; the head is the one running
         self.started_s = 0.0  # when the head task started
+        self.retiring = False  # gets no new task; stopped once `tasks` is empty
 
 
 class DecodePool:
@@ -166,7 +207,9 @@ class DecodePool:
         self._tasks: dict[int, _Task] = {}  # submitted, no final result taken yet
         self._pending: deque[_Task] = deque()  # not sent to a worker yet
         self._ready: deque[DecodeResult] = deque()
-        self._workers: dict[int, _Worker] = {}  # by worker index 0..num_workers-1
+        self._workers: dict[int, _Worker] = {}  # by worker index; retiring ones too, until stopped
+        self._born = 0  # workers started so far
+        self._resizes: deque[str] = deque(maxlen=_RESIZE_LOG)
         self._selector = selectors.DefaultSelector()
         self._replacements: deque[float] = deque()
         self._replaced = 0
@@ -220,6 +263,33 @@ class DecodePool:
             self._pending.append(task)
             self._dispatch()
 
+    def resize(self, n: int, reason: str = "") -> None:
+        """Sets the number of workers to `n` (at least 1), while the pool serves.
+
+        Safe from any thread, also while another one waits in `get_result`. `num_workers` is `n`
+        when this returns; new workers have started (unless the forker fails, which is logged),
+        surplus idle ones have stopped, and surplus busy ones are retiring: they finish the tasks
+        they have, then stop. `reason` goes into the log line and `stats().resizes`. See the
+        module docstring for why it works this way.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidArgumentError(f"decode pool: the number of workers must be a whole number of at least 1, got {n!r}")
+        with self._lock:
+            if self._closed:
+                raise JoaderError("decode pool is closed")
+            old = self.num_workers
+            if n == old:
+                return
+            self.num_workers = n
+            change = f"workers {old} -> {n}" + (f" ({reason})" if reason else "")
+            self._resizes.append(f"{time.strftime('%H:%M:%S')} {change}")
+            logger.info("decode pool: %s", change)
+            if n > old:
+                self._fill(replacing=False)
+            else:
+                self._retire_surplus()
+            self._dispatch()
+
     def get_result(self, timeout_s: float | None) -> DecodeResult | None:
         """The next final result, or None after `timeout_s` (None: wait indefinitely)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -248,7 +318,7 @@ class DecodePool:
 
     def stats(self) -> PoolStats:
         with self._lock:
-            workers = list(self._workers.values())
+            workers = self._members()
             return PoolStats(
                 workers_configured=self.num_workers,
                 workers_alive=len(workers),
@@ -257,6 +327,8 @@ class DecodePool:
                 tasks_retried=self._retried,
                 tasks_timed_out=self._timed_out,
                 worker_pids=tuple(w.pid for w in workers),
+                workers_retiring=len(self._workers) - len(workers),
+                resizes=tuple(self._resizes),
             )
 
     @property
@@ -307,11 +379,18 @@ class DecodePool:
     def _path(self, task: _Task) -> str:
         return str(self._sources[task.source_index].source.paths[task.item_id])
 
+    def _members(self) -> list[_Worker]:
+        """The live workers that are not retiring: the ones that get tasks."""
+        return [w for w in self._workers.values() if not w.retiring]
+
     def _dispatch(self) -> None:
-        """Send pending tasks to the least loaded live workers."""
+        """Send pending tasks to the least loaded live workers (never to a retiring one)."""
         limit = self.config.tasks_per_worker
-        while self._pending and self._workers:
-            worker = min(self._workers.values(), key=lambda w: len(w.tasks))
+        while self._pending:
+            members = self._members()
+            if not members:
+                break
+            worker = min(members, key=lambda w: len(w.tasks))
             if len(worker.tasks) >= limit:
                 return
             task = self._pending.popleft()
@@ -324,7 +403,7 @@ class DecodePool:
             if not worker.tasks:
                 worker.started_s = time.monotonic()
             worker.tasks.append(task)
-        if self._pending and not self._workers:
+        if self._pending and not self._members():
             self._fail_all("no decode worker is left and none could be started (see joaderd's log)")
 
     def _read_worker(self, worker: _Worker) -> None:
@@ -341,6 +420,8 @@ class DecodePool:
             worker.tasks.popleft()
         worker.started_s = time.monotonic()  # the next queued task starts now
         self._ready.append(result)
+        if worker.retiring and not worker.tasks:
+            self._stop(worker)
         self._dispatch()
 
     def _read_control(self) -> None:
@@ -362,8 +443,9 @@ class DecodePool:
                 task = worker.tasks[0]
                 self._timed_out += 1
                 logger.error(
-                    "decode pool: worker pid %d spent more than %g s (--decode-timeout-s) on %s; "
-                    "killing and replacing it", worker.pid, limit, display_path(self._path(task)),
+                    "decode pool: %sworker pid %d spent more than %g s (--decode-timeout-s) on %s; "
+                    "killing it", "retiring " if worker.retiring else "", worker.pid, limit,
+                    display_path(self._path(task)),
                 )
                 try:
                     os.kill(worker.pid, signal.SIGKILL)
@@ -375,8 +457,9 @@ class DecodePool:
                 ))
 
     def _worker_died(self, worker: _Worker, how: str, *, failure: str | None = None) -> None:
-        """Replaces `worker`; its running task is retried, or failed (with `failure` as the
-        reason if given) once it was present at `max_attempts` deaths."""
+        """Replaces `worker` if the pool is below its target (never a retiring one); its running
+        task is retried, or failed (with `failure` as the reason if given) once it was present at
+        `max_attempts` deaths; its queued tasks go back to the queue."""
         if self._workers.get(worker.index) is not worker:
             return
         del self._workers[worker.index]
@@ -386,7 +469,8 @@ class DecodePool:
             pass
         worker.sock.close()
         if failure is None:
-            logger.error("decode pool: worker pid %d died (%s); replacing it", worker.pid, how)
+            logger.error("decode pool: %sworker pid %d died (%s)",
+                         "retiring " if worker.retiring else "", worker.pid, how)
         tasks = list(worker.tasks)
         if tasks:
             running = tasks[0]
@@ -402,10 +486,33 @@ class DecodePool:
                 self._retried += 1
             self._pending.extendleft(reversed(tasks))  # first in line, in their order
         if not self._closed:
-            self._replace(worker.index)
+            self._fill(replacing=True)  # a no-op if it was retiring: the pool is at its target
         self._dispatch()
 
-    def _replace(self, index: int) -> None:
+    def _fill(self, *, replacing: bool) -> None:
+        """Brings the members up to `num_workers`: takes back retiring workers first (oldest
+        first), then starts new ones; rate-limited when `replacing` dead ones."""
+        while len(self._members()) < self.num_workers:
+            retiring = [w for w in self._workers.values() if w.retiring]
+            if retiring:
+                worker = min(retiring, key=lambda w: w.born)
+                worker.retiring = False
+                logger.info("decode pool: worker %d (pid %d) kept, no longer retiring", worker.index, worker.pid)
+                continue
+            if replacing and not self._may_replace():
+                return
+            try:
+                self._spawn(next(i for i in count() if i not in self._workers))
+            except OSError as error:
+                logger.critical("decode pool: cannot start a%s worker: %s",
+                                " replacement" if replacing else "", error)
+                return
+            if replacing:
+                self._replacements.append(time.monotonic())
+                self._replaced += 1
+
+    def _may_replace(self) -> bool:
+        """False (logged) once `_MAX_REPLACEMENTS_PER_WINDOW` replacements were started recently."""
         now = time.monotonic()
         while self._replacements and now - self._replacements[0] > _REPLACEMENTS_WINDOW_S:
             self._replacements.popleft()
@@ -413,16 +520,39 @@ class DecodePool:
             logger.critical(
                 "decode pool: %d workers replaced within %g s; not replacing more (a crash loop?). "
                 "%d of %d workers left", len(self._replacements), _REPLACEMENTS_WINDOW_S,
-                len(self._workers), self.num_workers,
+                len(self._members()), self.num_workers,
             )
+            return False
+        return True
+
+    def _retire_surplus(self) -> None:
+        """Retires the members beyond `num_workers`: idle ones first (and stops them at once),
+        then the least loaded, newest first among equals."""
+        members = self._members()
+        surplus = len(members) - self.num_workers
+        if surplus <= 0:
             return
+        for worker in sorted(members, key=lambda w: (len(w.tasks), -w.born))[:surplus]:
+            worker.retiring = True
+            if worker.tasks:
+                logger.info("decode pool: worker %d (pid %d) retiring after its %d task(s)",
+                            worker.index, worker.pid, len(worker.tasks))
+            else:
+                self._stop(worker)
+
+    def _stop(self, worker: _Worker) -> None:
+        """Stops a retiring worker that has no task left; the forker reaps it."""
+        del self._workers[worker.index]
         try:
-            self._spawn(index)
-        except OSError as error:
-            logger.critical("decode pool: cannot start a replacement worker: %s", error)
-            return
-        self._replacements.append(now)
-        self._replaced += 1
+            self._selector.unregister(worker.sock)
+        except (KeyError, ValueError):
+            pass
+        try:
+            worker.sock.send(pickle.dumps(None))  # it exits on this, or on the EOF just after
+        except OSError:
+            pass  # already gone
+        worker.sock.close()
+        logger.info("decode pool: worker %d (pid %d) retired", worker.index, worker.pid)
 
     def _spawn(self, index: int) -> None:
         """Asks the forker for a worker, waiting for its reply (exit notices may come first)."""
@@ -440,7 +570,8 @@ class DecodePool:
                 _log_exit(data)
                 continue
             sock = socket.socket(fileno=fds[0])
-            worker = _Worker(index, pid, sock)
+            worker = _Worker(index, pid, sock, self._born)
+            self._born += 1
             self._workers[index] = worker
             self._selector.register(sock, selectors.EVENT_READ, worker)
             logger.info("decode pool: worker %d started (pid %d)", index, pid)

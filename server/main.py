@@ -24,14 +24,18 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+import psutil
 
 from joader.address import is_loopback, prepare_server_socket, resolve_address, socket_path
 from joader.cache.arena import Arena, format_size, remove_stale_arenas
 from joader.errors import JoaderError
 from joader.launch import write_ready_file
+from joader.server.autoscale import AutoscaleConfig, Autoscaler, PeriodMeter
 from joader.server.config import ServerConfig, load_config
 from joader.server.decode_pool import DecodePool, PoolConfig, SourceSpec
 from joader.server.metrics import serve_metrics
@@ -202,10 +206,16 @@ async def _serve(
                 "tasks_retried": stats.tasks_retried,
                 "tasks_timed_out": stats.tasks_timed_out,
                 "pids": list(stats.worker_pids),
+                "mode": "auto" if config.autoscale else "fixed",
+                "max": config.max_workers,
+                "resizes": list(stats.resizes),
             },
             "pid": os.getpid(),
         }
 
+    if config.autoscale:
+        supervisor.spawn("joaderd-autoscale",
+                         lambda: _autoscale(pool, lambda: registry.status(extra_status()), config, stopping))
     servicer = JoaderServicer(registry, str(arena.path), extra_status)
     server, port = await start_server(servicer, address, receive_limit_bytes(source_sizes))
     metrics_server = None
@@ -257,6 +267,19 @@ def _forward_results(pool: DecodePool, registry: Registry, stop: threading.Event
         if result is not None:
             registry.file_result(result.task_id, result.ok, result.error, result.decode_s,
                                  shape=result.shape, dtype=result.dtype, nbytes=result.nbytes)
+
+
+def _autoscale(pool: DecodePool, status: Callable[[], dict[str, Any]], config: ServerConfig,
+               stop: threading.Event) -> None:
+    """`--workers auto`: every period, measure (joader.server.autoscale) and resize the pool."""
+    scaler = Autoscaler(AutoscaleConfig(min_workers=1, max_workers=config.max_workers), workers=pool.num_workers)
+    meter = PeriodMeter()
+    while not stop.wait(scaler.config.period_s):
+        now = time.monotonic()
+        period = meter.measure(now, psutil.cpu_times().idle, status())
+        decision = scaler.decide(now, period) if period is not None else None
+        if decision is not None:
+            pool.resize(decision[0], reason=decision[1])
 
 
 def _inject_fault(registry: Registry, where: str) -> None:

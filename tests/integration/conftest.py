@@ -50,7 +50,7 @@ class Joaderd:
     """
 
     def __init__(self, sources: dict[str, Path], cache_items: int, *, lease_s: float = 3.0,
-                 workers: int = 2, listen: str | None = None, extra: Sequence[str] = (),
+                 workers: int | str = 2, listen: str | None = None, extra: Sequence[str] = (),
                  env: dict[str, str] | None = None) -> None:
         # What `start_joaderd.restart(server)` needs to start the same server again.
         self.options: dict[str, Any] = {"sources": dict(sources), "cache_items": cache_items,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -134,3 +135,32 @@ def test_analyze_classifies_a_prep_bound_and_a_compute_bound_job(demo_root: Path
     assert all(w["stall"] < 0.1 for w in jobs["computebound"]["workers"] if w["workers"] >= 2)
     host = report["host"]
     assert host["decode_workers"] == 2 and host["decode_cpu_ms_per_item"] > 0 and host["cores"] >= 1
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--workers auto needs two CPUs to grow")
+def test_workers_auto_grows_for_a_stalling_job_and_shrinks_when_it_is_gone(demo_root: Path, start_joaderd: Any) -> None:
+    """`--workers auto` on two CPUs starts with one decode worker. A job that only reads waits
+    for every decode while that worker is busy and a core is idle: the pool grows to two; once
+    the job has gone, an idle pool shrinks back to one. Each change is logged with its reason,
+    and `joader top` shows it."""
+    # Pillow decodes the full 500x375 JPEG (turbo's DCT scaling makes 64 px items nearly free,
+    # and then the worker is not the bottleneck, and rightly not grown)
+    server = start_joaderd({"demo": demo_root}, cache_items=NUM_DEMO_ITEMS // 4, workers="auto",
+                           extra=("--decoder", "pil"))
+    assert server.status()["workers"]["configured"] == 1
+    job = server.job("--epochs", "10000", "--batch-size", "8", name="greedy")
+    try:
+        grown = wait_for(lambda: (s := server.status())["workers"]["configured"] == 2 and s, 90,
+                         "the pool to grow to two workers")
+        wait_for(lambda: server.status()["workers"]["alive"] == 2, 30, "the second worker to start")
+        assert any("waits" in line and "1 -> 2" in line for line in grown["workers"]["resizes"]), grown["workers"]
+        frame = subprocess.run([sys.executable, "-m", "joader.client.cli", "top", "--once", "--address",
+                                server.address], capture_output=True, text=True, timeout=60, check=False).stdout
+        assert "decode pool changes" in frame and "1 -> 2" in frame, frame
+    finally:
+        job.terminate()
+        finish(job)
+    shrunk = wait_for(lambda: (s := server.status())["workers"]["configured"] == 1 and s, 60,
+                      "the idle pool to shrink to one worker")
+    assert "no job is reading" in shrunk["workers"]["resizes"][-1], shrunk["workers"]
+    wait_for(lambda: server.status()["workers"]["alive"] == 1, 30, "the retired worker to exit")

@@ -72,7 +72,7 @@ def test_every_toml_key(tmp_path: Path) -> None:
     config = load_config(["--config", path])
     assert config == ServerConfig(
         sources=(SourceConfig("a", tmp_path, 64),), listen="[::]:7070", cache_size_bytes=4096,
-        num_workers=2, lease_s=3.0, lookahead_batches=2, seed=5, log_level="WARNING",
+        num_workers=2, autoscale=False, max_workers=2, lease_s=3.0, lookahead_batches=2, seed=5, log_level="WARNING",
         allow_remote=True, ready_file=Path("/tmp/r.json"), retry_failed_s=1.5,
         decode_timeout_s=9.0, max_jobs=3,
     )
@@ -98,7 +98,7 @@ def test_unknown_toml_keys_name_the_closest_valid_key(tmp_path: Path, text: str,
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ('workers = "many"', "workers in .*: expected a positive integer, got 'many'; write e.g. workers = 4"),
+        ('workers = "many"', "workers in .*: expected \"auto\" or a positive integer, got 'many'; write e.g. workers = \"auto\""),
         ("workers = true", "workers in .*positive integer, got True"),
         ("workers = 1.5", "workers in .*positive integer"),
         ("workers = -2", "workers in .*positive integer, got -2"),
@@ -147,7 +147,7 @@ def test_unreadable_config_file(tmp_path: Path) -> None:
         (["--source", "x=/d", "--image-size", "y=10"], "no source named 'y'"),
         (["--source", "x=/d", "--image-size", "0"], "positive integer"),
         (["--source", "x=/d", "--image-size", "big"], "--image-size: expected a positive integer, got 'big'"),
-        (["--source", "x=/d", "--workers", "0"], "--workers: expected a positive integer, got 0; write e.g. --workers 4"),
+        (["--source", "x=/d", "--workers", "0"], "--workers: expected \"auto\" or a positive integer, got 0; write e.g. --workers auto"),
         (["--source", "x=/d", "--lease-s", "0"], "positive"),
         (["--source", "x=/d", "--lease-s", "nan"], "--lease-s: expected a positive number of seconds"),
         (["--source", "x=/d", "--cache-size", "huge"], "--cache-size: cannot read the size"),
@@ -219,3 +219,16 @@ def test_metrics_are_off_by_default_and_loopback_unless_allowed(tmp_path: Path) 
         load_config([*source, "--metrics-listen", "unix:/tmp/m.sock"])
     path = write_toml(tmp_path, 'metrics_listen = "localhost:9400"\n')
     assert load_config(["--config", path, *source]).metrics_listen == "localhost:9400"
+
+
+def test_workers_auto_is_the_default_and_adapts_up_to_the_cpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config_module.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    source = ["--source", f"a={tmp_path}"]
+    config = load_config(source)
+    assert (config.autoscale, config.num_workers, config.max_workers) == (True, 2, 4)
+    assert load_config([*source, "--workers", "auto"]) == config
+    fixed = load_config([*source, "--workers", "3"])
+    assert (fixed.autoscale, fixed.num_workers, fixed.max_workers) == (False, 3, 3)
+    path = write_toml(tmp_path, 'workers = "auto"\n')
+    assert load_config(["--config", path, *source]).autoscale
+

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -11,7 +14,7 @@ import numpy as np
 import pytest
 
 from joader.cache.arena import Arena
-from joader.errors import InvalidArgumentError
+from joader.errors import InvalidArgumentError, JoaderError
 from joader.server.decode_pool import DecodePool, DecodeResult, PoolConfig, SourceSpec
 from joader.sources.demo import corrupt_jpeg, make_demo_data
 from joader.sources.imagefolder import SourceListing, list_image_folder
@@ -299,3 +302,263 @@ def test_any_dtype_is_written_and_a_stage_breaking_its_spec_fails_the_item(listi
         assert results[0].ok and results[0].shape == (2, 4) and results[0].dtype == "float32"
         assert np.array_equal(arena.array(0, (2, 4), np.float32), np.full((2, 4), len(listing.read(0)), np.float32))
         assert not results[1].ok and "not its declared (2, 4)" in results[1].error
+
+
+# ----------------------------------------------------------------------------- resizing
+
+
+def _state(pid: int) -> str:
+    """The process state letter from /proc ("T" stopped, "Z" zombie), "" once it is reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
+def _halt(*pids: int) -> None:
+    """SIGSTOPs workers and waits until they are stopped, so that tasks sent next stay queued."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    _wait(lambda: all(_state(pid) in ("T", "t") for pid in pids), "the workers to stop")
+
+
+def _resume(*pids: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+def _forker_children(pool: DecodePool) -> set[int]:
+    """The live workers, retiring or not, as the kernel sees them (the forker's children)."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pool._forker_pid and fields[0] != "Z":
+                pids.add(int(entry))
+    return pids
+
+
+def _collect_once(pool: DecodePool, count: int, timeout_s: float = 60) -> dict[int, DecodeResult]:
+    """`count` results, failing on a second result for any task."""
+    results: dict[int, DecodeResult] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(results) < count and time.monotonic() < deadline:
+        result = pool.get_result(timeout_s=0.5)
+        if result is not None:
+            assert result.task_id not in results, f"a second result for task {result.task_id}"
+            results[result.task_id] = result
+    assert len(results) == count, f"only {len(results)} of {count} results before the deadline"
+    return results
+
+
+def _check_all_ok(arena: Arena, listing: SourceListing, results: dict[int, DecodeResult]) -> None:
+    """Task i prepared item i % 5 (all good files) into the i-th range of the arena."""
+    for task_id, result in results.items():
+        assert result.ok, result.error
+        assert np.array_equal(view(arena, task_id), prepare(listing, task_id % 5))
+
+
+def _in_thread(action: object) -> tuple[threading.Thread, list[BaseException]]:
+    """Runs `action` on a thread of its own (as joaderd's autoscaler calls `resize`), keeping
+    what it raises for the test to re-raise."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            action()  # type: ignore[operator]
+        except BaseException as error:  # handed to the test
+            errors.append(error)
+
+    thread = threading.Thread(target=run, name="test-resize")
+    thread.start()
+    return thread, errors
+
+
+def test_grow_while_the_consumer_waits_takes_effect_at_once(listing: SourceListing) -> None:
+    before = _children()
+    spec = spec_of(listing)
+    with Arena.create(12 * NBYTES, NBYTES) as arena, _pool(arena, spec, num_workers=1) as pool:
+        (first,) = pool.worker_pids
+        _halt(first)  # it holds the two tasks sent to it; the other ten wait in the pool
+        try:
+            for task_id in range(12):
+                _submit(pool, task_id, task_id % 5, task_id)
+            assert pool.stats().workers_busy == 1
+
+            def grow() -> None:
+                time.sleep(0.3)  # the consumer (this test's main thread) is inside get_result by now
+                pool.resize(3, "grow test")
+
+            thread, errors = _in_thread(grow)
+            # Results can only come from the new workers while the first one is stopped.
+            results = _collect_once(pool, 10)
+            thread.join(30)
+            assert not errors and not thread.is_alive()
+            stats = pool.stats()
+            assert stats.workers_configured == 3 and stats.workers_alive == 3 and pool.num_workers == 3
+            assert first in stats.worker_pids and len(set(stats.worker_pids)) == 3
+        finally:
+            _resume(first)
+        results |= _collect_once(pool, 2)
+        assert sorted(results) == list(range(12)) and pool.in_flight == 0
+        _check_all_ok(arena, listing, results)
+        stats = pool.stats()
+        assert stats.workers_alive == 3 and stats.workers_replaced == 0 and stats.tasks_retried == 0
+        assert _forker_children(pool) == set(stats.worker_pids)
+        assert len(_children() - before) == 1  # still only the forker: joaderd itself never forks
+        assert stats.resizes[-1].endswith("workers 1 -> 3 (grow test)")
+
+
+def test_shrink_drains_retiring_workers_and_loses_nothing(listing: SourceListing) -> None:
+    spec = spec_of(listing)
+    with Arena.create(15 * NBYTES, NBYTES) as arena, _pool(arena, spec, num_workers=3) as pool:
+        pids = pool.worker_pids
+        _halt(*pids)  # two tasks sent to each and held there; nine more queued in the pool
+        try:
+            for task_id in range(15):
+                _submit(pool, task_id, task_id % 5, task_id)
+            assert pool.stats().workers_busy == 3
+            after_resize = []
+
+            def shrink() -> None:
+                time.sleep(0.3)  # while the main thread waits in get_result
+                pool.resize(1, "shrink test")
+                after_resize.append(pool.stats())
+                _resume(*pids)
+
+            thread, errors = _in_thread(shrink)
+            results = _collect_once(pool, 15)
+            thread.join(30)
+            assert not errors and not thread.is_alive()
+        finally:
+            _resume(*pids)
+        (stats,) = after_resize
+        # At once: the target is 1, two (busy) workers retire, the oldest keeps serving.
+        assert stats.workers_configured == 1 and stats.workers_alive == 1 and stats.workers_retiring == 2
+        assert stats.worker_pids == (pids[0],) and pool.num_workers == 1
+        retired = set(pids) - {pids[0]}
+        # Every task exactly once, none failed or retried: the retiring workers finished theirs.
+        assert sorted(results) == list(range(15)) and pool.in_flight == 0
+        _check_all_ok(arena, listing, results)
+        assert pool.get_result(timeout_s=0.5) is None
+        _wait(lambda: not any(_state(pid) for pid in retired), "the retired workers to be reaped")
+        stats = pool.stats()
+        assert stats.workers_configured == 1 and stats.workers_alive == 1 and stats.workers_retiring == 0
+        assert stats.tasks_retried == 0 and stats.tasks_timed_out == 0 and stats.workers_replaced == 0
+        assert _forker_children(pool) == {pids[0]}
+        assert stats.resizes[-1].endswith("workers 3 -> 1 (shrink test)")
+
+
+def test_shrink_stops_idle_workers_at_once_newest_first(listing: SourceListing) -> None:
+    spec = spec_of(listing)
+    with Arena.create(4 * NBYTES, NBYTES) as arena, _pool(arena, spec, num_workers=3) as pool:
+        pids = pool.worker_pids
+        pool.resize(2)
+        assert pool.worker_pids == pids[:2]
+        assert pool.stats().workers_retiring == 0  # idle: stopped, not draining
+        _wait(lambda: not _state(pids[2]), "the retired worker to be reaped")
+        for task_id in range(4):
+            _submit(pool, task_id, task_id, task_id)
+        _check_all_ok(arena, listing, _collect_once(pool, 4))
+
+
+def test_a_grow_takes_back_retiring_workers_before_forking(listing: SourceListing) -> None:
+    spec = spec_of(listing)
+    with Arena.create(6 * NBYTES, NBYTES) as arena, _pool(arena, spec, num_workers=3) as pool:
+        pids = pool.worker_pids
+        _halt(*pids)
+        try:
+            for task_id in range(6):
+                _submit(pool, task_id, task_id % 5, task_id)
+            pool.resize(1, "down")
+            assert pool.stats().workers_retiring == 2
+            pool.resize(3, "up again")
+            stats = pool.stats()
+            assert stats.worker_pids == tuple(pids) and stats.workers_retiring == 0
+        finally:
+            _resume(*pids)
+        results = _collect_once(pool, 6)
+        _check_all_ok(arena, listing, results)
+        assert pool.worker_pids == pids and _forker_children(pool) == set(pids)
+
+
+def test_after_a_shrink_a_dead_worker_is_replaced_up_to_the_target(listing: SourceListing) -> None:
+    spec = spec_of(listing)
+    with Arena.create(4 * NBYTES, NBYTES) as arena, _pool(arena, spec, num_workers=3) as pool:
+        pids = pool.worker_pids
+        pool.resize(2, "fewer")
+        victim = pool.worker_pids[0]
+        os.kill(victim, 9)
+
+        def replaced() -> bool:
+            pool.get_result(timeout_s=0.1)  # the consumer notices the death and replaces it
+            return pool.stats().workers_replaced == 1
+
+        _wait(replaced, "a replacement")
+        for _ in range(5):  # and no more than one, however long the consumer runs
+            pool.get_result(timeout_s=0.1)
+        stats = pool.stats()
+        assert stats.workers_alive == 2 and stats.workers_configured == 2 and stats.workers_replaced == 1
+        assert victim not in stats.worker_pids and pids[2] not in stats.worker_pids
+        _wait(lambda: _forker_children(pool) == set(pool.worker_pids), "the dead and the retired to be reaped")
+        for task_id in range(4):
+            _submit(pool, task_id, task_id, task_id)
+        _check_all_ok(arena, listing, _collect_once(pool, 4))
+
+
+def test_a_worker_dying_while_retiring_is_not_replaced_and_its_tasks_run_elsewhere(
+    listing: SourceListing,
+) -> None:
+    spec = spec_of(listing)
+    with Arena.create(4 * NBYTES, NBYTES) as arena, _pool(arena, spec, num_workers=2) as pool:
+        pids = pool.worker_pids
+        _halt(*pids)
+        try:
+            for task_id in range(4):  # two held by each worker
+                _submit(pool, task_id, task_id, task_id)
+            pool.resize(1, "one less")
+            assert pool.worker_pids == pids[:1] and pool.stats().workers_retiring == 1
+            os.kill(pids[1], 9)  # the retiring one, with its two tasks unfinished
+            _resume(pids[0])
+            results = _collect_once(pool, 4)
+        finally:
+            _resume(*pids)
+        _check_all_ok(arena, listing, results)
+        stats = pool.stats()
+        assert stats.workers_alive == 1 and stats.workers_retiring == 0 and stats.workers_replaced == 0
+        assert stats.tasks_retried == 1  # the one it was running; the queued one just moved
+        _wait(lambda: _forker_children(pool) == {pids[0]}, "the dead worker to be reaped")
+
+
+def test_resize_validates_and_logs_every_change(listing: SourceListing, caplog: pytest.LogCaptureFixture) -> None:
+    spec = spec_of(listing)
+    with Arena.create(2 * NBYTES, NBYTES) as arena:
+        with _pool(arena, spec, num_workers=1) as pool:
+            for bad in (0, -1):
+                with pytest.raises(ValueError, match="at least 1"):
+                    pool.resize(bad)
+            with caplog.at_level(logging.INFO, logger="joader.server.decode_pool"):
+                pool.resize(2, "more")
+                pool.resize(2, "the same")  # not a change: not logged
+                pool.resize(1)
+            assert len(pool.stats().resizes) == 2
+            first, second = pool.stats().resizes
+            assert re.fullmatch(r"\d\d:\d\d:\d\d workers 1 -> 2 \(more\)", first), first
+            assert re.fullmatch(r"\d\d:\d\d:\d\d workers 2 -> 1", second), second
+            assert "workers 1 -> 2 (more)" in caplog.text and "the same" not in caplog.text
+            for i in range(24):  # the log keeps the most recent 20
+                pool.resize(2 if i % 2 == 0 else 1, f"step {i}")
+            resizes = pool.stats().resizes
+            assert len(resizes) == 20 and resizes[-1].endswith("workers 2 -> 1 (step 23)")
+            assert resizes[0].endswith("(step 4)")
+            assert pool.stats().workers_alive == 1 and pool.stats().workers_replaced == 0
+        with pytest.raises(JoaderError, match="closed"):
+            pool.resize(2)

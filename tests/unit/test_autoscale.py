@@ -1,0 +1,65 @@
+"""The adaptive decode pool's controller (joader.server.autoscale), with an injected clock."""
+
+from __future__ import annotations
+
+from joader.server.autoscale import AutoscaleConfig, Autoscaler, Period
+
+CONFIG = AutoscaleConfig(min_workers=1, max_workers=4, period_s=2.0, patience=2, cooldown_s=6.0)
+
+
+def period(workers: int, busy: float, idle: float, stalls: tuple[float, ...] = (), reading: int = 1,
+           server_waits: tuple[float, ...] = ()) -> Period:
+    return Period(2.0, workers, busy * 2.0 * workers, idle, reading, stalls, server_waits)
+
+
+def run(scaler: Autoscaler, periods: list[Period], start_s: float = 0.0) -> list[tuple[float, int]]:
+    """Feeds one period every 2 s; the changes, as (time, new size)."""
+    changes = []
+    for i, p in enumerate(periods):
+        now = start_s + 2.0 * (i + 1)
+        decision = scaler.decide(now, Period(p.duration_s, scaler.workers, p.busy_s / p.workers * scaler.workers,
+                                             p.idle_cores, p.jobs_reading, p.stalls, p.server_waits))
+        if decision is not None:
+            changes.append((now, decision[0]))
+    return changes
+
+
+def test_a_stalling_job_with_busy_workers_and_idle_cores_grows_the_pool_after_patience() -> None:
+    scaler = Autoscaler(CONFIG, workers=1)
+    assert scaler.decide(2.0, period(1, 0.95, 1.0, (0.5,))) is None  # once is not yet a trend
+    new, reason = scaler.decide(4.0, period(1, 0.95, 1.0, (0.5,))) or (0, "")
+    assert new == 2 and "waits 50%" in reason
+
+
+def test_growth_waits_for_the_cooldown_and_stops_at_the_bound() -> None:
+    scaler = Autoscaler(CONFIG, workers=1)
+    stalling = [period(1, 0.95, 1.5, (0.6,))] * 20
+    assert run(scaler, stalling) == [(4.0, 2), (10.0, 3), (16.0, 4)]  # cooldown 6 s, max 4
+
+
+def test_no_growth_without_idle_cores_or_when_the_workers_are_not_the_bottleneck() -> None:
+    assert run(Autoscaler(CONFIG, workers=1), [period(1, 0.95, 0.2, (0.6,))] * 6) == []  # host full
+    assert run(Autoscaler(CONFIG, workers=1), [period(1, 0.40, 1.5, (0.6,))] * 6) == []  # workers idle
+
+
+def test_jobs_read_through_dataloader_workers_count_by_their_waits_in_joaderd() -> None:
+    changes = run(Autoscaler(CONFIG, workers=1), [period(1, 0.9, 1.0, (), server_waits=(0.7,))] * 2)
+    assert changes == [(4.0, 2)]
+
+
+def test_compute_bound_jobs_shrink_the_pool_while_the_rest_would_keep_up() -> None:
+    scaler = Autoscaler(CONFIG, workers=3)
+    # 3 workers 30% busy: 2 would be 45% busy (<= 60%): shrink; then 2 at 45%: 1 would be 90%: stay
+    changes = run(scaler, [period(3, 0.30, 0.5, (0.01, 0.02))] * 4 + [period(2, 0.45, 0.5, (0.01,))] * 10)
+    assert changes == [(4.0, 2)] and scaler.workers == 2
+
+
+def test_an_idle_server_shrinks_to_the_minimum_and_a_flapping_signal_changes_nothing() -> None:
+    assert run(Autoscaler(CONFIG, workers=3), [period(3, 0.0, 2.0, reading=0)] * 12) == [(4.0, 2), (10.0, 1)]
+    flapping = [period(2, 0.95, 1.0, (0.6,)), period(2, 0.1, 1.0, (0.0,))] * 6
+    assert run(Autoscaler(CONFIG, workers=2), flapping) == []
+
+
+def test_the_bounds_hold() -> None:
+    assert run(Autoscaler(CONFIG, workers=4), [period(4, 0.99, 3.0, (0.9,))] * 6) == []
+    assert run(Autoscaler(CONFIG, workers=1), [period(1, 0.01, 1.0, (0.0,))] * 6) == []
