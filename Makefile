@@ -31,13 +31,15 @@ test-fast: venv
 demo: venv
 	$(PY) -m joader.client.demo --data $(DEMO_DIR) --items $(DEMO_ITEMS)
 
-# Quick: a few minutes, fewer repetitions and sizes. Full: about 35 minutes.
+# Quick: a few minutes, fewer repetitions and sizes. Full: about an hour.
 bench: venv
 	$(PY) bench/sampler.py --quick
 	$(PY) bench/multi_job.py --quick
 	$(PY) bench/async_jobs.py --quick
 	$(PY) bench/delivery.py --quick
 	$(PY) bench/identical_jobs.py --reps 1
+	$(PY) bench/analyze.py --quick
+	$(PY) bench/autoscale.py --quick
 
 bench-full: venv
 	$(PY) bench/sampler.py
@@ -45,6 +47,8 @@ bench-full: venv
 	$(PY) bench/async_jobs.py
 	$(PY) bench/delivery.py
 	$(PY) bench/identical_jobs.py
+	$(PY) bench/analyze.py
+	$(PY) bench/autoscale.py
 
 lint: venv
 	$(VENV)/bin/ruff check joader server client tests bench
