@@ -37,6 +37,7 @@ from common import (  # noqa: E402
     print_table,
     quarter_cache_bytes,
     simjob_command,
+    stop_processes,
     write_json,
 )
 
@@ -48,17 +49,6 @@ def start_jobs(address: str) -> list[subprocess.Popen[bytes]]:
     return [subprocess.Popen(simjob_command(name, address=address, epochs=100_000, batch_size=BATCH, step_s=step),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=bench_env())
             for name, step in MIX]
-
-
-def stop_jobs(jobs: list[subprocess.Popen[bytes]]) -> None:
-    for job in jobs:
-        job.terminate()
-    for job in jobs:
-        try:
-            job.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            job.kill()
-            job.wait()
 
 
 def measured_epoch_s(server: Server, window_s: float) -> dict[str, float]:
@@ -91,7 +81,7 @@ def one_rep(root: Path, n: int, window_s: float, warmup_s: float) -> dict[str, A
             report = analyze(server, window_s)
             result["measured_1"] = measured_epoch_s(server, window_s)
         finally:
-            stop_jobs(jobs)
+            stop_processes(jobs)
     result["report"] = report
     result["predicted_2"] = {}
     result["predicted_1"] = {}
@@ -107,7 +97,7 @@ def one_rep(root: Path, n: int, window_s: float, warmup_s: float) -> dict[str, A
             time.sleep(warmup_s)
             result["measured_2"] = measured_epoch_s(server, window_s)
         finally:
-            stop_jobs(jobs)
+            stop_processes(jobs)
     result["error_2"] = {name: (result["predicted_2"][name] - result["measured_2"][name]) / result["measured_2"][name]
                          for name in result["predicted_2"] if result["predicted_2"][name]}
     return result

@@ -39,6 +39,7 @@ from common import (  # noqa: E402
     print_table,
     quarter_cache_bytes,
     simjob_command,
+    stop_processes,
     write_json,
 )
 
@@ -81,10 +82,7 @@ def run_config(root: Path, n: int, mix: str, workers: str, warmup_s: float, wind
             jobs_cpu = cpu_s(job_pids) - jobs_cpu
             workers_cpu = cpu_s(list(set(worker_pids) | set(after["workers"]["pids"]))) - workers_cpu
         finally:
-            for job in jobs:
-                job.terminate()
-            for job in jobs:
-                job.wait(timeout=30)
+            stop_processes(jobs)
     delivered = after["items_delivered"] - before["items_delivered"]
     return {
         "mix": mix, "workers": workers, "samples_per_s": round(delivered / elapsed, 1),

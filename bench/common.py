@@ -325,3 +325,16 @@ def save_figure(fig: Any, name: str) -> Path:
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
     return path
+
+
+def stop_processes(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 30.0) -> None:
+    """SIGTERM each (long-running simjobs), then wait; SIGKILL what is still there after `timeout_s`."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+

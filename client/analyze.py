@@ -68,12 +68,15 @@ def measure(address: str | None, interval_s: float) -> tuple[list[JobWindow], Ho
         items = job["items_delivered"] - (prior["items_delivered"] if prior else 0)
         wait = job["stall_total"]["wait_s"] - (prior["stall_total"]["wait_s"] if prior else 0.0)
         step = job["stall_total"]["step_s"] - (prior["stall_total"]["step_s"] if prior else 0.0)
-        measured = items > 0 and wait + step > 0
+        # per sample the loop got (the client's count; joaderd's deliveries run a few batches ahead)
+        consumed = job["stall_total"]["items"] - (prior["stall_total"]["items"] if prior else 0)
+        measured = consumed > 0 and wait + step > 0
         jobs.append(JobWindow(
             name=job["name"], job_id=job["job_id"], epoch_items=job["epoch_items"],
             samples_per_s=items / elapsed,
             stall=wait / (wait + step) if measured else None,
-            step_s_per_sample=step / items if measured and step > 0 else None,
+            step_s_per_sample=step / consumed if measured and step > 0 else None,
+            wait_s_per_sample=wait / consumed if measured else 0.0,
         ))
     cache = after["cache"]
     item_bytes = cache["items_bytes"] / cache["items"] if cache["items"] else 0

@@ -400,6 +400,7 @@ class JoaderDataset(IterableDataset):
                 del self._orders[min(self._orders)]
 
     def _yielded(self, stream: _Pass, indices: list[int]) -> None:
+        stream.items += len(indices)
         if self._current is stream and stream.epoch:
             self._consumed.update(indices)
             self._orders[stream.epoch].extend(indices)
@@ -481,6 +482,7 @@ class JoaderDataset(IterableDataset):
             request.stall_epoch = stream.epoch
             request.stall_wait_s = stream.wait_s
             request.stall_step_s = stream.step_s
+            request.stall_items = stream.items
         if max_items and stream.resume is not None:  # until the pass's first reply
             request.resume_epoch = int(stream.resume["epoch"])
             request.resume_consumed = stream.resume["consumed"].serialize()
@@ -834,8 +836,8 @@ class _Pass:
     """One pass in this process: its token and DataLoader worker id (what names it on the
     wire), its epoch once the first reply named it, and the checkpoint it resumes, if any."""
 
-    __slots__ = ("epoch", "measured", "num_workers", "resume", "step_s", "token", "unreachable_since",
-                 "wait_s", "worker_id")
+    __slots__ = ("epoch", "items", "measured", "num_workers", "resume", "step_s", "token",
+                 "unreachable_since", "wait_s", "worker_id")
 
     def __init__(self, token: int, worker_id: int, num_workers: int) -> None:
         self.token = token
@@ -849,6 +851,7 @@ class _Pass:
         self.measured = False
         self.wait_s = 0.0
         self.step_s = 0.0
+        self.items = 0  # yielded in this pass
 
 
 def _start_keeper(registration: dict[str, Any], timeout_s: float,

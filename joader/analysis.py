@@ -5,7 +5,8 @@ does the measuring. The model and its assumptions (docs/analyze.md has the long 
 
 - Job j, left alone with data always ready, would consume `u_j = 1 / c_j` samples/s, where
   `c_j` is its measured step time per sample (the training loop's time between `next()` calls,
-  reported by the client). Its stall is `w / (w + c)`: with a delivered rate `x_j`, the stall is
+  reported by the client); a job that is compute-bound now keeps the little it still waits per
+  sample (request latency, the copy), which more decoding would not remove. Its stall is `w / (w + c)`: with a delivered rate `x_j`, the stall is
   `1 - x_j * c_j`.
 - Delivering `X` samples/s costs `X * m` decodes/s, where `m` is decodes per delivery (measured;
   sharing between jobs and copies kept across epochs make it < 1).
@@ -44,6 +45,8 @@ class JobWindow:
     samples_per_s: float  # delivered
     stall: float | None  # measured wait / (wait + step); None: not measured (DataLoader workers)
     step_s_per_sample: float | None  # c_j
+    wait_s_per_sample: float = 0.0  # w_j: what it waited per sample (for a compute-bound job:
+    # the requests' latency, which more decoding does not remove)
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ def predict(jobs: list[JobWindow], host: HostWindow, *, workers: int | None = No
     """Each job's rate, stall and epoch time with `workers` decode workers and a cache of
     `cache_bytes` (default: as now), calibrated on the measured rates."""
     measured = [j for j in jobs if j.step_s_per_sample]
-    demands = [1.0 / j.step_s_per_sample for j in measured if j.step_s_per_sample]
+    demands = [1.0 / _per_sample_floor(j) for j in measured]
     m_now = host.decodes_per_delivery
     now_cap, _ = capacity(host, host.workers, m_now)
     delivered_now = sum(j.samples_per_s for j in measured)
@@ -125,7 +128,7 @@ def predict(jobs: list[JobWindow], host: HostWindow, *, workers: int | None = No
     for job, rate in zip(measured, rates, strict=True):
         assert job.step_s_per_sample is not None
         result.samples_per_s[job.job_id] = rate
-        result.stall[job.job_id] = max(0.0, 1.0 - rate * job.step_s_per_sample)
+        result.stall[job.job_id] = max(0.0, 1.0 - rate * job.step_s_per_sample)  # the residual wait counts
         result.epoch_s[job.job_id] = job.epoch_items / rate if rate > 0 else None
     for job in jobs:
         if job not in measured:
@@ -133,6 +136,15 @@ def predict(jobs: list[JobWindow], host: HostWindow, *, workers: int | None = No
             result.stall[job.job_id] = None
             result.epoch_s[job.job_id] = None
     return result
+
+
+def _per_sample_floor(job: JobWindow) -> float:
+    """Seconds per sample the job needs even with data always ready: its step, plus, when it is
+    compute-bound now, the little it still waits (a request's round trip, the copy), which more
+    decoding would not remove. A prep-bound job's wait is the stall itself: not counted."""
+    assert job.step_s_per_sample is not None
+    residual = job.wait_s_per_sample if classify(job) == "compute" else 0.0
+    return job.step_s_per_sample + residual
 
 
 def classify(job: JobWindow) -> str:

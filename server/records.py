@@ -291,33 +291,39 @@ class StallBook:
     KEEP_EPOCHS = 8
 
     def __init__(self) -> None:
-        self.epochs: dict[int, dict[tuple[int, int], tuple[float, float]]] = {}
-        self._dropped = (0.0, 0.0)  # totals of epochs no longer kept
+        # epoch -> reader -> (wait s, step s, items yielded)
+        self.epochs: dict[int, dict[tuple[int, int], tuple[float, float, int]]] = {}
+        self._dropped = (0.0, 0.0, 0)  # totals of epochs no longer kept
 
-    def report(self, epoch: int, reader: tuple[int, int], wait_s: float, step_s: float) -> None:
-        if epoch <= 0 or wait_s < 0 or step_s < 0:
+    def report(self, epoch: int, reader: tuple[int, int], wait_s: float, step_s: float, items: int = 0) -> None:
+        if epoch <= 0 or wait_s < 0 or step_s < 0 or items < 0:
             return
-        self.epochs.setdefault(epoch, {})[reader] = (wait_s, step_s)
+        self.epochs.setdefault(epoch, {})[reader] = (wait_s, step_s, items)
         while len(self.epochs) > self.KEEP_EPOCHS:
             oldest = min(self.epochs)
-            wait, step = self.epoch(oldest)
-            self._dropped = (self._dropped[0] + wait, self._dropped[1] + step)
+            self._dropped = _add(self._dropped, self.epoch(oldest))
             del self.epochs[oldest]
 
-    def epoch(self, epoch: int) -> tuple[float, float]:
-        readers = self.epochs.get(epoch, {})
-        return sum(w for w, _ in readers.values()), sum(s for _, s in readers.values())
+    def epoch(self, epoch: int) -> tuple[float, float, int]:
+        """(wait s, step s, items) of `epoch`, over its readers."""
+        total: tuple[float, float, int] = (0.0, 0.0, 0)
+        for figures in self.epochs.get(epoch, {}).values():
+            total = _add(total, figures)
+        return total
 
-    def total(self) -> tuple[float, float]:
-        wait, step = self._dropped
+    def total(self) -> tuple[float, float, int]:
+        total = self._dropped
         for epoch in self.epochs:
-            w, s = self.epoch(epoch)
-            wait, step = wait + w, step + s
-        return wait, step
+            total = _add(total, self.epoch(epoch))
+        return total
 
     @property
     def latest(self) -> int:
         return max(self.epochs, default=0)
+
+
+def _add(a: tuple[float, float, int], b: tuple[float, float, int]) -> tuple[float, float, int]:
+    return a[0] + b[0], a[1] + b[1], a[2] + b[2]
 
 
 def stall_fraction(wait_s: float, step_s: float) -> float | None:
@@ -355,7 +361,7 @@ class NextArgs:
     resume_consumed: BitMap | None = None
     resume_parts: int = 1  # how many readers of this rank report a part of the resume
     max_batches: int = 1  # whole batches of `max_items` one reply may carry, if ready at once
-    stall: tuple[int, float, float] | None = None  # (epoch, wait s, step s) the reader measured
+    stall: tuple[int, float, float, int] | None = None  # (epoch, wait s, step s, items) the reader measured
 
 
 @dataclass

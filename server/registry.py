@@ -242,7 +242,7 @@ class Registry:
             rank.last_seen_s = now
             known = rank.passes.get(args.token)
             if args.stall is not None:
-                job.stall.report(args.stall[0], (rank.index, args.token), args.stall[1], args.stall[2])
+                job.stall.report(args.stall[0], (rank.index, args.token), *args.stall[1:])
             if known is not None and args.acks:
                 self.jobs.acknowledge(job, known, args.acks)
                 self._cond.notify_all()
@@ -347,7 +347,7 @@ class Registry:
         resume_consumed: BitMap | None = None,
         resume_parts: int = 1,
         max_batches: int = 1,
-        stall: tuple[int, float, float] | None = None,
+        stall: tuple[int, float, float, int] | None = None,
     ) -> Batch:
         """`begin_next`, `poll_next` and `end_next`, blocking this thread while it waits."""
         event = threading.Event()

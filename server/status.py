@@ -110,8 +110,8 @@ def _job(job: Job, now: float) -> dict[str, Any]:
     epoch_delivered = sum(rank.handed[epoch] for rank in job.ranks) if epoch else 0
     rate = job.rate.rate(now)
     stall_epoch = job.stall.latest
-    wait, step = job.stall.epoch(stall_epoch)
-    total_wait, total_step = job.stall.total()
+    wait, step, items = job.stall.epoch(stall_epoch)
+    total_wait, total_step, total_items = job.stall.total()
     return {
         "job_id": job.job_id,
         "name": job.name,
@@ -130,9 +130,9 @@ def _job(job: Job, now: float) -> dict[str, Any]:
         "samples_per_s": round(rate, 2) if rate is not None else None,
         "server_wait_s": round(job.wait_s, 3),  # its Next calls waiting in joaderd for items
         "stall": None if not stall_epoch else {
-            "epoch": stall_epoch, "wait_s": round(wait, 3), "step_s": round(step, 3),
+            "epoch": stall_epoch, "wait_s": round(wait, 3), "step_s": round(step, 3), "items": items,
             "fraction": stall_fraction(wait, step)},
-        "stall_total": {"wait_s": round(total_wait, 3), "step_s": round(total_step, 3),
+        "stall_total": {"wait_s": round(total_wait, 3), "step_s": round(total_step, 3), "items": total_items,
                         "fraction": stall_fraction(total_wait, total_step)},
         # the processes reading it now (training processes, or their DataLoader workers)
         "pids": sorted({pid for r in job.ranks if r.current is not None for pid in r.current.members.values() if pid}),

@@ -71,3 +71,10 @@ def test_a_job_without_a_measured_stall_is_reported_as_is() -> None:
     prediction = predict(jobs, HOST, workers=2)
     assert prediction.samples_per_s["w"] == 300 and prediction.stall["w"] is None
     assert classify(jobs[0]) == "unknown"
+
+
+def test_a_compute_bound_job_keeps_its_small_residual_wait_in_the_what_ifs() -> None:
+    jobs = [JobWindow("a", "a", 1000, 95.0, 0.05, 0.0095, wait_s_per_sample=0.0005)]
+    prediction = predict(jobs, HOST, workers=3)
+    assert prediction.samples_per_s["a"] == pytest.approx(100.0)  # 1 / (0.0095 + 0.0005)
+    assert prediction.stall["a"] == pytest.approx(0.05) and prediction.epoch_s["a"] == pytest.approx(10.0)

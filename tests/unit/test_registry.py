@@ -675,11 +675,11 @@ def test_stall_reports_are_summed_over_readers_per_epoch() -> None:
     registry, pool, _ = make_registry()
     job = attach(registry, "demo", BitMap(range(8)), "a", 4, world_size=2)
     for rank, (wait, step) in enumerate(((1.0, 3.0), (2.0, 2.0))):
-        nxt(registry, job.job_id, 7, 0, [], rank=rank, stall=(1, wait, step))
-    nxt(registry, job.job_id, 7, 0, [], rank=0, stall=(1, 1.5, 4.5))  # a later, cumulative report
+        nxt(registry, job.job_id, 7, 0, [], rank=rank, stall=(1, wait, step, 4))
+    nxt(registry, job.job_id, 7, 0, [], rank=0, stall=(1, 1.5, 4.5, 6))  # a later, cumulative report
     stall = next(j for j in registry.status()["jobs"])["stall"]
-    assert stall == {"epoch": 1, "wait_s": 3.5, "step_s": 6.5, "fraction": 0.35}
-    nxt(registry, job.job_id, 8, 0, [], rank=0, stall=(2, 1.0, 1.0))
+    assert stall == {"epoch": 1, "wait_s": 3.5, "step_s": 6.5, "items": 10, "fraction": 0.35}
+    nxt(registry, job.job_id, 8, 0, [], rank=0, stall=(2, 1.0, 1.0, 2))
     status = registry.status()["jobs"][0]
     assert status["stall"]["epoch"] == 2 and status["stall"]["fraction"] == 0.5
-    assert status["stall_total"] == {"wait_s": 4.5, "step_s": 7.5, "fraction": 0.375}
+    assert status["stall_total"] == {"wait_s": 4.5, "step_s": 7.5, "items": 12, "fraction": 0.375}
