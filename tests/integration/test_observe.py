@@ -30,7 +30,7 @@ def _run_beside_two_jobs(server: Any, command: list[str]) -> subprocess.Complete
     jobs = [server.job("--epochs", "10000", "--batch-size", "8", "--step-s", step, name=name)
             for name, step in (("prepbound", "0"), ("computebound", "0.25"))]
     try:
-        wait_for(lambda: len(_stalls(server)) == 2, 120, "both jobs to report a stall")
+        wait_for(lambda: len(_stalls(server)) == 2, 120, "both jobs to report a stall", interval_s=0.5)
         return subprocess.run([sys.executable, "-m", "joader.client.cli", *command, "--address", server.address],
                               capture_output=True, text=True, timeout=90, check=False)
     finally:
@@ -139,7 +139,7 @@ def test_analyze_classifies_a_prep_bound_and_a_compute_bound_job(demo_root: Path
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--workers auto needs two CPUs to grow")
 def test_workers_auto_grows_for_a_stalling_job_and_shrinks_when_it_is_gone(demo_root: Path, start_joaderd: Any) -> None:
-    """`--workers auto` on two CPUs starts with one decode worker. A job that only reads waits
+    """`--workers auto` on two CPUs starts with one decode worker. A job with a short step waits
     for every decode while that worker is busy and a core is idle: the pool grows to two; once
     the job has gone, an idle pool shrinks back to one. Each change is logged with its reason,
     and `joader top` shows it."""
@@ -148,11 +148,15 @@ def test_workers_auto_grows_for_a_stalling_job_and_shrinks_when_it_is_gone(demo_
     server = start_joaderd({"demo": demo_root}, cache_items=NUM_DEMO_ITEMS // 4, workers="auto",
                            extra=("--decoder", "pil"))
     assert server.status()["workers"]["configured"] == 1
-    job = server.job("--epochs", "10000", "--batch-size", "8", name="greedy")
+    # a short step that sleeps: the job leaves the CPU idle while it waits for the one worker
+    # (a loop that only reads would itself take the idle core, and then growing would not help)
+    job = server.job("--epochs", "10000", "--batch-size", "8", "--step-s", "0.005", name="greedy")
     try:
-        grown = wait_for(lambda: (s := server.status())["workers"]["configured"] == 2 and s, 90,
-                         "the pool to grow to two workers")
-        wait_for(lambda: server.status()["workers"]["alive"] == 2, 30, "the second worker to start")
+        # Poll slowly: each `joader status` is a Python process, and polling it ten times a
+        # second would itself take the idle core the autoscaler looks for.
+        grown = wait_for(lambda: (s := server.status())["workers"]["configured"] == 2 and s, 120,
+                         "the pool to grow to two workers", interval_s=2.0)
+        wait_for(lambda: server.status()["workers"]["alive"] == 2, 30, "the second worker to start", interval_s=1.0)
         assert any("waits" in line and "1 -> 2" in line for line in grown["workers"]["resizes"]), grown["workers"]
         frame = subprocess.run([sys.executable, "-m", "joader.client.cli", "top", "--once", "--address",
                                 server.address], capture_output=True, text=True, timeout=60, check=False).stdout
@@ -161,6 +165,6 @@ def test_workers_auto_grows_for_a_stalling_job_and_shrinks_when_it_is_gone(demo_
         job.terminate()
         finish(job)
     shrunk = wait_for(lambda: (s := server.status())["workers"]["configured"] == 1 and s, 60,
-                      "the idle pool to shrink to one worker")
+                      "the idle pool to shrink to one worker", interval_s=1.0)
     assert "no job is reading" in shrunk["workers"]["resizes"][-1], shrunk["workers"]
-    wait_for(lambda: server.status()["workers"]["alive"] == 1, 30, "the retired worker to exit")
+    wait_for(lambda: server.status()["workers"]["alive"] == 1, 30, "the retired worker to exit", interval_s=1.0)
