@@ -37,6 +37,7 @@ from common import (  # noqa: E402
     print_table,
     quarter_cache_bytes,
     simjob_command,
+    start_processes,
     stop_processes,
     write_json,
 )
@@ -46,9 +47,8 @@ BATCH = 32
 
 
 def start_jobs(address: str) -> list[subprocess.Popen[bytes]]:
-    return [subprocess.Popen(simjob_command(name, address=address, epochs=100_000, batch_size=BATCH, step_s=step),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=bench_env())
-            for name, step in MIX]
+    return start_processes([simjob_command(name, address=address, epochs=100_000, batch_size=BATCH, step_s=step)
+                            for name, step in MIX])
 
 
 def measured_epoch_s(server: Server, window_s: float) -> dict[str, float]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,13 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     Server,
-    bench_env,
     demo_data,
     machine,
     median,
     print_table,
     quarter_cache_bytes,
     simjob_command,
+    start_processes,
     stop_processes,
     write_json,
 )
@@ -63,10 +62,9 @@ def cpu_s(pids: list[int]) -> float:
 
 def run_config(root: Path, n: int, mix: str, workers: str, warmup_s: float, window_s: float) -> dict[str, Any]:
     with Server(root, quarter_cache_bytes(n), workers=workers) as server:
-        jobs = [subprocess.Popen(simjob_command(name, address=server.address, epochs=100_000, batch_size=BATCH,
-                                                step_s=step, step_cpu_s=step_cpu),
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=bench_env())
-                for name, step, step_cpu in MIXES[mix]]
+        jobs = start_processes([simjob_command(name, address=server.address, epochs=100_000, batch_size=BATCH,
+                                               step_s=step, step_cpu_s=step_cpu)
+                                for name, step, step_cpu in MIXES[mix]])
         try:
             time.sleep(warmup_s)
             before = server.status()

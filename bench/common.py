@@ -327,6 +327,12 @@ def save_figure(fig: Any, name: str) -> Path:
     return path
 
 
+def start_processes(commands: Sequence[list[str]]) -> list[subprocess.Popen[bytes]]:
+    """Starts long-running simjobs (quietly, in the bench environment); `stop_processes` ends them."""
+    return [subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=bench_env())
+            for command in commands]
+
+
 def stop_processes(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 30.0) -> None:
     """SIGTERM each (long-running simjobs), then wait; SIGKILL what is still there after `timeout_s`."""
     for proc in procs:

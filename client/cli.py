@@ -40,7 +40,7 @@ def _number(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}" if value < 100 else f"{value:.0f}"
 
 
-def _percent(value: float | None) -> str:
+def format_percent(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
 
 
@@ -70,7 +70,7 @@ def format_status(status: dict[str, Any]) -> str:
             progress = f"{j['epoch_delivered']}/{j['epoch_items']}" if j["epoch"] else "not started"
             lines.append(f"{j['name'][:24]:<24} {j['source'][:12]:<12} {j['num_items']:>8} {ranks:>5} "
                          f"{j['epoch']:>6} {progress:>13} {_number(j.get('samples_per_s')):>9} "
-                         f"{_percent((j.get('stall') or {}).get('fraction')):>6} {j['items_delivered']:>10}")
+                         f"{format_percent((j.get('stall') or {}).get('fraction')):>6} {j['items_delivered']:>10}")
         lines.append("  EPOCH: the epoch the job reads now; STALL: the share of its training loop's time spent "
                      "waiting for data in that epoch (reported by a reader in the training process; - with "
                      "DataLoader workers)")
@@ -88,7 +88,7 @@ def format_status(status: dict[str, Any]) -> str:
     lines.append("")
     lines.append(
         f"cache: {format_bytes(c['used_bytes'])} of {format_bytes(c['capacity_bytes'])} used, {c['items']} items "
-        f"({c['pinned_items']} pinned), evictions {c['evictions']}; hit rate {_percent(c['hit_rate'])} "
+        f"({c['pinned_items']} pinned), evictions {c['evictions']}; hit rate {format_percent(c['hit_rate'])} "
         f"(hits {lookups['hits']}, joined a decode {lookups['joined_decode']}, misses {lookups['misses']}; "
         f"lookahead for next epochs: hits {ahead['hits']}, misses {ahead['misses']})"
     )

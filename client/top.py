@@ -26,7 +26,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from joader.client.cli import fetch_status, format_bytes
+from joader.client.cli import fetch_status, format_bytes, format_percent
 
 
 def _rate(now: dict[str, Any], before: dict[str, Any] | None, dt: float, *path: str) -> float | None:
@@ -36,10 +36,6 @@ def _rate(now: dict[str, Any], before: dict[str, Any] | None, dt: float, *path: 
     for key in path:
         a, b = a[key], b[key]
     return (a - b) / dt
-
-
-def _percent(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0%}"
 
 
 def _number(value: float | None, digits: int = 0) -> str:
@@ -80,8 +76,8 @@ def render(now: dict[str, Any], before: dict[str, Any] | None, dt: float, cpu: l
         delivered = job["items_delivered"]
         jobs.add_row(
             job["name"], f"{job['ranks_attached']}/{job['world_size']}", str(job["epoch"]) if job["epoch"] else "-",
-            bar, _number(rate), _percent(stall),
-            _percent(job.get("items_shared", 0) / delivered if delivered else None), f"{delivered:,}",
+            bar, _number(rate), format_percent(stall),
+            format_percent(job.get("items_shared", 0) / delivered if delivered else None), f"{delivered:,}",
         )
     if not now["jobs"]:
         jobs.add_row("no jobs attached", "", "", "", "", "", "", "")
@@ -94,7 +90,7 @@ def render(now: dict[str, Any], before: dict[str, Any] | None, dt: float, cpu: l
     pool.add_row(
         f"{alive}/{workers.get('configured', '?')}"
         + (f" (auto, 1..{workers.get('max', '?')})" if workers.get("mode") == "auto" else ""),
-        _percent(busy_rate / alive if busy_rate is not None and alive else None),
+        format_percent(busy_rate / alive if busy_rate is not None and alive else None),
         _number(decoded_rate), str(now["decodes"]["in_flight"]), str(now["decodes"]["failures"]),
         str(workers.get("replaced", 0)),
     )
@@ -111,7 +107,7 @@ def render(now: dict[str, Any], before: dict[str, Any] | None, dt: float, cpu: l
     table.add_row(
         f"{format_bytes(cache['used_bytes'])} of {format_bytes(cache['capacity_bytes'])}",
         _bar(cache["used_bytes"], cache["capacity_bytes"], 12),
-        f"{cache['items']:,}", f"{cache['pinned_items']:,}", _percent(hit_rate),
+        f"{cache['items']:,}", f"{cache['pinned_items']:,}", format_percent(hit_rate),
         _number(_rate(now, before, dt, "cache", "evictions")), f"{cache['evictions']:,}",
     )
     sharing = now["sharing"]

@@ -213,9 +213,11 @@ async def _serve(
             "pid": os.getpid(),
         }
 
+    def full_status() -> dict[str, Any]:  # what `joader status` shows: the autoscaler and /metrics read it too
+        return registry.status(extra_status())
+
     if config.autoscale:
-        supervisor.spawn("joaderd-autoscale",
-                         lambda: _autoscale(pool, lambda: registry.status(extra_status()), config, stopping))
+        supervisor.spawn("joaderd-autoscale", lambda: _autoscale(pool, full_status, config, stopping))
     servicer = JoaderServicer(registry, str(arena.path), extra_status)
     server, port = await start_server(servicer, address, receive_limit_bytes(source_sizes))
     metrics_server = None
@@ -227,8 +229,7 @@ async def _serve(
             address = f"{address.rpartition(':')[0]}:{port}"  # the port the kernel chose
         metrics_port = None
         if config.metrics_listen is not None:
-            metrics_server, metrics_port = serve_metrics(config.metrics_listen,
-                                                         lambda: registry.status(extra_status()))
+            metrics_server, metrics_port = serve_metrics(config.metrics_listen, full_status)
         ready = {
             "address": address,
             "port": port if sock is None else None,
