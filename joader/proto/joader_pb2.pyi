@@ -33,7 +33,7 @@ class AttachRequest(_message.Message):
     def __init__(self, source: _Optional[str] = ..., indices: _Optional[bytes] = ..., name: _Optional[str] = ..., batch_size: _Optional[int] = ..., heartbeat: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., closing: _Optional[bool] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("job_id", "source", "classes", "num_source_items", "num_items", "image_size", "item_nbytes", "arena_path", "lease_s", "job_secret", "server_pid", "world_size", "rank", "num_rank_items", "seed", "targets", "stage", "item_shape", "item_dtype")
+    __slots__ = ("job_id", "source", "classes", "num_source_items", "num_items", "image_size", "item_nbytes", "arena_path", "lease_s", "job_secret", "server_pid", "world_size", "rank", "num_rank_items", "seed", "targets", "stage", "item_shape", "item_dtype", "fingerprint")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     CLASSES_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class AttachResponse(_message.Message):
     STAGE_FIELD_NUMBER: _ClassVar[int]
     ITEM_SHAPE_FIELD_NUMBER: _ClassVar[int]
     ITEM_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     source: str
     classes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -72,7 +73,8 @@ class AttachResponse(_message.Message):
     stage: str
     item_shape: _containers.RepeatedScalarFieldContainer[int]
     item_dtype: str
-    def __init__(self, job_id: _Optional[str] = ..., source: _Optional[str] = ..., classes: _Optional[_Iterable[bytes]] = ..., num_source_items: _Optional[int] = ..., num_items: _Optional[int] = ..., image_size: _Optional[int] = ..., item_nbytes: _Optional[int] = ..., arena_path: _Optional[str] = ..., lease_s: _Optional[float] = ..., job_secret: _Optional[bytes] = ..., server_pid: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., num_rank_items: _Optional[int] = ..., seed: _Optional[int] = ..., targets: _Optional[bytes] = ..., stage: _Optional[str] = ..., item_shape: _Optional[_Iterable[int]] = ..., item_dtype: _Optional[str] = ...) -> None: ...
+    fingerprint: str
+    def __init__(self, job_id: _Optional[str] = ..., source: _Optional[str] = ..., classes: _Optional[_Iterable[bytes]] = ..., num_source_items: _Optional[int] = ..., num_items: _Optional[int] = ..., image_size: _Optional[int] = ..., item_nbytes: _Optional[int] = ..., arena_path: _Optional[str] = ..., lease_s: _Optional[float] = ..., job_secret: _Optional[bytes] = ..., server_pid: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., num_rank_items: _Optional[int] = ..., seed: _Optional[int] = ..., targets: _Optional[bytes] = ..., stage: _Optional[str] = ..., item_shape: _Optional[_Iterable[int]] = ..., item_dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class NextRequest(_message.Message):
     __slots__ = ("job_id", "token", "max_items", "acks", "job_secret", "worker_id", "pid", "rank", "resume_epoch", "resume_consumed", "resume_parts", "max_batches", "stall_epoch", "stall_wait_s", "stall_step_s", "stall_items")
@@ -121,7 +123,7 @@ class FailedItem(_message.Message):
     def __init__(self, item_id: _Optional[int] = ..., path: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class NextResponse(_message.Message):
-    __slots__ = ("epoch", "end_of_epoch", "item_ids", "labels", "offsets", "failed", "lengths", "ndims", "dims", "dtypes")
+    __slots__ = ("epoch", "end_of_epoch", "item_ids", "labels", "offsets", "failed", "lengths", "ndims", "dims", "dtypes", "arena", "checksums", "copy_now")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     END_OF_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ITEM_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +134,9 @@ class NextResponse(_message.Message):
     NDIMS_FIELD_NUMBER: _ClassVar[int]
     DIMS_FIELD_NUMBER: _ClassVar[int]
     DTYPES_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    COPY_NOW_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     end_of_epoch: bool
     item_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -142,7 +147,10 @@ class NextResponse(_message.Message):
     ndims: _containers.RepeatedScalarFieldContainer[int]
     dims: _containers.RepeatedScalarFieldContainer[int]
     dtypes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, epoch: _Optional[int] = ..., end_of_epoch: _Optional[bool] = ..., item_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., failed: _Optional[_Iterable[_Union[FailedItem, _Mapping]]] = ..., lengths: _Optional[_Iterable[int]] = ..., ndims: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., dtypes: _Optional[_Iterable[int]] = ...) -> None: ...
+    arena: str
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    copy_now: bool
+    def __init__(self, epoch: _Optional[int] = ..., end_of_epoch: _Optional[bool] = ..., item_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., failed: _Optional[_Iterable[_Union[FailedItem, _Mapping]]] = ..., lengths: _Optional[_Iterable[int]] = ..., ndims: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., dtypes: _Optional[_Iterable[int]] = ..., arena: _Optional[str] = ..., checksums: _Optional[_Iterable[int]] = ..., copy_now: _Optional[bool] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
