@@ -215,7 +215,7 @@ class ItemCache:
 
     def file_result(self, key: int, ok: bool, error: str | None, decode_s: float,
                     refcount: Callable[[Item], int], *, shape: tuple[int, ...] = (),
-                    dtype: str = "uint8", nbytes: int = 0) -> Item | None:
+                    dtype: str = "uint8", nbytes: int = 0, checksum: int = 0) -> Item | None:
         """Files a finished decode; returns the item (None for a key nobody waits for).
 
         `refcount(item)` counts the jobs that still need it, for the policy; `shape`, `dtype`
@@ -230,6 +230,7 @@ class ItemCache:
         if ok:
             item.move(ItemState.READY)
             item.shape, item.dtype, item.nbytes = tuple(shape), dtype, nbytes
+            item.checksum = checksum
             self.allocator.shrink(item.offset, max(nbytes, 1))
             self.policy.insert(key, refcount(item), pinned=item.pins)
             source.cached_ids.add(item.item_id)

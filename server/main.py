@@ -267,7 +267,8 @@ def _forward_results(pool: DecodePool, registry: Registry, stop: threading.Event
         result = pool.get_result(timeout_s=0.2)
         if result is not None:
             registry.file_result(result.task_id, result.ok, result.error, result.decode_s,
-                                 shape=result.shape, dtype=result.dtype, nbytes=result.nbytes)
+                                 shape=result.shape, dtype=result.dtype, nbytes=result.nbytes,
+                                 checksum=getattr(result, "checksum", 0))
 
 
 def _autoscale(pool: DecodePool, status: Callable[[], dict[str, Any]], config: ServerConfig,

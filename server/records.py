@@ -9,12 +9,16 @@ ranks' queues from DSA rounds.
 from __future__ import annotations
 
 import enum
+import functools
+import hashlib
+import os
 import random
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from pyroaring import BitMap
 
 from joader.sampling import DependentSampler
@@ -83,6 +87,17 @@ class Source:
     def num_items(self) -> int:
         return len(self.listing.paths)
 
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """What a client resuming after a restart checks: the same items, labels and stage.
+        A digest of the item count, every path and label, and the stage's spec; computed once
+        (about a second per million items), at the first attach."""
+        digest = hashlib.sha256(f"{self.num_items}\0{self.stage.name}\0".encode())
+        for path in self.listing.paths:
+            digest.update(os.fsencode(path) + b"\0")
+        digest.update(np.ascontiguousarray(self.listing.labels, dtype="<i8").tobytes())
+        return f"{self.num_items}:{self.stage.name}:{digest.hexdigest()[:32]}"
+
     @property
     def max_item_bytes(self) -> int:
         """What a decode of this source may need, allocated before it (shrunk after)."""
@@ -92,7 +107,7 @@ class Source:
 class Item:
     """One item of one source, keyed by `source.key_base + item_id` in the registry."""
 
-    __slots__ = ("dtype", "due_s", "failed_s", "item_id", "key", "nbytes", "offset", "pins", "served",
+    __slots__ = ("checksum", "dtype", "due_s", "failed_s", "item_id", "key", "nbytes", "offset", "pins", "served",
                  "shape", "source", "state", "waiters")
 
     def __init__(self, source: Source, item_id: int) -> None:
@@ -104,6 +119,7 @@ class Item:
         self.nbytes = 0  # once READY: its size, shape and dtype
         self.shape: tuple[int, ...] = ()
         self.dtype = ""
+        self.checksum = 0  # zlib.crc32 of its bytes as the decode wrote them (clients may verify)
         # Queue entries and handed-out, unacknowledged copies, for the item's whole life (the
         # cache policy mirrors them while it is READY, so that it never evicts a pinned item).
         self.pins = 0
@@ -343,6 +359,7 @@ class Batch:
     lengths: list[int] = field(default_factory=list)  # bytes of each item
     shapes: list[tuple[int, ...]] = field(default_factory=list)
     dtypes: list[str] = field(default_factory=list)
+    checksums: list[int] = field(default_factory=list)  # zlib.crc32 of each item's bytes
 
 
 @dataclass(frozen=True)

@@ -408,6 +408,7 @@ class Registry:
                 batch.lengths.append(item.nbytes)
                 batch.shapes.append(item.shape)
                 batch.dtypes.append(item.dtype)
+                batch.checksums.append(item.checksum)
                 pass_.outstanding[entry.key] += 1  # the queue's pin now covers the handed-out copy
             elif item.state is ItemState.FAILED:
                 batch.failed.append((entry.item_id, source.listing.paths[entry.item_id], source.failed[entry.item_id]))
@@ -471,11 +472,12 @@ class Registry:
     # ----------------------------------------------------------------------------- results
 
     def file_result(self, key: int, ok: bool, error: str | None, decode_s: float, *,
-                    shape: tuple[int, ...] = (), dtype: str = "uint8", nbytes: int = 0) -> None:
+                    shape: tuple[int, ...] = (), dtype: str = "uint8", nbytes: int = 0,
+                    checksum: int = 0) -> None:
         """Files one finished decode (called by the results thread)."""
         with self._cond:
             item = self.cache.file_result(key, ok, error, decode_s, self._needed, shape=shape,
-                                          dtype=dtype, nbytes=nbytes)
+                                          dtype=dtype, nbytes=nbytes, checksum=checksum)
             if item is None:
                 return
             if ok:

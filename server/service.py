@@ -78,6 +78,7 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
     def __init__(self, registry: Registry, arena_path: str, extra_status: Callable[[], dict[str, Any]]) -> None:
         self._registry = registry
         self._arena_path = arena_path
+        self._arena_name = os.path.basename(arena_path)  # what every Next reply names
         self._extra_status = extra_status
 
     async def Attach(
@@ -125,6 +126,7 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
                 # batched client then refuses one by one, naming the item and the fix.
                 item_shape=list(source.stage.spec.shape or getattr(source.stage, "nominal_shape", None) or ()),
                 item_dtype=source.stage.spec.dtype or "",
+                fingerprint=source.fingerprint,
                 arena_path=self._arena_path,
                 lease_s=self._registry.config.lease_s,
                 server_pid=os.getpid(),
@@ -187,13 +189,13 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
         )  # fmt: skip
         call = registry.begin_next(args, _threadsafe_setter(asyncio.get_running_loop(), event))
         if isinstance(call, Batch):
-            return _response(call)
+            return _response(call, self._arena_name)
         try:
             while True:
                 event.clear()
                 result = registry.poll_next(call)
                 if isinstance(result, Batch):
-                    return _response(result)
+                    return _response(result, self._arena_name)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(event.wait(), result)
         finally:
@@ -205,7 +207,7 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
         return joader_pb2.StatusResponse(json=json.dumps(status))
 
 
-def _response(batch: Batch) -> joader_pb2.NextResponse:
+def _response(batch: Batch, arena: str) -> joader_pb2.NextResponse:
     dims: list[int] = []
     for shape in batch.shapes:
         dims.extend(shape)
@@ -223,6 +225,8 @@ def _response(batch: Batch) -> joader_pb2.NextResponse:
         ndims=[len(shape) for shape in batch.shapes],
         dims=dims,
         dtypes=[DTYPE_CODES[d] for d in batch.dtypes],
+        arena=arena,
+        checksums=batch.checksums,
     )
 
 
