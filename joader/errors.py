@@ -96,6 +96,21 @@ class UntrustedServerError(JoaderError, PermissionError):
     status_code = "PERMISSION_DENIED"
 
 
+class SourceChangedError(JoaderError, RuntimeError):
+    """joaderd came back after a restart serving another source under the job's source name
+    (another item count, other files or labels, another stage): resuming the epoch there would
+    deliver other items under the same indices."""
+
+    status_code = "FAILED_PRECONDITION"
+
+
+class IntegrityError(JoaderError, RuntimeError):
+    """Bytes a reader copied out of the arena are not the bytes joaderd's decode wrote there
+    (their checksum differs): never train on them. Only checked with verification on."""
+
+    status_code = "DATA_LOSS"
+
+
 # One table, both directions. The client picks the class from the `joader-error` trailing
 # metadata the server attaches, and falls back to the status code alone.
 ERROR_CLASSES: dict[str, type[JoaderError]] = {
@@ -112,6 +127,8 @@ ERROR_CLASSES: dict[str, type[JoaderError]] = {
         TooManyJobsError,
         ServerFailedError,
         UntrustedServerError,
+        SourceChangedError,
+        IntegrityError,
     )
 }
 
