@@ -17,8 +17,9 @@ identity JSON after it (job id, secret, arena path, server uid; up to byte 2048)
 2048 (one per DataLoader worker slot, up to 255: which batches the training process copied out
 of the arena, for a worker that handed it batches by offset, `joader.client.handoff`), notices u64
 at 4088 (one bit per advice already logged by some reader, so forked DataLoader workers give it
-once); from byte 4096 one u32 per item of the source: the epoch in which this rank last received
-it (0: never).
+once); the current pass of DataLoader workers at 4096 (key u64, token u64, then one u32 pid per
+worker slot that joined it, `claim_pass`); from byte 8192 one u32 per item of the source: the
+epoch in which this rank last received it (0: never).
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ from typing import Any
 import numpy as np
 from pyroaring import BitMap
 
-_HEADER = 4096
+_HEADER = 8192
 _IDENTITY_AT = 36
 _RECEIPTS_AT = 2048
-_NOTICES_AT = _HEADER - 8
+_NOTICES_AT = 4088
 RECEIPT_SLOTS = (_NOTICES_AT - _RECEIPTS_AT) // 8
+_PASS_AT = 4096  # key, token, then RECEIPT_SLOTS pids
+MAX_EPOCH = 2**32 - 1  # epochs are marked as u32
 _U64 = struct.Struct("=Q")
 
 # The boards this process created, by key: how a batch handed over by a forked DataLoader
@@ -123,6 +126,11 @@ class Board:
         struct.pack_into("=I", mapping, 32, len(data))
         self._set(0, self.generation + 1)
 
+    def refuse(self, message: str) -> None:
+        """The keeper will not attach the job again (joaderd came back serving another source):
+        readers that look for a new identity raise `message` instead."""
+        self.publish({"refused": message[:1500]})
+
     def identity(self) -> dict[str, Any]:
         mapping = self._remap()
         (length,) = struct.unpack_from("=I", mapping, 32)
@@ -142,6 +150,32 @@ class Board:
             return True
         finally:
             fcntl.lockf(self.fd, fcntl.LOCK_UN, 8, _NOTICES_AT)
+
+    def claim_pass(self, key: int, slot: int, pid: int) -> int:
+        """The token of the pass a DataLoader worker's `iter()` joins.
+
+        The workers of one DataLoader iterator compute the same `key` (from their base seed),
+        but the base seed repeats whenever the user re-seeds torch, so the key alone cannot
+        tell a new iterator's workers from the old one's. The board can: a worker joins the
+        current pass if its key matches and its slot is still free there; else it starts a new
+        pass with a fresh random token, which the other workers of its iterator then join. A
+        POSIX record lock makes the test-and-set atomic across the workers."""
+        fcntl.lockf(self.fd, fcntl.LOCK_EX, 16 + 4 * RECEIPT_SLOTS, _PASS_AT)
+        try:
+            mapping = self._remap()
+            pids = np.frombuffer(mapping, dtype=np.uint32, count=RECEIPT_SLOTS, offset=_PASS_AT + 16)
+            current_key, token = self._get(_PASS_AT), self._get(_PASS_AT + 8)
+            if current_key == key and token and pids[slot] == 0:
+                pids[slot] = pid
+                return token
+            token = secrets.randbits(63) | 1
+            pids[:] = 0
+            pids[slot] = pid
+            self._set(_PASS_AT, key)
+            self._set(_PASS_AT + 8, token)
+            return token
+        finally:
+            fcntl.lockf(self.fd, fcntl.LOCK_UN, 16 + 4 * RECEIPT_SLOTS, _PASS_AT)
 
     def receipt(self, slot: int) -> int:
         """The last receipt noted in worker slot `slot` (0: none)."""

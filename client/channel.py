@@ -7,14 +7,18 @@ never carried across a fork: a child sees the parent's pid on the cached channel
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 
 from joader.errors import JoaderError, error_from_status
 from joader.proto import ERROR_METADATA_KEY, GRPC_OPTIONS, joader_pb2_grpc
+
+logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _channels: dict[str, tuple[int, grpc.Channel, joader_pb2_grpc.JoaderStub]] = {}
@@ -94,6 +98,17 @@ class PendingCall:
     def __init__(self, future: Any, address: str) -> None:
         self._future = future
         self._address = address
+
+    def on_success(self, callback: Callable[[Any], None]) -> None:
+        """Calls `callback(reply)` as soon as the reply arrives (on a gRPC thread, or at once if
+        it is here): what must happen even if nobody reads the reply for a while."""
+        def done(future: Any) -> None:
+            if not future.cancelled() and future.exception() is None:
+                try:
+                    callback(future.result())
+                except Exception:  # noqa: BLE001  a gRPC thread must not die of it
+                    logger.exception("reply callback failed")
+        self._future.add_done_callback(done)
 
     def result(self) -> Any:
         try:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,7 @@ import torch
 from joader.cache.arena import ArenaReader
 from joader.client.batchpool import BatchPool
 from joader.client.board import RECEIPT_SLOTS, Board
+from joader.errors import IntegrityError
 
 _TAG_BITS = 32
 _SEQ_MASK = (1 << _TAG_BITS) - 1
@@ -55,25 +57,59 @@ class Layout:
     dtype: str
     batch_size: int
     return_index: bool
+    verify: bool = False  # check each item's crc32 after the copy
 
 
 @dataclass(frozen=True)
 class Arena:
-    """Where a segment's items are: a new one after joaderd restarted."""
+    """Where a segment's items are: a new one after joaderd restarted. `held_by` (pid, fd): the
+    lease keeper's descriptor of it, which reaches it after a restart removed its name."""
 
     path: str
     server_uid: int | None
+    held_by: tuple[int, int] | None = None
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+
+class Segment:
+    """Items of one batch in one arena (offsets), or copied already (`data`, their bytes
+    concatenated: the worker copied them because joaderd asked it to, `copy_now`)."""
+
+    __slots__ = ("arena", "checksums", "data", "item_ids", "lengths", "offsets")
+
+    def __init__(self, arena: Arena | None) -> None:
+        self.arena = arena
+        self.offsets: list[int] = []
+        self.lengths: list[int] = []
+        self.item_ids: list[int] = []
+        self.checksums: list[int] = []
+        self.data = bytearray()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_segment, (self.arena, self.offsets, self.lengths, self.item_ids, self.checksums, bytes(self.data)))
+
+
+def _segment(arena: Arena | None, offsets: list[int], lengths: list[int], item_ids: list[int],
+             checksums: list[int], data: bytes) -> Segment:
+    segment = Segment(arena)
+    segment.offsets, segment.lengths, segment.item_ids, segment.checksums = offsets, lengths, item_ids, checksums
+    segment.data = bytearray(data)
+    return segment
 
 
 class ArenaBatch:
     """One batch as a worker hands it over: where its items are, not the items. Items of one
-    arena form a segment; a batch has two only if joaderd restarted while it was filling."""
+    arena form a segment; a batch has two only if joaderd restarted while it was filling (or
+    joaderd asked for some to be copied at once)."""
 
     __slots__ = ("labels", "layout", "receipt", "segments")
 
     def __init__(self, layout: Layout) -> None:
         self.layout = layout
-        self.segments: list[tuple[Arena, list[int], list[int], list[int]]] = []  # offsets, lengths, ids
+        self.segments: list[Segment] = []
         self.labels: list[int] = []
         self.receipt: tuple[int, int, int] | None = None  # board key, slot, value
 
@@ -82,15 +118,28 @@ class ArenaBatch:
 
     @property
     def item_ids(self) -> list[int]:
-        return [item_id for segment in self.segments for item_id in segment[3]]
+        return [item_id for segment in self.segments for item_id in segment.item_ids]
 
-    def add(self, arena: Arena, offset: int, length: int, item_id: int, label: int) -> None:
-        if not self.segments or self.segments[-1][0] != arena:
-            self.segments.append((arena, [], [], []))
-        _, offsets, lengths, item_ids = self.segments[-1]
-        offsets.append(offset)
-        lengths.append(length)
-        item_ids.append(item_id)
+    def _segment(self, arena: Arena | None) -> Segment:
+        if not self.segments or self.segments[-1].arena != arena:
+            self.segments.append(Segment(arena))
+        return self.segments[-1]
+
+    def add(self, arena: Arena, offset: int, length: int, item_id: int, label: int, checksum: int = 0) -> None:
+        segment = self._segment(arena)
+        segment.offsets.append(offset)
+        segment.lengths.append(length)
+        segment.item_ids.append(item_id)
+        segment.checksums.append(checksum)
+        self.labels.append(label)
+
+    def add_bytes(self, data: bytes, item_id: int, label: int) -> None:
+        """An item the worker copied already (checked, if verifying, when it copied it)."""
+        segment = self._segment(None)
+        segment.lengths.append(len(data))
+        segment.item_ids.append(item_id)
+        segment.checksums.append(0)
+        segment.data += data
         self.labels.append(label)
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -122,7 +171,7 @@ class Receipts:
         self.handed.append((self.seq, batch))
         return batch
 
-    def copied(self, arena: Arena) -> list[int]:
+    def copied(self, arena: str) -> list[int]:
         value = self.board.receipt(self.slot)
         if value >> _TAG_BITS != self.tag:
             return []  # the receipt of another pass in this slot: none of ours copied yet
@@ -130,9 +179,9 @@ class Receipts:
         ids: list[int] = []
         while self.handed and self.handed[0][0] <= upto:
             _, batch = self.handed.popleft()
-            for segment_arena, _, _, item_ids in batch.segments:
-                if segment_arena == arena:
-                    ids.extend(item_ids)
+            for segment in batch.segments:
+                if segment.arena is not None and segment.arena.name == arena:
+                    ids.extend(segment.item_ids)
         return ids
 
     @property
@@ -157,7 +206,8 @@ class _Receiver:
         if reader is None:
             if len(self.readers) >= 2:  # joaderd restarted twice: the oldest arena is done with
                 self.readers.pop(next(iter(self.readers))).close()
-            reader = self.readers[arena] = ArenaReader(arena.path, expected_uid=arena.server_uid)
+            reader = self.readers[arena] = ArenaReader(arena.path, expected_uid=arena.server_uid,
+                                                       held_by=arena.held_by)
         return reader
 
     def pool(self, nbytes: int) -> BatchPool:
@@ -179,7 +229,7 @@ def _this_process() -> _Receiver:
         return _receiver
 
 
-def receive(layout: Layout, segments: list[tuple[Arena, list[int], list[int], list[int]]],
+def receive(layout: Layout, segments: list[Segment],
             labels: list[int], receipt: tuple[int, int, int] | None) -> tuple[torch.Tensor, ...]:
     """The batch's tensors, copied out of the arena in this process, and its receipt noted.
 
@@ -190,9 +240,15 @@ def receive(layout: Layout, segments: list[tuple[Arena, list[int], list[int], li
         pool = receiver.pool(layout.batch_size * int(np.prod(layout.shape)) * dtype.itemsize)
         images = pool.take().view(dtype).reshape(layout.batch_size, *layout.shape)[:len(labels)]
         at = 0
-        for arena, offsets, lengths, _ in segments:
-            receiver.reader(arena).copy_many(offsets, lengths, images[at:at + len(offsets)])
-            at += len(offsets)
+        for segment in segments:
+            rows = images[at:at + len(segment.item_ids)]
+            if segment.arena is None:
+                rows.reshape(-1).view(np.uint8)[:] = np.frombuffer(segment.data, np.uint8)
+            else:
+                receiver.reader(segment.arena).copy_many(segment.offsets, segment.lengths, rows)
+                if layout.verify:
+                    _verify(segment, rows)
+            at += len(segment.item_ids)
     if receipt is not None:
         key, slot, value = receipt
         board = Board.created(key)
@@ -200,6 +256,15 @@ def receive(layout: Layout, segments: list[tuple[Arena, list[int], list[int], li
             board.note_receipt(slot, value)
     label_tensor = torch.tensor(labels, dtype=torch.int64)
     if layout.return_index:
-        item_ids = [item_id for segment in segments for item_id in segment[3]]
+        item_ids = [item_id for segment in segments for item_id in segment.item_ids]
         return torch.tensor(item_ids, dtype=torch.int64), torch.from_numpy(images), label_tensor
     return torch.from_numpy(images), label_tensor
+
+
+def _verify(segment: Segment, rows: np.ndarray) -> None:
+    for item_id, expected, row in zip(segment.item_ids, segment.checksums, rows, strict=True):
+        if expected and zlib.crc32(row.reshape(-1).view(np.uint8)) != expected:
+            raise IntegrityError(
+                f"item {item_id} read from arena {segment.arena.name if segment.arena else '?'} does "
+                "not match the checksum of its decode: its bytes were overwritten or read from the "
+                "wrong place. Nothing was delivered; report this as a bug.")

@@ -16,6 +16,7 @@ for up to the dataset's `timeout_s`; it publishes the new job's identity on the 
 from __future__ import annotations
 
 import base64
+import collections
 import json
 import os
 import signal
@@ -68,6 +69,24 @@ def _reply(message: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+# Descriptors of the arenas of the job's recent servers, newest last. A reply a dead joaderd
+# sent before it died may still be read after a restart removed its arena's name; its items are
+# intact in that memory, and readers reach it through /proc/<keeper>/fd/<fd> (ArenaReader).
+_held_arenas: collections.deque[int] = collections.deque()
+_ARENAS_HELD = 3
+
+
+def _hold_arena(path: str) -> int | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    _held_arenas.append(fd)
+    while len(_held_arenas) > _ARENAS_HELD:
+        os.close(_held_arenas.popleft())
+    return fd
+
+
 def _identity(first: joader_pb2.AttachResponse, server_uid: int | None) -> dict[str, Any]:
     return {
         "job_id": first.job_id,
@@ -75,6 +94,9 @@ def _identity(first: joader_pb2.AttachResponse, server_uid: int | None) -> dict[
         "server_uid": server_uid,
         "server_pid": first.server_pid,
         "arena_path": first.arena_path,
+        "fingerprint": first.fingerprint,
+        "keeper_pid": os.getpid(),
+        "arena_fd": _hold_arena(first.arena_path),
     }
 
 
@@ -113,6 +135,18 @@ def _reattach(address: str, registration: dict[str, Any], stop: threading.Event,
                   file=sys.stderr, flush=True)
             board.reconnecting = False  # the readers' errors stand
             return None
+        expected = registration.get("fingerprint")
+        if expected and first.fingerprint and first.fingerprint != expected:
+            message = (
+                f"joaderd at {address} restarted and now serves another source under the name "
+                f"{registration['source']!r} (fingerprint {first.fingerprint}, was {expected}: the "
+                "item count, files, labels or stage differ); resuming the epoch there would "
+                "deliver other items under the same indices. Restart joaderd with the same "
+                "--source and stage options, or start the job again from scratch.")
+            print(f"joader lease keeper: {message}", file=sys.stderr, flush=True)
+            board.refuse(message)
+            board.reconnecting = False
+            return None
         board.publish(_identity(first, server_uid))
         board.reconnecting = False
         print(f"joader: reconnected to joaderd at {address} (job {first.job_id})", file=sys.stderr, flush=True)
@@ -140,6 +174,7 @@ def main() -> int:
         translated = translate(error, address)
         _reply({"ok": False, "kind": type(translated).__name__, "message": str(translated)})
         return 1
+    registration["fingerprint"] = first.fingerprint  # what a restarted joaderd must serve
     _reply({
         "ok": True,
         **_identity(first, server_uid),

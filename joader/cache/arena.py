@@ -200,7 +200,12 @@ class ArenaReader:
         *,
         shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR,
         expected_uid: int | None = None,
+        held_by: tuple[int, int] | None = None,
     ) -> None:
+        """`held_by` (pid, fd): a process (the job's lease keeper) that holds the arena open.
+        When joaderd restarted, the new one removes the dead one's arena file, but a reply the
+        dead one sent before it died may still be read: its items are intact in that memory,
+        reachable through the holder's descriptor (`/proc/PID/fd/FD`) after the name is gone."""
         self.path = Path(name) if os.sep in name else Path(shm_dir) / name
         self.name = self.path.name
         uid = os.getuid() if expected_uid is None else expected_uid
@@ -210,7 +215,12 @@ class ArenaReader:
                 f"(expected {_NAME_PREFIX}-{uid}-<pid>-<hex>); the server that sent it is not "
                 "your joaderd: point JOADER_ADDRESS at your own joaderd"
             )
-        fd = _open_arena(self.path)
+        try:
+            fd = _open_arena(self.path)
+        except JoaderError:
+            if held_by is None:
+                raise
+            fd = _open_held(self.path, *held_by)
         try:
             st = os.fstat(fd)
             _check_arena_file(self.path, st, uid)
@@ -315,6 +325,21 @@ def _open_arena(path: Path) -> int:
                 "the server that sent it is not your joaderd: point JOADER_ADDRESS at your own"
             ) from None
         raise
+
+
+def _open_held(path: Path, pid: int, fd: int) -> int:
+    """`path`, unlinked, through the descriptor process `pid` holds (see `ArenaReader`)."""
+    held = f"/proc/{pid}/fd/{fd}"
+    try:
+        target = os.readlink(held)
+        if target != f"{path} (deleted)" and target != str(path):
+            raise FileNotFoundError(target)
+        return os.open(held, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        raise JoaderError(
+            f"the server's cache arena {path} does not exist any more, and no process holds it: "
+            "joaderd restarted; reconnect to the running server"
+        ) from None
 
 
 def _check_arena_file(path: Path, st: os.stat_result, uid: int) -> None:

@@ -41,12 +41,12 @@ def copy(handed: ArenaBatch) -> None:
 def test_a_receipt_covers_the_batch_and_every_earlier_one_in_order(board: Board) -> None:
     receipts = Receipts(board, 1, token=0xABCDEF0123)
     _, second, third = (receipts.hand(batch(OLD, i, i + 1)) for i in (0, 2, 4))
-    assert receipts.copied(OLD) == [] and receipts.outstanding == 3
+    assert receipts.copied(OLD.name) == [] and receipts.outstanding == 3
     copy(second)  # batches reach the training process in order: the first was copied before
-    assert receipts.copied(OLD) == [0, 1, 2, 3]
-    assert receipts.copied(OLD) == []  # acknowledged once
+    assert receipts.copied(OLD.name) == [0, 1, 2, 3]
+    assert receipts.copied(OLD.name) == []  # acknowledged once
     copy(third)
-    assert receipts.copied(OLD) == [4, 5] and receipts.outstanding == 0
+    assert receipts.copied(OLD.name) == [4, 5] and receipts.outstanding == 0
 
 
 def test_another_pass_in_the_same_slot_acknowledges_nothing_of_this_one(board: Board) -> None:
@@ -55,8 +55,8 @@ def test_another_pass_in_the_same_slot_acknowledges_nothing_of_this_one(board: B
     receipts = Receipts(board, 0, token=2)
     receipts.hand(batch(OLD, 1))
     copy(stale)  # the old iterator's batch, drained after the new pass began
-    assert receipts.copied(OLD) == []
-    assert Receipts(board, 3, token=5).copied(OLD) == []  # a fresh slot: nothing copied
+    assert receipts.copied(OLD.name) == []
+    assert Receipts(board, 3, token=5).copied(OLD.name) == []  # a fresh slot: nothing copied
 
 
 def test_items_of_a_restarted_joaderds_old_arena_are_not_acknowledged_to_the_new_one(board: Board) -> None:
@@ -65,7 +65,7 @@ def test_items_of_a_restarted_joaderds_old_arena_are_not_acknowledged_to_the_new
     spanning.add(NEW, 0, 48, 2, 0)  # joaderd restarted while this batch was filling
     assert len(spanning.segments) == 2 and spanning.item_ids == [1, 2]
     copy(receipts.hand(spanning))
-    assert receipts.copied(NEW) == [2]
+    assert receipts.copied(NEW.name) == [2]
 
 
 def test_a_handed_over_batch_pickles_to_offsets_not_pixels(board: Board) -> None:

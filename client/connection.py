@@ -1,0 +1,270 @@
+"""The job as one process reads it: its identity, and every request and reply that uses it.
+
+A job's identity is its id, its secret, and the arena its replies point into. A joaderd restart
+changes all three at once (the lease keeper attaches the job again and publishes the new ones on
+the client board). A reader that kept one piece of the old identity read the rest of an epoch
+out of the old arena: right labels, other items' pixels. So the identity is one immutable value,
+`Identity`, owned by one `Connection` per dataset; every request is built from it, and every
+reply is read through the arena the reply itself names (`NextResponse.arena`), never through a
+mapping a reader captured. A reply from the server that died is still read correctly: the items
+it handed out stay pinned and intact in its arena, which the job's lease keeper holds open.
+
+The connection also owns what a restart asks of a reader: waiting for the keeper to attach the
+job again, adopting the new identity (refusing a joaderd that serves another source under the
+same name), and acknowledging only to the server that handed an item out.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from joader.cache.arena import ArenaReader
+from joader.client.board import Board
+from joader.client.channel import PendingCall, call_async, reset_channel
+from joader.client.handoff import Arena
+from joader.errors import IntegrityError, SourceChangedError, UnknownJobError
+from joader.proto import joader_pb2
+
+logger = logging.getLogger(__name__)
+
+_UNREACHABLE_GRACE_S = 5.0
+_ARENAS_KEPT = 3  # mappings of earlier arenas a process keeps for replies still being read
+# Whole batches one Next reply may carry when they are ready at once (a warm cache): one round
+# trip, one protobuf and one acknowledgement per several batches (bench/delivery.py). joaderd
+# still waits only for the first; the others are handed out only if already prepared.
+BATCHES_PER_REQUEST = 4
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who this job is on one joaderd, and where that joaderd's arena is. Never mutated: a
+    restart makes a new one (`generation` + 1)."""
+
+    job_id: str
+    secret: bytes
+    arena_path: str
+    server_uid: int | None
+    fingerprint: str
+    generation: int = 0
+    keeper_pid: int | None = None  # the lease keeper holds `arena_fd` open (see ArenaReader)
+    arena_fd: int | None = None
+
+    @property
+    def arena(self) -> str:
+        """The arena's name, as replies name it."""
+        return os.path.basename(self.arena_path)
+
+    @classmethod
+    def from_keeper(cls, info: dict[str, Any], generation: int) -> Identity:
+        return cls(
+            job_id=info["job_id"], secret=base64.b64decode(info["job_secret"]),
+            arena_path=info["arena_path"], server_uid=info.get("server_uid"),
+            fingerprint=info.get("fingerprint", ""), generation=generation,
+            keeper_pid=info.get("keeper_pid"), arena_fd=info.get("arena_fd"),
+        )
+
+
+@dataclass
+class Reply:
+    """One Next reply and the identity it was asked with: its acknowledgements go to that
+    server only (a restarted joaderd never handed these items out)."""
+
+    response: Any
+    identity: Identity
+
+
+class Connection:
+    """The one owner of a dataset's identity in this process (forked workers get a copy, and
+    each adopts a restart on its own, from the board)."""
+
+    def __init__(self, address: str, identity: Identity, board: Board | None, *, timeout_s: float,
+                 verify: bool, keeper_note: Callable[[], str] = lambda: "") -> None:
+        self.address = address
+        self.identity = identity
+        self.board = board
+        self.timeout_s = timeout_s
+        self.verify = verify
+        self._keeper_note = keeper_note
+        self._arenas: dict[str, Identity] = {identity.arena: identity}  # what replies may name
+        self._readers: tuple[int, dict[str, ArenaReader]] = (os.getpid(), {})
+
+    @property
+    def job_id(self) -> str:
+        return self.identity.job_id
+
+    # ----------------------------------------------------------------------------- identity
+
+    def refresh(self) -> bool:
+        """Adopts the identity the keeper published after a restart, if newer; True if it did."""
+        board = self.board
+        if board is None or board.generation == self.identity.generation:
+            return False
+        generation = board.generation
+        info = board.identity()
+        if "refused" in info:
+            raise SourceChangedError(info["refused"])
+        identity = Identity.from_keeper(info, generation)
+        if self.identity.fingerprint and identity.fingerprint and identity.fingerprint != self.identity.fingerprint:
+            raise SourceChangedError(_changed_message(self.identity, identity))
+        self.identity = identity
+        self._arenas[identity.arena] = identity
+        while len(self._arenas) > _ARENAS_KEPT + 1:
+            del self._arenas[next(iter(self._arenas))]
+        reset_channel(self.address)
+        self.reader(identity.arena)  # mapped now, while its file surely exists
+        logger.debug("job %s: attached again to the restarted joaderd", identity.job_id)
+        return True
+
+    def await_reconnect(self, unreachable_since: list[float | None]) -> bool:
+        """Whether to ask again after a refused or unknown-job call: waits while the lease
+        keeper attaches the job to a restarted joaderd (then adopts it), and retries a refused
+        connection for a few seconds (the first call after a restart can race the server's
+        start). False: joaderd did not go away, the error stands."""
+        board = self.board
+        if board is None:
+            return False
+        now = time.monotonic()
+        if board.generation == self.identity.generation and not board.reconnecting:
+            if unreachable_since[0] is None:
+                unreachable_since[0] = now
+            if now - unreachable_since[0] < _UNREACHABLE_GRACE_S:
+                # The keeper's stream breaks as soon as joaderd dies; until it says so, or
+                # after joaderd came back, a refused call is worth repeating.
+                time.sleep(0.2)
+                reset_channel(self.address)
+                return True
+            return False
+        deadline = now + self.timeout_s
+        logger.debug("job %s: waiting for the lease keeper to attach the job again", self.job_id)
+        while board.generation == self.identity.generation:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"job {self.job_id}: joaderd at {self.address} did not come back within "
+                    f"{self.timeout_s:g} s (timeout_s); restart it (`joaderd --source ...`) and the job")
+            if not board.reconnecting and board.generation == self.identity.generation:
+                return False  # the keeper gave up (its stderr says why)
+            time.sleep(0.05)
+        self.refresh()
+        unreachable_since[0] = None
+        return True
+
+    # ----------------------------------------------------------------------------- calls
+
+    def request(self, fields: dict[str, Any], acks: Reply | list[int] | None = None,
+                ack_ids: list[int] | None = None, on_reply: Callable[[Any], None] | None = None) -> Call:
+        """Sends a Next with this identity. `acks`: the reply whose items (or `ack_ids` of
+        them) are acknowledged, sent only if that reply came from this same server."""
+        identity = self.identity
+        ids: list[int] = []
+        if isinstance(acks, Reply):
+            if acks.identity.generation == identity.generation:
+                ids = list(acks.response.item_ids) if ack_ids is None else ack_ids
+        elif acks:
+            ids = acks
+        request = joader_pb2.NextRequest(job_id=identity.job_id, job_secret=identity.secret, acks=ids,
+                                         pid=os.getpid(), **fields)
+        pending = call_async(self.address, "Next", request, timeout_s=self.timeout_s + 30)
+        if on_reply is not None:
+            pending.on_success(on_reply)
+        return Call(pending, identity)
+
+    def reply(self, call: Call, unreachable_since: list[float | None]) -> Reply | None:
+        """The reply; None when the caller should ask again: joaderd restarted meanwhile and
+        the job was attached again, or joaderd was briefly unreachable."""
+        try:
+            response = call.pending.result()
+        except (ConnectionError, UnknownJobError) as error:
+            if self.await_reconnect(unreachable_since):
+                return None
+            if isinstance(error, UnknownJobError):
+                raise UnknownJobError(f"{error}{self._keeper_note()}") from None
+            raise
+        unreachable_since[0] = None
+        if response.arena and response.arena != call.identity.arena:
+            raise IntegrityError(
+                f"job {call.identity.job_id}: joaderd answered with items of arena {response.arena}, "
+                f"but it serves {call.identity.arena}; the reply was not read. Report this as a bug.")
+        return Reply(response, call.identity)
+
+    def acknowledge(self, reply: Reply, ids: list[int], fields: dict[str, Any]) -> None:
+        """Acknowledges `ids` of `reply` alone (no items asked). After a restart they are moot:
+        the new joaderd never handed them out, and the resumed epoch skips them."""
+        if not ids or reply.identity.generation != self.identity.generation:
+            return
+        unreachable: list[float | None] = [None]
+        while True:
+            try:
+                self.request(fields, reply, ids).pending.result()
+                return
+            except (ConnectionError, UnknownJobError):
+                if not self.await_reconnect(unreachable) or reply.identity.generation != self.identity.generation:
+                    return  # joaderd is gone or came back: the pins went with the old server
+
+    # ----------------------------------------------------------------------------- the arena
+
+    def reader(self, arena: str) -> ArenaReader:
+        """This process's mapping of `arena` (a reply's), which must be one this job's
+        identities named: a reply is never read through another arena."""
+        pid, readers = self._readers
+        if pid != os.getpid():
+            readers = {}
+            self._readers = (os.getpid(), readers)
+        reader = readers.get(arena)
+        if reader is None:
+            where = self.arena(arena)
+            reader = ArenaReader(where.path, expected_uid=where.server_uid, held_by=where.held_by)
+            readers[arena] = reader
+            while len(readers) > _ARENAS_KEPT:
+                readers.pop(next(iter(readers))).close()
+        return reader
+
+    def arena(self, arena: str) -> Arena:
+        """`arena` as a batch handed to another process names it (`joader.client.handoff`)."""
+        identity = self._arenas.get(arena)
+        if identity is None:
+            raise IntegrityError(
+                f"job {self.job_id}: a reply names arena {arena!r}, which no joaderd this job "
+                "attached to uses; nothing was read. Report this as a bug.")
+        held = (identity.keeper_pid, identity.arena_fd) if identity.keeper_pid and identity.arena_fd else None
+        return Arena(identity.arena_path, identity.server_uid, held)
+
+    def check(self, response: Any, outs: list[Any], at: int = 0) -> None:
+        """With verification on: each copied item's crc32 against the one its decode wrote
+        (`response.checksums`; 0 means none was recorded)."""
+        if not self.verify:
+            return
+        checksums = response.checksums
+        for i, out in enumerate(outs):
+            expected = checksums[at + i] if at + i < len(checksums) else 0
+            if expected and zlib.crc32(memoryview(out).cast("B")) != expected:
+                raise IntegrityError(
+                    f"job {self.job_id}: item {response.item_ids[at + i]} read from arena {response.arena} "
+                    "does not match the checksum of its decode: its bytes were overwritten or read "
+                    "from the wrong place. Nothing was delivered; report this as a bug.")
+
+
+class Call:
+    """A Next in flight and the identity it was sent with."""
+
+    __slots__ = ("identity", "pending")
+
+    def __init__(self, pending: PendingCall, identity: Identity) -> None:
+        self.pending = pending
+        self.identity = identity
+
+
+def _changed_message(old: Identity, new: Identity) -> str:
+    return (
+        f"job {old.job_id}: joaderd restarted and now serves another source under this job's "
+        f"source name (fingerprint {new.fingerprint}, was {old.fingerprint}: the item count, "
+        "files, labels or stage differ). Resuming the epoch there would deliver other items "
+        "under the same indices. Restart joaderd with the same --source and stage options, "
+        "or start the job again from scratch."
+    )

@@ -1,0 +1,362 @@
+"""Reading one pass: the reply loop, and the three ways its items reach the training loop.
+
+`Reader` is one pass in one process. Its reply loop (`replies`) asks joaderd for the pass's
+items, a batch per request, each request carrying the previous batch's acknowledgements so that
+it travels while that batch is consumed; it survives a joaderd restart (the connection adopts the
+new identity, and the pass resumes its epoch without what this rank already received). The
+delivery modes only say how a reply's items are placed:
+
+- `items`: one tensor per item (a DataLoader collates them);
+- `batches`: whole batches copied straight into one tensor (`batched=True`);
+- `handed_off`: in a DataLoader worker without a transform, batches as arena offsets that the
+  training process copies (`joader.client.handoff`).
+
+None of them keeps a piece of the job's identity: every reply is read through the arena it
+names, via the connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch.utils.data import get_worker_info
+
+from joader.client.connection import BATCHES_PER_REQUEST, Call, Connection, Reply
+from joader.client.handoff import ArenaBatch, Layout, Receipts
+from joader.client.passes import Pass, resume_point
+from joader.errors import DecodeError, InvalidArgumentError, PassSupersededError, superseded_message
+from joader.proto import DTYPES, joader_pb2
+from joader.sources.safe_open import display_path
+
+if TYPE_CHECKING:
+    from joader.client.dataset import JoaderDataset
+
+logger = logging.getLogger(__name__)
+
+
+class Reader:
+    """One pass of `dataset` in this process."""
+
+    def __init__(self, dataset: JoaderDataset, stream: Pass) -> None:
+        self.ds = dataset
+        self.conn: Connection = dataset._connection
+        self.stream = stream
+
+    # ----------------------------------------------------------------------------- requests
+
+    def _fields(self, max_items: int) -> dict[str, Any]:
+        stream = self.stream
+        fields: dict[str, Any] = {
+            "token": stream.token, "max_items": max_items, "worker_id": stream.worker_id,
+            "rank": self.ds.rank, "max_batches": BATCHES_PER_REQUEST if max_items else 0,
+        }
+        if stream.measured and stream.epoch:
+            fields.update(stall_epoch=stream.epoch, stall_wait_s=stream.wait_s,
+                          stall_step_s=stream.step_s, stall_items=stream.items)
+        if max_items and stream.resume is not None:  # until the pass's first reply
+            fields.update(resume_epoch=int(stream.resume["epoch"]),
+                          resume_consumed=stream.resume["consumed"].serialize(),
+                          resume_parts=int(stream.resume.get("parts", 1)))
+        return fields
+
+    def ask(self, acks: Reply | list[int] | None = None) -> Call:
+        """Asks for the next batch, acknowledging `acks`. The reply's items are marked on the
+        client board the moment it arrives, read or not: a restart's resume report is built
+        from the board, and an item that arrived but was not yet marked would be dealt again."""
+        return self.conn.request(self._fields(self.ds.batch_size), acks, on_reply=self._mark)
+
+    def report(self) -> None:
+        """A request that asks for nothing: carries the stall figures."""
+        self.conn.request(self._fields(0)).pending.result()
+
+    def acknowledge(self, reply: Reply, ids: list[int]) -> None:
+        self.conn.acknowledge(reply, ids, self._fields(0))
+
+    def _mark(self, response: Any) -> None:
+        board = self.conn.board
+        ids = list(response.item_ids) + [f.item_id for f in response.failed]
+        if board is not None and ids:
+            board.note_pass(response.epoch, self.stream.token)
+            board.mark(ids, response.epoch)
+
+    # ----------------------------------------------------------------------------- the loop
+
+    def replies(self, place: Callable[[Reply], None],
+                copied: Callable[[], list[int]] | None = None) -> Iterator[None]:
+        """One epoch of replies. `place(reply)` copies the reply's items out of the arena;
+        each batch is then acknowledged in the request that fetches the next one. Yields after
+        each placing. `copied()`, if given, says what to acknowledge instead of the placed ids:
+        items another process copies out (`joader.client.handoff`), of the current server."""
+        ds, conn, stream = self.ds, self.conn, self.stream
+        call: Call | None = self.ask()
+        unreachable: list[float | None] = [None]
+        idle_s = 0.0
+        try:
+            while call is not None:
+                asked_with = call.identity
+                reply = conn.reply(call, unreachable)
+                if reply is None:  # joaderd restarted (the job is attached again) or was unreachable
+                    if conn.identity is not asked_with and stream.resume is None and conn.board is not None:
+                        stream.resume = resume_point(conn.board, stream)
+                    call = self.ask()
+                    continue
+                call = None
+                response = reply.response
+                if not stream.epoch:
+                    ds._progress.start_epoch(stream, response.epoch)
+                place(reply)
+                ids = list(response.item_ids)
+                self._mark(response)  # again: the callback may not have run yet
+                if response.failed and ds.on_error == "raise":
+                    self.acknowledge(reply, ids)  # nothing of this batch stays pinned
+                    self._raise_failure(response.failed[0])
+                for failed in response.failed:
+                    self._warn_failure(failed)
+                acks: Reply | list[int] = reply if copied is None else copied()
+                if response.end_of_epoch:
+                    if isinstance(acks, Reply):
+                        self.acknowledge(reply, ids)
+                    elif acks:
+                        conn.acknowledge(Reply(response, conn.identity), acks, self._fields(0))
+                else:
+                    call = self.ask(acks)
+                if ids:
+                    idle_s = 0.0
+                elif not response.end_of_epoch:
+                    idle_s += 1.0  # the server waited about a second for a ready item
+                    if idle_s > ds.timeout_s:
+                        self._timed_out()
+                yield
+            if ds._progress.current is stream:
+                ds._progress.finished = True
+        finally:
+            if call is not None:  # the loop broke out early with a batch on its way
+                self._acknowledge_leftover(call)
+
+    def _timed_out(self) -> None:
+        ds = self.ds
+        waiting = (f" A job of {ds.world_size} ranks starts once all of them attached."
+                   if ds.world_size > 1 else "")
+        raise TimeoutError(
+            f"job {self.conn.job_id}: no item from joaderd for {ds.timeout_s:g} s; see `joader "
+            "status` (is the cache too small, or a decode worker stuck?)" + waiting)
+
+    def _acknowledge_leftover(self, call: Call) -> None:
+        """Best effort: give back a prefetched batch nobody will read (the lease's end would
+        release it anyway). At interpreter exit, grpc may already be torn down: skip it."""
+        if sys.is_finalizing():
+            return
+        try:
+            response = call.pending.result()
+            if response.item_ids:
+                self.acknowledge(Reply(response, call.identity), list(response.item_ids))
+        except Exception as error:  # noqa: BLE001  a failed courtesy call must not mask anything
+            logger.debug("job %s: leftover batch not acknowledged: %s", self.conn.job_id, error)
+
+    def check_current(self) -> None:
+        """A newer iter() in this process took the epoch: items this one still holds (prefetched
+        before) must not be yielded as if its epoch went on. joaderd tells the same to readers in
+        other processes (DataLoader workers) at their next request."""
+        if self.ds._progress.current is not self.stream:
+            raise PassSupersededError(superseded_message(self.conn.job_id))
+
+    def _yielded(self, indices: list[int]) -> None:
+        self.check_current()
+        self.ds._progress.yielded(self.stream, indices)
+
+    def _raise_failure(self, failed: joader_pb2.FailedItem) -> None:
+        raise DecodeError(
+            f"job {self.conn.job_id}: item {failed.item_id} ({display_path(failed.path)}) of source "
+            f"{self.ds.source!r} could not be decoded: {failed.reason}. Fix or remove the file "
+            "(joaderd retries it after --retry-failed-s), or pass on_error='skip' to train "
+            "without it."
+        )
+
+    def _warn_failure(self, failed: joader_pb2.FailedItem) -> None:
+        warned = self.ds._warned
+        if failed.item_id not in warned:
+            warned.add(failed.item_id)
+            logger.warning("job %s: skipping item %d (%s): %s", self.conn.job_id, failed.item_id,
+                           display_path(failed.path), failed.reason)
+
+    def _check_shapes(self, response: Any) -> None:
+        for index, item_shape in zip(response.item_ids, shapes(response), strict=True):
+            if item_shape != self.ds.item_shape:
+                raise InvalidArgumentError(
+                    f"job {self.conn.job_id}: item {index} of {self.ds.source!r} has shape {item_shape}, "
+                    f"not the stage's {self.ds.item_shape} (an image smaller than the stage's size is "
+                    "served as it is); set upscale = true for the source, or use batched=False")
+
+    # ----------------------------------------------------------------------------- modes
+
+    def items(self) -> Iterator[Any]:
+        """One `(image, label)` (or `(index, image, label)`) per item."""
+        ds, conn = self.ds, self.conn
+        placed: list[tuple[int, torch.Tensor, int]] = []
+
+        def place(reply: Reply) -> None:
+            response = reply.response
+            # One tensor per item, not views of one batch tensor: torch.stack (in the
+            # DataLoader's collate) is ~30x slower on views that share a storage.
+            arrays = [np.empty(shape, dtype=dtype) for shape, dtype in zip(shapes(response), dtypes(response),
+                                                                             strict=True)]
+            conn.reader(response.arena or reply.identity.arena).copy_many(response.offsets, response.lengths, arrays)
+            conn.check(response, arrays)
+            placed.extend(zip(response.item_ids, map(torch.from_numpy, arrays), response.labels, strict=True))
+
+        for _ in self.replies(place):
+            ready, placed[:] = list(placed), []
+            for index, image, label in ready:
+                if ds.transform is not None:
+                    image = ds.transform(image)
+                self._yielded([index])
+                yield (index, image, label) if ds.return_index else (image, label)
+
+    def batches(self) -> Iterator[Any]:
+        """Whole batches, each copied straight into one tensor (`batched=True`)."""
+        ds, conn = self.ds, self.conn
+        assert ds.item_shape is not None
+        shape, dtype, size = ds.item_shape, np.dtype(ds.item_dtype), ds.batch_size
+        # In a DataLoader worker, each batch is made in shared memory, as the DataLoader's own
+        # collate does there: handing it to the main process then passes a file descriptor
+        # instead of copying the batch once more. Elsewhere batches fill pooled buffers
+        # (joader.client.batchpool), which fresh allocations' page faults made twice as slow.
+        pool = None if get_worker_info() is not None else ds._batch_pool(size * int(np.prod(shape)) * dtype.itemsize)
+        done: list[tuple[torch.Tensor, list[int], list[int]]] = []
+
+        def fresh() -> list[Any]:
+            if pool is None:
+                return [shared_batch_tensor((size, *shape), dtype), [], []]
+            return [torch.from_numpy(pool.take().view(dtype).reshape(size, *shape)), [], []]
+
+        current: list[Any] = fresh()
+
+        def place(reply: Reply) -> None:
+            response = reply.response
+            self._check_shapes(response)
+            reader = conn.reader(response.arena or reply.identity.arena)
+            at, count = 0, len(response.item_ids)
+            while at < count:
+                images, indices, labels = current
+                take = min(size - len(indices), count - at)
+                rows = images.numpy()[len(indices):len(indices) + take]
+                reader.copy_many(response.offsets[at:at + take], response.lengths[at:at + take], rows)
+                conn.check(response, list(rows), at)
+                indices.extend(response.item_ids[at:at + take])
+                labels.extend(response.labels[at:at + take])
+                at += take
+                if len(indices) == size:
+                    done.append((images, indices, labels))
+                    current[:] = fresh()
+
+        for _ in self.replies(place):
+            while done:
+                images, indices, labels = done.pop(0)
+                self._yielded(indices)
+                yield self._emit(images, indices, labels)
+        images, indices, labels = current
+        if indices:
+            self._yielded(indices)
+            yield self._emit(images[: len(indices)], indices, labels)
+
+    def _emit(self, images: torch.Tensor, indices: list[int], labels: list[int]) -> Any:
+        ds = self.ds
+        if ds.transform is not None:
+            images = torch.stack([ds.transform(image) for image in images])
+        label_tensor = torch.tensor(labels, dtype=torch.int64)
+        if ds.return_index:
+            return torch.tensor(indices, dtype=torch.int64), images, label_tensor
+        return images, label_tensor
+
+    def handed_off(self, receipts: Receipts) -> Iterator[ArenaBatch]:
+        """`batched=True` in a forked DataLoader worker without a transform: batches as arena
+        offsets, which the training process copies out (`joader.client.handoff`). Their items
+        are acknowledged once its receipts cover them. When joaderd says the job holds more
+        than its share of the cache (`copy_now`), this worker copies the reply's items itself
+        and acknowledges them at once: the hand-off pipeline (the DataLoader's prefetch) must
+        not hold a small cache's every slot."""
+        ds, conn = self.ds, self.conn
+        assert ds.item_shape is not None
+        layout = Layout(ds.item_shape, ds.item_dtype, ds.batch_size, ds.return_index, conn.verify)
+        done: list[ArenaBatch] = []
+        current = [ArenaBatch(layout)]
+        copied_now: list[int] = []
+
+        def place(reply: Reply) -> None:
+            response = reply.response
+            self._check_shapes(response)
+            identity = reply.identity
+            where = conn.arena(response.arena or identity.arena)
+            reader = conn.reader(where.name) if response.copy_now else None
+            for i, (offset, length, index, label) in enumerate(zip(
+                    response.offsets, response.lengths, response.item_ids, response.labels, strict=True)):
+                checksum = response.checksums[i] if i < len(response.checksums) else 0
+                if reader is not None:
+                    data = bytearray(length)
+                    reader.copy_many([offset], [length], [data])
+                    conn.check(response, [data], i)
+                    current[0].add_bytes(bytes(data), index, label)
+                    copied_now.append(index)
+                else:
+                    current[0].add(where, offset, length, index, label, checksum)
+                if len(current[0]) == ds.batch_size:
+                    done.append(current[0])
+                    current[0] = ArenaBatch(layout)
+
+        def copied() -> list[int]:
+            ids = receipts.copied(conn.identity.arena)
+            ids.extend(copied_now)
+            copied_now.clear()
+            return ids
+
+        for _ in self.replies(place, copied=copied):
+            while done:
+                batch = done.pop(0)
+                self._yielded(batch.item_ids)
+                yield receipts.hand(batch)
+        if len(current[0]):
+            self._yielded(current[0].item_ids)
+            yield receipts.hand(current[0])
+        # Asked for more after the last batch: acknowledge the rest once the training process
+        # copied it (it reads this worker's batches in order, before this worker's end).
+        deadline = time.monotonic() + ds.timeout_s
+        while receipts.outstanding and time.monotonic() < deadline:
+            ids = receipts.copied(conn.identity.arena)
+            if ids:
+                conn.acknowledge(Reply(None, conn.identity), ids, self._fields(0))
+            else:
+                time.sleep(0.002)
+
+
+def shared_batch_tensor(shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor:
+    """An uninitialized batch tensor in shared memory (no copy of its garbage, unlike
+    `share_memory_()`), for a DataLoader worker to hand to the training process."""
+    torch_dtype = _TORCH_DTYPES[dtype]
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)  # what torch's own collate uses
+    if new_shared is None:  # not in this torch: a shared copy of an empty tensor
+        return torch.empty(shape, dtype=torch_dtype).share_memory_()
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    return torch.empty(0, dtype=torch_dtype).set_(new_shared(nbytes), 0, shape)
+
+
+def shapes(response: Any) -> list[tuple[int, ...]]:
+    """Each item's shape, from the response's flat `dims` and per-item `ndims`."""
+    dims, found, at = response.dims, [], 0
+    for ndim in response.ndims:
+        found.append(tuple(dims[at:at + ndim]))
+        at += ndim
+    return found
+
+
+def dtypes(response: Any) -> list[np.dtype]:
+    return [_NUMPY_DTYPES[code] for code in response.dtypes]
+
+
+_NUMPY_DTYPES = [np.dtype(name) for name in DTYPES]
+_TORCH_DTYPES = {dtype: torch.from_numpy(np.empty(0, dtype)).dtype for dtype in _NUMPY_DTYPES}
