@@ -1,0 +1,78 @@
+"""A training job that records every sample it receives, for the content checks of fault tests.
+
+    python -m tests.integration.integrity_job --address A --records FILE [--workers N]
+        [--batched] [--transform] [--reseed] [--epochs E] [--indices a:b[:c]] [--sleep S]
+
+One JSON line per sample (flushed per batch): epoch, index, label, crc32 of its pixels, so a
+job killed -9 leaves what it received. With `--reseed`, torch.manual_seed(0) before each
+epoch (fresh DataLoader workers then repeat their base seed). With `--transform`, an identity
+transform in the job stage (the path matters, not what it does). Lines of kind "epoch" mark
+each epoch's end; the last line says "done".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import zlib
+from typing import Any
+
+
+def _identity(image: Any) -> Any:
+    return image.clone()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--records", required=True)
+    parser.add_argument("--source", default="demo")
+    parser.add_argument("--name", default=f"integrity-{os.getpid()}")
+    parser.add_argument("--indices", default=None)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--batched", action="store_true")
+    parser.add_argument("--transform", action="store_true")
+    parser.add_argument("--reseed", action="store_true")
+    parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--timeout-s", type=float, default=60.0)
+    args = parser.parse_args()
+
+    import torch
+    from torch.utils.data import DataLoader
+
+    from joader.client.dataset import JoaderDataset
+
+    indices = range(*map(int, args.indices.split(":"))) if args.indices else None
+    ds = JoaderDataset(args.source, indices=indices, address=args.address, name=args.name,
+                       batch_size=args.batch_size, batched=args.batched, return_index=True,
+                       transform=_identity if args.transform else None, timeout_s=args.timeout_s,
+                       )  # JOADER_VERIFY=1 in the environment checks every crc32
+    loader = DataLoader(ds, batch_size=None if args.batched else args.batch_size, num_workers=args.workers)
+    with open(args.records, "a") as out:
+        for epoch in range(1, args.epochs + 1):
+            if args.reseed:
+                torch.manual_seed(0)
+            for indices_t, images, labels in loader:
+                lines = [
+                    json.dumps({"kind": "sample", "epoch": epoch, "index": int(i), "label": int(label),
+                                "crc": zlib.crc32(image.contiguous().numpy().tobytes())})
+                    for i, image, label in zip(indices_t, images, labels, strict=True)
+                ]
+                out.write("\n".join(lines) + "\n")
+                out.flush()
+                if args.sleep:
+                    time.sleep(args.sleep)
+            out.write(json.dumps({"kind": "epoch", "epoch": epoch}) + "\n")
+            out.flush()
+        out.write(json.dumps({"kind": "done"}) + "\n")
+    ds.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
