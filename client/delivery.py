@@ -110,6 +110,10 @@ class Reader:
                 response = reply.response
                 if not stream.epoch:
                     ds._progress.start_epoch(stream, response.epoch)
+                # joaderd has taken the resume (a checkpoint's, or a restart's): it must not
+                # travel again, least of all to the next restarted joaderd, which would then
+                # deal again what this pass received in between.
+                stream.resume = None
                 place(reply)
                 ids = list(response.item_ids)
                 self._mark(response)  # again: the callback may not have run yet
