@@ -94,6 +94,29 @@ def test_reader_sees_writer_bytes_read_only(tmp_path: Path) -> None:
                 reader.view(4 * 48 - 2, 4)
 
 
+def test_a_removed_arena_is_read_through_the_descriptor_its_keeper_holds(tmp_path: Path) -> None:
+    """After a restart the new joaderd removes the dead one's arena; a reply the dead one sent
+    is still read, from the same memory, through the lease keeper's descriptor. Never another
+    file: a descriptor that is not this arena (reused for something else) is refused."""
+    with Arena.create(4 * 48, 48, shm_dir=tmp_path) as arena:
+        arena.array(48, (48,))[:] = np.arange(48, dtype=np.uint8)
+        held = os.open(arena.path, os.O_RDONLY)
+        other = os.open(tmp_path, os.O_RDONLY)
+        try:
+            arena.unlink()
+            with pytest.raises(JoaderError, match="restarted"):
+                ArenaReader(arena.name, shm_dir=tmp_path)
+            with ArenaReader(arena.name, shm_dir=tmp_path, held_by=(os.getpid(), held)) as reader:
+                out = np.empty(48, np.uint8)
+                reader.copy_into(48, out)
+                assert (out == np.arange(48)).all()
+            with pytest.raises(JoaderError, match="no process holds it"):
+                ArenaReader(arena.name, shm_dir=tmp_path, held_by=(os.getpid(), other))
+        finally:
+            os.close(held)
+            os.close(other)
+
+
 def test_reader_of_missing_arena_says_server_is_gone(tmp_path: Path) -> None:
     with pytest.raises(JoaderError, match="restarted"):
         ArenaReader(f"joader-{os.getuid()}-1-dead", shm_dir=tmp_path)

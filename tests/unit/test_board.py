@@ -1,0 +1,46 @@
+"""The client board's pass claims (`Board.claim_pass`), on a real memfd board."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from joader.client.board import Board
+
+
+@pytest.fixture
+def board() -> Iterator[Board]:
+    board = Board.create()
+    board.size_for(16)
+    yield board
+    board.close()
+
+
+def test_the_workers_of_one_iterator_share_a_token(board: Board) -> None:
+    tokens = {board.claim_pass(key=77, slot=slot, pid=1000 + slot) for slot in range(4)}
+    assert len(tokens) == 1 and tokens.pop() != 77  # a fresh token, not the (repeating) key
+
+
+def test_a_reseeded_iterator_gets_a_new_token_though_its_key_repeats(board: Board) -> None:
+    """torch.manual_seed before each epoch: fresh workers compute the same key again. A slot
+    already taken in the current pass means a new iterator; its other workers join it."""
+    first = [board.claim_pass(key=77, slot=slot, pid=1000 + slot) for slot in range(2)]
+    second = [board.claim_pass(key=77, slot=slot, pid=2000 + slot) for slot in range(2)]
+    assert first[0] == first[1] and second[0] == second[1] and first[0] != second[0]
+
+
+def test_a_persistent_workers_next_pass_has_a_new_key_and_token(board: Board) -> None:
+    first = board.claim_pass(key=1, slot=0, pid=1000)
+    assert board.claim_pass(key=2, slot=0, pid=1000) != first
+    assert board.claim_pass(key=2, slot=1, pid=1001) == board.claim_pass(key=2, slot=2, pid=1002)
+
+
+def test_tokens_survive_a_resize_of_the_board() -> None:
+    board = Board.create()
+    try:
+        token = board.claim_pass(key=5, slot=0, pid=1)
+        board.size_for(1000)
+        assert board.claim_pass(key=5, slot=1, pid=2) == token
+    finally:
+        board.close()
