@@ -35,7 +35,8 @@ from joader.proto import joader_pb2
 logger = logging.getLogger(__name__)
 
 _UNREACHABLE_GRACE_S = 5.0
-_ARENAS_KEPT = 3  # mappings of earlier arenas a process keeps for replies still being read
+_ARENAS_KEPT = 2  # mappings a process keeps: the current arena's, and the previous one's for
+# replies still being read (a dead arena's pages count against /dev/shm while mapped)
 # Whole batches one Next reply may carry when they are ready at once (a warm cache): one round
 # trip, one protobuf and one acknowledgement per several batches (bench/delivery.py). joaderd
 # still waits only for the first; the others are handed out only if already prepared.

@@ -59,6 +59,7 @@ def _requests(registration: dict[str, Any], stop: threading.Event, interval: lis
     while not stop.wait(interval[0]):
         if os.getppid() != parent:  # the training process died; its pipe may still be held open
             return
+        _release_old_arenas()
         yield joader_pb2.AttachRequest(heartbeat=True)
     if closing.is_set():
         yield joader_pb2.AttachRequest(closing=True)
@@ -72,8 +73,12 @@ def _reply(message: dict[str, Any]) -> None:
 # Descriptors of the arenas of the job's recent servers, newest last. A reply a dead joaderd
 # sent before it died may still be read after a restart removed its arena's name; its items are
 # intact in that memory, and readers reach it through /proc/<keeper>/fd/<fd> (ArenaReader).
+# A dead server's arena is released OLD_ARENA_GRACE_S after the job attached again: a reply
+# read later than that is refused with an error, and /dev/shm does not keep a dead arena's
+# pages (they count against its size) any longer than the replies in flight need.
 _held_arenas: collections.deque[int] = collections.deque()
-_ARENAS_HELD = 3
+_held_since = [0.0]
+OLD_ARENA_GRACE_S = 60.0
 
 
 def _hold_arena(path: str) -> int | None:
@@ -82,9 +87,16 @@ def _hold_arena(path: str) -> int | None:
     except OSError:
         return None
     _held_arenas.append(fd)
-    while len(_held_arenas) > _ARENAS_HELD:
+    _held_since[0] = time.monotonic()
+    while len(_held_arenas) > 2:
         os.close(_held_arenas.popleft())
     return fd
+
+
+def _release_old_arenas() -> None:
+    if len(_held_arenas) > 1 and time.monotonic() - _held_since[0] > OLD_ARENA_GRACE_S:
+        while len(_held_arenas) > 1:
+            os.close(_held_arenas.popleft())
 
 
 def _identity(first: joader_pb2.AttachResponse, server_uid: int | None) -> dict[str, Any]:
