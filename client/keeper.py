@@ -79,6 +79,7 @@ def _reply(message: dict[str, Any]) -> None:
 _held_arenas: collections.deque[int] = collections.deque()
 _held_since = [0.0]
 OLD_ARENA_GRACE_S = 60.0
+_ARENAS_HELD = 4  # restarts in quick succession: a prefetched batch may be three arenas old
 
 
 def _hold_arena(path: str) -> int | None:
@@ -88,7 +89,7 @@ def _hold_arena(path: str) -> int | None:
         return None
     _held_arenas.append(fd)
     _held_since[0] = time.monotonic()
-    while len(_held_arenas) > 2:
+    while len(_held_arenas) > _ARENAS_HELD:
         os.close(_held_arenas.popleft())
     return fd
 
