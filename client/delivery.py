@@ -102,7 +102,7 @@ class Reader:
                 asked_with = call.identity
                 reply = conn.reply(call, unreachable)
                 if reply is None:  # joaderd restarted (the job is attached again) or was unreachable
-                    if conn.identity is not asked_with and stream.resume is None and conn.board is not None:
+                    if conn.identity is not asked_with and conn.board is not None:
                         stream.resume = resume_point(conn.board, stream)
                     call = self.ask()
                     continue

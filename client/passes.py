@@ -55,14 +55,21 @@ class Pass:
 
 def resume_point(board: Board, stream: Pass) -> dict[str, Any] | None:
     """What `stream` tells a restarted joaderd: its epoch, without what this rank received of
-    it (from every reader, on the board); for a pass with no item yet, the next epoch."""
+    it (from every reader, on the board); for a pass with no item yet, the next epoch.
+
+    Computed anew at every restart, from the board as it is then: a resume computed at an
+    earlier restart and not yet delivered lacks what the other readers received in between
+    (that dealt them again). Only a checkpoint's resume (`load_state_dict`) that no joaderd
+    has taken yet is kept as it is: the board knows nothing of that epoch."""
+    if stream.resume is not None and not stream.resume.get("from_board") and not stream.epoch:
+        return stream.resume
     epoch, token = board.current_pass()
     if stream.epoch:
-        return {"epoch": stream.epoch, "consumed": board.received(stream.epoch), "parts": 1}
+        return {"epoch": stream.epoch, "consumed": board.received(stream.epoch), "parts": 1, "from_board": True}
     if epoch and token == stream.token:  # another reader of this pass got its first items
-        return {"epoch": epoch, "consumed": board.received(epoch), "parts": 1}
+        return {"epoch": epoch, "consumed": board.received(epoch), "parts": 1, "from_board": True}
     if epoch:  # a new pass: the next epoch, whole, keeping the numbering
-        return {"epoch": epoch + 1, "consumed": BitMap(), "parts": 1}
+        return {"epoch": epoch + 1, "consumed": BitMap(), "parts": 1, "from_board": True}
     return None
 
 
