@@ -125,6 +125,31 @@ def _attach(address: str, registration: dict[str, Any], stop: threading.Event,
     return responses, first, server_uid
 
 
+STARTING_GRACE_S = 15.0
+
+
+def _first_attach(address: str, registration: dict[str, Any], stop: threading.Event,
+                  interval: list[float]) -> tuple[Any, joader_pb2.AttachResponse, int | None]:
+    """`_attach`, retried for a few seconds while a socket file is there but refuses: a joaderd
+    restarting (a killed one leaves its socket) comes back within seconds. No socket file means
+    no joaderd: the error is immediate."""
+    path = address[len("unix:"):] if address.startswith("unix:") else None
+    deadline = time.monotonic() + STARTING_GRACE_S
+    while True:
+        try:
+            return _attach(address, registration, stop, interval)
+        except ConnectionError:
+            if path is None or not os.path.exists(path) or time.monotonic() > deadline:
+                raise
+        except grpc.RpcError as error:
+            translated = translate(error, address)
+            if not isinstance(translated, ConnectionError) or path is None or not os.path.exists(path) \
+                    or time.monotonic() > deadline:
+                raise
+        time.sleep(0.25)
+        reset_channel(address)
+
+
 def _reattach(address: str, registration: dict[str, Any], stop: threading.Event,
               interval: list[float], board: Board) -> Any | None:
     """joaderd went away: attach again once one answers, within the dataset's timeout."""
@@ -179,7 +204,7 @@ def main() -> int:
     stop = threading.Event()
     interval = [DEFAULT_HEARTBEAT_S]
     try:
-        responses, first, server_uid = _attach(address, registration, stop, interval)
+        responses, first, server_uid = _first_attach(address, registration, stop, interval)
     except (JoaderError, ConnectionError) as error:
         _reply({"ok": False, "kind": type(error).__name__, "message": str(error)})
         return 1

@@ -86,6 +86,7 @@ import signal
 import socket
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -131,6 +132,7 @@ class DecodeResult:
     shape: tuple[int, ...] = ()  # of the prepared item, when ok
     dtype: str = ""
     nbytes: int = 0
+    checksum: int = 0  # zlib.crc32 of the bytes written into the arena (clients may verify)
 
 
 @dataclass(frozen=True)
@@ -706,14 +708,17 @@ def _run_task(
         problem = _check_output(array, spec.stage, capacity)
         if problem:
             raise DecodeError(f"cannot prepare {path}: {problem}")
-        np.frombuffer(arena, np.uint8, array.nbytes, offset)[:] = array.reshape(-1).view(np.uint8)
+        written = array.reshape(-1).view(np.uint8)
+        np.frombuffer(arena, np.uint8, array.nbytes, offset)[:] = written
+        checksum = zlib.crc32(written)  # ~0.03 ms per 196 KB: a client's copy is checked against it
     except DecodeError as exc:
         return (task_id, False, display_path(str(exc))[:_ERROR_LIMIT], path, time.perf_counter() - start)
     except Exception as exc:  # a bug (or a user stage's error) must not kill the worker
         logging.getLogger(__name__).exception("decode worker: task %d failed", task_id)
         message = f"stage {spec.stage.name} failed on {path}: {type(exc).__name__}: {exc}"
         return (task_id, False, display_path(message)[:_ERROR_LIMIT], path, time.perf_counter() - start)
-    return (task_id, True, None, path, time.perf_counter() - start, tuple(array.shape), array.dtype.name, array.nbytes)
+    return (task_id, True, None, path, time.perf_counter() - start, tuple(array.shape), array.dtype.name, array.nbytes,
+            checksum)
 
 
 def _check_output(array: np.ndarray, stage: Any, capacity: int) -> str | None:

@@ -66,7 +66,9 @@ class Findings:
 
 def read_records(path: Path) -> list[dict[str, Any]]:
     """The job's records, one JSON object per line (a killed job may leave a torn last line)."""
-    records = []
+    records: list[dict[str, Any]] = []
+    if not path.exists():
+        return records
     for line in path.read_text().splitlines():
         try:
             records.append(json.loads(line))

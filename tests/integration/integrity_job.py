@@ -1,13 +1,21 @@
-"""A training job that records every sample it receives, for the content checks of fault tests.
+"""A training job that records every sample it receives, for the content checks of fault tests
+and of the chaos soak (`bench/chaos.py`).
 
     python -m tests.integration.integrity_job --address A --records FILE [--workers N]
         [--batched] [--transform] [--reseed] [--epochs E] [--indices a:b[:c]] [--sleep S]
+        [--state CHECKPOINT]
 
 One JSON line per sample (flushed per batch): epoch, index, label, crc32 of its pixels, so a
 job killed -9 leaves what it received. With `--reseed`, torch.manual_seed(0) before each
 epoch (fresh DataLoader workers then repeat their base seed). With `--transform`, an identity
 transform in the job stage (the path matters, not what it does). Lines of kind "epoch" mark
 each epoch's end; the last line says "done".
+
+`--state FILE` (num_workers=0): after every batch, a checkpoint (`ds.state_dict()`, the loop's
+epoch, and how long the records file was) replaces FILE atomically. Started again with FILE
+present, as a job restarted after a crash is, the job truncates its records to the checkpoint
+(what it received after the checkpoint was never trained on: a lost step) and resumes there
+with `load_state_dict`, so its records must still be each epoch exactly once.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import sys
 import time
 import zlib
@@ -23,6 +32,13 @@ from typing import Any
 
 def _identity(image: Any) -> Any:
     return image.clone()
+
+
+def _save(path: str, checkpoint: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as out:
+        pickle.dump(checkpoint, out)
+    os.replace(tmp, path)
 
 
 def main() -> int:
@@ -40,7 +56,10 @@ def main() -> int:
     parser.add_argument("--reseed", action="store_true")
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--timeout-s", type=float, default=60.0)
+    parser.add_argument("--state", default=None, help="checkpoint file (num_workers=0 only)")
     args = parser.parse_args()
+    if args.state and args.workers:
+        parser.error("--state checkpoints ds.state_dict(), which covers num_workers=0 only")
 
     import torch
     from torch.utils.data import DataLoader
@@ -53,8 +72,16 @@ def main() -> int:
                        transform=_identity if args.transform else None, timeout_s=args.timeout_s,
                        )  # JOADER_VERIFY=1 in the environment checks every crc32
     loader = DataLoader(ds, batch_size=None if args.batched else args.batch_size, num_workers=args.workers)
+    first_epoch = 1
+    if args.state and os.path.exists(args.state):
+        with open(args.state, "rb") as saved:
+            checkpoint = pickle.load(saved)
+        with open(args.records, "r+") as records:
+            records.truncate(checkpoint["offset"])
+        ds.load_state_dict(checkpoint["state"])
+        first_epoch = checkpoint["epoch"]
     with open(args.records, "a") as out:
-        for epoch in range(1, args.epochs + 1):
+        for epoch in range(first_epoch, args.epochs + 1):
             if args.reseed:
                 torch.manual_seed(0)
             for indices_t, images, labels in loader:
@@ -65,10 +92,14 @@ def main() -> int:
                 ]
                 out.write("\n".join(lines) + "\n")
                 out.flush()
+                if args.state:
+                    _save(args.state, {"epoch": epoch, "offset": out.tell(), "state": ds.state_dict()})
                 if args.sleep:
                     time.sleep(args.sleep)
             out.write(json.dumps({"kind": "epoch", "epoch": epoch}) + "\n")
             out.flush()
+            if args.state:  # the epoch is over: a restart goes on with the next one
+                _save(args.state, {"epoch": epoch + 1, "offset": out.tell(), "state": ds.state_dict()})
         out.write(json.dumps({"kind": "done"}) + "\n")
     ds.close()
     return 0

@@ -8,6 +8,7 @@ import re
 import signal
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +106,7 @@ def test_decodes_into_the_arena(listing: SourceListing, num_workers: int) -> Non
                 assert result.shape == (3, SIZE, SIZE) and result.dtype == "uint8" and result.nbytes == NBYTES
                 got = view(arena, slots[item_id])
                 assert np.array_equal(got, prepare(listing, item_id))
+                assert result.checksum == zlib.crc32(got.tobytes()) != 0  # what a client verifies
                 del got
             bad = results[5]
             assert (

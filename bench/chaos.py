@@ -1,0 +1,370 @@
+"""The chaos soak: jobs in every client mode under random faults, every delivered sample checked.
+
+    python bench/chaos.py [--duration-s 1200] [--seed 0] [--quick]
+
+It proves content, not counts. A real joaderd serves generated JPEGs with a cache of a few
+batches per job; jobs run as separate processes (`tests/integration/integrity_job.py`, a real
+torch DataLoader over JoaderDataset) in every mode: num_workers 0 and 2, plain and
+`batched=True`, with and without a transform, hand-off workers (workers, batched, no transform),
+DataLoaders re-seeded before each epoch, overlapping subsets, different speeds. Each job slot
+runs job after job (each a few epochs) for the whole soak. Meanwhile, at random times from a
+seeded RNG:
+
+- joaderd is killed -9 and started again on the same address (mid-epoch; or exactly when a job
+  reads the last batch of an epoch, its acknowledgement and next epoch's prefetch in flight);
+- a job is killed -9 and started again from its checkpoint (num_workers=0 jobs, which save
+  `ds.state_dict()` after every batch; what they received after it is dropped from their
+  records, as a lost training step would be);
+- a decode worker is killed -9.
+
+Every job records, per sample, its epoch, index, label and the crc32 of its pixels; the checker
+compares each with a decode of that file made here, outside joaderd, and each epoch of each job
+with its subset: exactly once. `JOADER_VERIFY=1` is set for the jobs (the client checks each
+item's crc32 against its decode's). It prints and writes (bench/results/chaos-*.json): samples
+checked, wrong pixels, wrong labels, duplicated, missing, jobs failed, restarts survived, client
+and worker kills; and exits 1 if anything is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from joader.launch import JoaderdProcess  # noqa: E402
+from joader.sources.demo import make_demo_data  # noqa: E402
+from tests.integration.integrity import Findings, check_records, read_records, reference  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+BATCH = 8
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One job slot: its subset of the source, its client options, its speed."""
+
+    name: str
+    indices: str
+    options: tuple[str, ...]
+    sleep_s: float
+    killable: bool = False  # saves checkpoints (num_workers=0): may be killed -9 and resumed
+
+
+def modes(num_items: int) -> list[Mode]:
+    n = num_items
+    return [
+        Mode("plain", f"0:{n * 2 // 3}", (), 0.02, killable=True),
+        Mode("batched", f"{n // 3}:{n}", ("--batched",), 0.05, killable=True),
+        Mode("transform", f"0:{n}:2", ("--transform",), 0.0, killable=True),
+        Mode("workers", f"{n // 6}:{n * 5 // 6}", ("--workers", "2"), 0.03),
+        Mode("workers-transform", f"0:{n}:3", ("--workers", "2", "--transform"), 0.0),
+        Mode("handoff", f"0:{n // 2}", ("--workers", "2", "--batched"), 0.04),
+        Mode("handoff-transform", f"{n // 4}:{n * 3 // 4}", ("--workers", "2", "--batched", "--transform"), 0.01),
+        Mode("reseeded", f"{n // 2}:{n}", ("--workers", "2", "--reseed"), 0.02),
+    ]
+
+
+@dataclass
+class Run:
+    """One job of a slot: a few epochs, then the slot starts another."""
+
+    mode: Mode
+    number: int
+    records: Path
+    state: Path | None
+    proc: subprocess.Popen[bytes] | None = None
+    kills: int = 0
+    done: bool = False
+    failed: str = ""
+
+
+@dataclass
+class Summary:
+    seed: int
+    duration_s: float = 0.0
+    samples_checked: int = 0
+    wrong_pixels: int = 0
+    wrong_labels: int = 0
+    duplicated: int = 0
+    missing: int = 0
+    jobs_run: int = 0
+    jobs_failed: int = 0
+    joaderd_restarts: int = 0
+    restarts_at_epoch_end: int = 0
+    client_kills: int = 0
+    worker_kills: int = 0
+    attach_retries: int = 0  # jobs started in a restart's window, refused at once, started again
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.wrong_pixels or self.wrong_labels or self.duplicated or self.missing or self.jobs_failed)
+
+    def line(self) -> str:
+        return (f"samples checked {self.samples_checked}, wrong pixels {self.wrong_pixels}, wrong labels "
+                f"{self.wrong_labels}, duplicated {self.duplicated}, missing {self.missing}; jobs {self.jobs_run} "
+                f"(failed {self.jobs_failed}); joaderd restarts {self.joaderd_restarts} "
+                f"({self.restarts_at_epoch_end} at an epoch's end), client kills {self.client_kills}, "
+                f"worker kills {self.worker_kills}")
+
+
+class Soak:
+    """The server, the job slots, the faults and the checks of one soak."""
+
+    def __init__(self, args: argparse.Namespace, work: Path) -> None:
+        self.args = args
+        self.work = work
+        self.rng = random.Random(args.seed)
+        self.summary = Summary(seed=args.seed)
+        data = work / "images"
+        make_demo_data(data, args.items, num_classes=5, seed=args.seed, progress=False)
+        self.data = data
+        print(f"chaos: decoding the reference of {args.items} items outside joaderd ...", flush=True)
+        self.expected = reference(data, args.image_size)
+        self.modes = modes(args.items)
+        item_nbytes = 3 * args.image_size * args.image_size
+        self.cache_bytes = len(self.modes) * args.cache_batches * BATCH * item_nbytes
+        self.address = f"unix:{work / 'joaderd.sock'}"
+        self.server: JoaderdProcess | None = None
+        self.runs: dict[str, Run] = {}
+        self.finished: list[Run] = []
+        self.env = {**os.environ, "JOADER_VERIFY": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+    # ----------------------------------------------------------------------------- processes
+
+    def start_server(self) -> None:
+        log = self.work / f"joaderd-{self.summary.joaderd_restarts}.log"
+        args = ["--listen", self.address, "--cache-size", str(self.cache_bytes), "--image-size",
+                str(self.args.image_size), "--workers", "2", "--lease-s", "3", "--source", f"demo={self.data}"]
+        self.server = JoaderdProcess.start(args, stdout=log, ready_timeout_s=120, env=self.env)
+
+    def kill_server(self) -> None:
+        assert self.server is not None
+        self.server.proc.kill()
+        self.server.proc.wait()
+        self.server.kill()  # releases the launcher's files
+
+    def start_run(self, mode: Mode, number: int | None = None) -> Run:
+        number = self.summary.jobs_run if number is None else number
+        records = self.work / f"{mode.name}-{number}.jsonl"
+        state = self.work / f"{mode.name}-{number}.state" if mode.killable else None
+        run = Run(mode, number, records, state)
+        self.summary.jobs_run += 1
+        self.launch(run)
+        return run
+
+    def launch(self, run: Run) -> None:
+        command = [sys.executable, "-m", "tests.integration.integrity_job", "--address", self.address,
+                   "--records", str(run.records), "--name", f"{run.mode.name}-{run.number}",
+                   "--indices", run.mode.indices, "--epochs", str(self.args.epochs), "--sleep", str(run.mode.sleep_s),
+                   "--batch-size", str(BATCH), "--timeout-s", "120", *run.mode.options]
+        if run.state is not None:
+            command += ["--state", str(run.state)]
+        err = open(self.work / f"{run.mode.name}-{run.number}.err", "ab")
+        run.proc = subprocess.Popen(command, cwd=ROOT, env=self.env, stderr=err, stdout=subprocess.DEVNULL,
+                                    start_new_session=True)
+        err.close()
+
+    # ----------------------------------------------------------------------------- checks
+
+    def reap(self) -> None:
+        """Checks runs that ended; starts the next run of their slot while the soak goes on."""
+        for name, run in list(self.runs.items()):
+            assert run.proc is not None
+            code = run.proc.poll()
+            if code is None:
+                continue
+            if code != 0:
+                err = (self.work / f"{run.mode.name}-{run.number}.err").read_text(errors="replace")
+                if _never_attached(err) and not read_records(run.records) and not self.stopping:
+                    # Started while joaderd was down (a restart's window): a job that cannot
+                    # attach fails at once, as documented; the slot starts it again.
+                    self.summary.attach_retries += 1
+                    self.launch(run)
+                    continue
+                run.failed = f"{name}-{run.number} exited with {code}: {err[-1500:]}"
+            self.check(run)
+            del self.runs[name]
+            if not self.stopping:
+                self.runs[name] = self.start_run(run.mode)
+
+    def check(self, run: Run) -> None:
+        summary = self.summary
+        subset = set(range(*map(int, run.mode.indices.split(":"))))
+        findings = check_records(read_records(run.records), self.expected, subset,
+                                 self.args.epochs if not run.failed else 0, f"{run.mode.name}-{run.number}", Findings())
+        summary.samples_checked += findings.checked
+        summary.wrong_pixels += findings.wrong_pixels
+        summary.wrong_labels += findings.wrong_labels
+        summary.duplicated += findings.duplicated
+        summary.missing += findings.missing
+        if run.failed:
+            summary.jobs_failed += 1
+            summary.problems.append(run.failed)
+        summary.problems.extend(findings.problems[:3])
+        self.finished.append(run)
+
+    # ----------------------------------------------------------------------------- faults
+
+    def restart_server(self, at_epoch_end: bool = False) -> None:
+        self.kill_server()
+        time.sleep(self.rng.uniform(0.1, 1.5))
+        self.start_server()
+        self.summary.joaderd_restarts += 1
+        self.summary.restarts_at_epoch_end += at_epoch_end
+
+    def restart_at_epoch_end(self) -> bool:
+        """Kills joaderd when a job reads the last batch of an epoch (within 20 s)."""
+        run = self.rng.choice(list(self.runs.values()))
+        size = len(range(*map(int, run.mode.indices.split(":"))))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and run.proc is not None and run.proc.poll() is None:
+            counts: dict[int, int] = {}
+            for record in read_records(run.records) if run.records.exists() else []:
+                if record.get("kind") == "sample":
+                    counts[record["epoch"]] = counts.get(record["epoch"], 0) + 1
+            if counts and size - BATCH <= counts[max(counts)] < size:
+                self.restart_server(at_epoch_end=True)
+                return True
+            time.sleep(0.01)
+        return False
+
+    def kill_client(self) -> None:
+        killable = [run for run in self.runs.values() if run.mode.killable and run.proc is not None
+                    and run.proc.poll() is None and run.state is not None and run.state.exists()]
+        if not killable:
+            return
+        run = self.rng.choice(killable)
+        assert run.proc is not None
+        os.killpg(run.proc.pid, signal.SIGKILL)
+        run.proc.wait()
+        run.kills += 1
+        self.summary.client_kills += 1
+        self.launch(run)
+
+    def kill_worker(self) -> None:
+        assert self.server is not None
+        try:
+            status = json.loads(subprocess.run(
+                [sys.executable, "-m", "joader.client.cli", "status", "--json", "--address", self.address],
+                capture_output=True, text=True, timeout=30, env=self.env).stdout)
+        except (json.JSONDecodeError, subprocess.TimeoutExpired):
+            return
+        pids = status.get("workers", {}).get("pids") or []
+        if pids:
+            try:
+                os.kill(self.rng.choice(pids), signal.SIGKILL)
+                self.summary.worker_kills += 1
+            except ProcessLookupError:
+                pass
+
+    # ----------------------------------------------------------------------------- the soak
+
+    def run(self) -> Summary:
+        started = time.monotonic()
+        self.stopping = False
+        self.start_server()
+        for mode in self.modes:
+            self.runs[mode.name] = self.start_run(mode)
+        next_fault = started + self.rng.expovariate(1 / self.args.fault_every_s)
+        next_progress = started + 30
+        try:
+            while time.monotonic() - started < self.args.duration_s:
+                self.reap()
+                now = time.monotonic()
+                if now >= next_fault:
+                    kind = self.rng.choices(["restart", "epoch_end", "client", "worker"], [4, 2, 3, 2])[0]
+                    if kind == "restart":
+                        self.restart_server()
+                    elif kind == "epoch_end":
+                        self.restart_at_epoch_end()
+                    elif kind == "client":
+                        self.kill_client()
+                    else:
+                        self.kill_worker()
+                    next_fault = time.monotonic() + self.rng.expovariate(1 / self.args.fault_every_s)
+                if now >= next_progress:
+                    print(f"chaos: {now - started:5.0f} s  {self.summary.line()}", flush=True)
+                    next_progress = now + 30
+                time.sleep(0.05)
+            self.stopping = True
+            deadline = time.monotonic() + 300
+            while self.runs and time.monotonic() < deadline:
+                self.reap()
+                time.sleep(0.1)
+            for name, run in self.runs.items():  # did not finish: a failure
+                assert run.proc is not None
+                os.killpg(run.proc.pid, signal.SIGKILL)
+                run.proc.wait()
+                run.failed = f"{name}-{run.number} did not finish within 300 s of the soak's end"
+                self.check(run)
+        finally:
+            for run in self.runs.values():
+                if run.proc is not None and run.proc.poll() is None:
+                    os.killpg(run.proc.pid, signal.SIGKILL)
+                    run.proc.wait()
+            if self.server is not None:
+                self.server.stop(timeout_s=20)
+        self.summary.duration_s = round(time.monotonic() - started, 1)
+        return self.summary
+
+
+def _never_attached(err: str) -> bool:
+    """The job's stderr says it failed at its first attach (no joaderd answered)."""
+    return "_start_keeper" in err and "ConnectionError: no joaderd is answering" in err
+
+
+def soak(duration_s: float, seed: int, *, items: int = 240, epochs: int = 2, fault_every_s: float = 6.0,
+         image_size: int = 32, cache_batches: int = 3, work: Path | None = None) -> Summary:
+    """One soak (what `tests/integration/test_chaos.py` runs in its short form)."""
+    args = argparse.Namespace(duration_s=duration_s, seed=seed, items=items, epochs=epochs,
+                              fault_every_s=fault_every_s, image_size=image_size, cache_batches=cache_batches)
+    tmp = Path(tempfile.mkdtemp(prefix="chaos-", dir=work))
+    summary = Soak(args, tmp).run()
+    if summary.ok:
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        summary.problems.insert(0, f"the soak's files (logs, records) are kept in {tmp}")
+    return summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--duration-s", type=float, default=1200.0, help="fault injection time (default 20 min)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--items", type=int, default=240, help="demo JPEGs in the source")
+    parser.add_argument("--epochs", type=int, default=2, help="epochs per job before its slot starts another")
+    parser.add_argument("--fault-every-s", type=float, default=6.0, help="mean time between faults")
+    parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--cache-batches", type=int, default=3, help="cache size, in batches per job")
+    parser.add_argument("--quick", action="store_true", help="two minutes")
+    args = parser.parse_args()
+    if args.quick:
+        args.duration_s = 120.0
+    summary = soak(args.duration_s, args.seed, items=args.items, epochs=args.epochs, fault_every_s=args.fault_every_s,
+                   image_size=args.image_size, cache_batches=args.cache_batches)
+    print(f"chaos: {summary.line()}")
+    for problem in summary.problems[:20]:
+        print(f"  {problem}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"chaos-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps({**asdict(summary), "ok": summary.ok, "args": vars(args)}, indent=2))
+    print(f"chaos: {'OK' if summary.ok else 'FAILED'}; wrote {out}")
+    return 0 if summary.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
