@@ -36,8 +36,10 @@ Faults, handled in `get_result` (the one consumer thread):
 - a task running longer than `decode_timeout_s` (a hung NFS read, a pathological file): its
   worker is killed and replaced, and the task retried elsewhere.
 - a task present at `max_attempts` (2) such deaths or timeouts fails, with the reason.
-- replacements are rate-limited (a crash loop is logged, not fed); with no worker left and none
-  to be had, pending tasks fail rather than hang.
+- replacements are never given up: in a crash loop (ten replacements within a minute) each next
+  one waits longer, 1 s doubling to 30 s, until a minute passes without one
+  (`joader.server.replacement`). Meanwhile tasks wait: a pool fault is not a file fault. Only
+  when the forker itself is gone (no worker can ever be started again) do pending tasks fail.
 - a dead worker is replaced only while the pool is below its target (`num_workers`), and a
   worker that was retiring (below) is not replaced at all: replacing keeps the size that was
   asked for, it never undoes a shrink.
@@ -97,6 +99,7 @@ import numpy as np
 
 from joader.errors import DecodeError, InvalidArgumentError, JoaderError
 from joader.proto import DTYPE_CODES
+from joader.server.replacement import ReplacementPolicy
 from joader.sources.safe_open import display_path
 
 __all__ = ["DecodePool", "DecodeResult", "PoolConfig", "PoolStats", "SourceSpec"]
@@ -107,8 +110,6 @@ _MAX_MESSAGE = 1 << 16
 _ERROR_LIMIT = 2000  # characters of an error text; results must stay small messages
 _SLICE_S = 0.1  # how often get_result looks at timeouts while it waits
 _CLOSE_TIMEOUT_S = 5.0
-_REPLACEMENTS_WINDOW_S = 60.0
-_MAX_REPLACEMENTS_PER_WINDOW = 10
 _PR_SET_PDEATHSIG = 1
 _RESIZE_LOG = 20  # entries of the resize log kept for `stats()`
 
@@ -158,6 +159,8 @@ class PoolStats:
     worker_pids: tuple[int, ...]
     workers_retiring: int = 0  # finishing the tasks they have, then stopped
     resizes: tuple[str, ...] = ()  # "21:04:05 workers 2 -> 3 (reason)", the most recent last
+    crash_loop: bool = False  # workers died ten times within a minute: replacements slowed down
+    restart_in_s: float = 0.0  # when the next delayed replacement starts (0: none waiting)
 
 
 class _Task:
@@ -213,7 +216,8 @@ class DecodePool:
         self._born = 0  # workers started so far
         self._resizes: deque[str] = deque(maxlen=_RESIZE_LOG)
         self._selector = selectors.DefaultSelector()
-        self._replacements: deque[float] = deque()
+        self._replacement = ReplacementPolicy()
+        self._forker_gone = False
         self._replaced = 0
         self._retried = 0
         self._timed_out = 0
@@ -298,6 +302,7 @@ class DecodePool:
         while True:
             with self._lock:
                 self._check_timeouts()
+                self._replace_deferred()
                 if self._ready:
                     return self._take(self._ready.popleft())
                 if self._closed:
@@ -331,6 +336,9 @@ class DecodePool:
                 worker_pids=tuple(w.pid for w in workers),
                 workers_retiring=len(self._workers) - len(workers),
                 resizes=tuple(self._resizes),
+                crash_loop=self._replacement.crash_loop,
+                restart_in_s=(max(0.0, round(self._replacement.retry_at() - time.monotonic(), 1))
+                              if len(workers) < self.num_workers and self._replacement.crash_loop else 0.0),
             )
 
     @property
@@ -405,8 +413,9 @@ class DecodePool:
             if not worker.tasks:
                 worker.started_s = time.monotonic()
             worker.tasks.append(task)
-        if self._pending and not self._members():
-            self._fail_all("no decode worker is left and none could be started (see joaderd's log)")
+        if self._pending and not self._members() and self._forker_gone:
+            self._fail_all("no decode worker is left and none can be started: the decode pool's forker "
+                           "process is gone (see joaderd's log); restart joaderd")
 
     def _read_worker(self, worker: _Worker) -> None:
         if self._workers.get(worker.index) is not worker:
@@ -506,26 +515,38 @@ class DecodePool:
             try:
                 self._spawn(next(i for i in count() if i not in self._workers))
             except OSError as error:
-                logger.critical("decode pool: cannot start a%s worker: %s",
-                                " replacement" if replacing else "", error)
+                if not self._forker_gone:
+                    logger.critical("decode pool: cannot start a%s worker: %s",
+                                    " replacement" if replacing else "", error)
+                self._forker_gone = True
                 return
             if replacing:
-                self._replacements.append(time.monotonic())
                 self._replaced += 1
 
     def _may_replace(self) -> bool:
-        """False (logged) once `_MAX_REPLACEMENTS_PER_WINDOW` replacements were started recently."""
-        now = time.monotonic()
-        while self._replacements and now - self._replacements[0] > _REPLACEMENTS_WINDOW_S:
-            self._replacements.popleft()
-        if len(self._replacements) >= _MAX_REPLACEMENTS_PER_WINDOW:
+        """Whether a replacement may start now (`joader.server.replacement`); entering a crash
+        loop is logged once, with when the pool will try again."""
+        was = self._replacement.crash_loop
+        allowed = self._replacement.allow(time.monotonic())
+        if not allowed and not was and self._replacement.crash_loop:
             logger.critical(
-                "decode pool: %d workers replaced within %g s; not replacing more (a crash loop?). "
-                "%d of %d workers left", len(self._replacements), _REPLACEMENTS_WINDOW_S,
-                len(self._members()), self.num_workers,
-            )
-            return False
-        return True
+                "decode pool: %d workers replaced within %g s (a crash loop? see the deaths above); "
+                "replacing the next ones more slowly, from %g s up to %g s apart. %d of %d workers "
+                "left; decodes wait meanwhile", self._replacement.config.max_per_window,
+                self._replacement.config.window_s, self._replacement.config.first_backoff_s,
+                self._replacement.config.max_backoff_s, len(self._members()), self.num_workers)
+        return allowed
+
+    def _replace_deferred(self) -> None:
+        """Replacements a crash loop delayed, once their time has come (called every slice)."""
+        if self._replacement.update(time.monotonic()):
+            logger.warning("decode pool: no worker died for %g s; the crash loop is over",
+                           self._replacement.config.healthy_after_s)
+        if self._closed or self._forker_gone or len(self._members()) >= self.num_workers:
+            return
+        if time.monotonic() >= self._replacement.retry_at():
+            self._fill(replacing=True)
+            self._dispatch()
 
     def _retire_surplus(self) -> None:
         """Retires the members beyond `num_workers`: idle ones first (and stops them at once),

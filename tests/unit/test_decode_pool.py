@@ -258,6 +258,34 @@ def test_forker_and_workers_do_not_hold_the_arena_lock(listing: SourceListing) -
             os.close(probe)
 
 
+def test_a_crash_loop_slows_replacements_down_and_the_pool_recovers(listing: SourceListing) -> None:
+    """Twelve deaths within seconds (a crash loop): replacements go on, more slowly; tasks
+    submitted while no worker is left wait and then succeed (before the fix: the pool stayed
+    at zero workers and every decode failed with "no decode worker is left")."""
+    spec = spec_of(listing)
+    with Arena.create(4 * NBYTES, NBYTES) as arena, _pool(arena, spec) as pool:
+        deaths = 0
+        while not pool.stats().crash_loop:
+            for pid in pool.worker_pids:
+                os.kill(pid, 9)
+                deaths += 1
+            pool.get_result(timeout_s=0.3)
+            assert deaths < 30, "no crash loop after 30 deaths"
+        for pid in pool.worker_pids:
+            os.kill(pid, 9)
+        pool.get_result(timeout_s=0.3)
+        assert pool.stats().workers_alive < 2 and pool.stats().restart_in_s > 0
+        for task_id in range(4):
+            _submit(pool, task_id, task_id, task_id)
+        started = time.monotonic()
+        results = _collect(pool, 4, timeout_s=60)
+        assert all(r.ok for r in results.values()), [r.error for r in results.values()]
+        _wait(lambda: (pool.get_result(timeout_s=0.1), pool.stats().workers_alive)[1] == 2,
+              "the pool back at its target", timeout_s=60)
+        assert time.monotonic() - started < 60
+        assert pool.stats().crash_loop  # until a quiet minute
+
+
 def test_with_no_worker_to_be_had_pending_tasks_fail(listing: SourceListing) -> None:
     spec = spec_of(listing)
     with (

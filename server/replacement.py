@@ -1,0 +1,71 @@
+"""When the decode pool may replace a dead worker: a crash loop is slowed down, never given up on.
+
+Workers die for reasons that pass: an OOM burst, a native decoder crashing on a few files, a
+user stage that calls `os._exit`, ten decode timeouts in a row. The pool used to stop replacing
+after ten replacements in a minute, for good: joaderd then sat at zero workers forever and every
+decode failed, which `on_error="skip"` turned into epochs silently missing every uncached item.
+A pool fault is not a file fault. So replacements go on, with a delay that grows while the loop
+lasts (`first_backoff_s`, doubling up to `max_backoff_s`) and resets once no replacement was
+needed for `healthy_after_s`; the tasks wait meanwhile.
+
+Pure: the clock is an argument of every call.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ReplacementConfig:
+    window_s: float = 60.0
+    max_per_window: int = 10  # replacements within `window_s` before backoff starts
+    first_backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    healthy_after_s: float = 60.0  # no replacement for this long ends a crash loop
+
+
+class ReplacementPolicy:
+    """`allow(now)` says whether a replacement may start now (and records it if so);
+    `retry_at` is when the next one may, while in a crash loop."""
+
+    def __init__(self, config: ReplacementConfig = ReplacementConfig()) -> None:
+        self.config = config
+        self._recent: deque[float] = deque()
+        self._backoff_s = 0.0  # 0: not in a crash loop
+        self._last = float("-inf")
+
+    @property
+    def crash_loop(self) -> bool:
+        return self._backoff_s > 0
+
+    def retry_at(self) -> float:
+        """When a replacement may start (-inf: at once)."""
+        return self._last + self._backoff_s if self._backoff_s else float("-inf")
+
+    def _expire(self, now: float) -> None:
+        while self._recent and now - self._recent[0] > self.config.window_s:
+            self._recent.popleft()
+        if self._backoff_s and now - self._last > self.config.healthy_after_s:
+            self._backoff_s = 0.0
+
+    def update(self, now: float) -> bool:
+        """Ages the record; True if a crash loop just ended (for the log)."""
+        was = self.crash_loop
+        self._expire(now)
+        return was and not self.crash_loop
+
+    def allow(self, now: float) -> bool:
+        self._expire(now)
+        if self._backoff_s:
+            if now < self.retry_at():
+                return False
+            self._backoff_s = min(self._backoff_s * 2, self.config.max_backoff_s)
+        elif len(self._recent) >= self.config.max_per_window:
+            self._backoff_s = self.config.first_backoff_s
+            self._last = now
+            return False  # the first replacement of the loop waits first_backoff_s
+        self._recent.append(now)
+        self._last = now
+        return True
