@@ -54,6 +54,9 @@ def format_status(status: dict[str, Any]) -> str:
              + f", {workers.get('busy', '?')} busy "
              f"(replaced {workers.get('replaced', 0)}, tasks retried {workers.get('tasks_retried', 0)}, "
              f"timed out {workers.get('tasks_timed_out', 0)})"]
+    if workers.get("crash_loop"):
+        lines.append(f"decode pool: workers keep dying (a crash loop, see joaderd's log); replacements slowed "
+                     f"down, next in {workers.get('restart_in_s', 0):g} s; decodes wait meanwhile")
     lines.append("")
     lines.append(f"{'SOURCE':<16} {'ITEMS':>9} {'CLASSES':>8} {'KIND':<11} {'STAGE':<22} {'JOBS':>5}  ROOT")
     for s in status["sources"]:
