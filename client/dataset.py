@@ -258,7 +258,10 @@ class JoaderDataset(IterableDataset):
             raise
         self._finalizer = weakref.finalize(self, _stop_keeper, self._keeper, os.getpid(), board)
         self.classes: list[str] = list(info["classes"])
-        self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
+        # Integer labels are delivered as written, and their classes are the labels that occur:
+        # a class's label is then not its position (joaderd says which, `class_labels`).
+        labels = info.get("class_labels") or range(len(self.classes))
+        self.class_to_idx: dict[str, int] = dict(zip(self.classes, labels, strict=True))
         self.image_size: int = int(info["image_size"])
         self.stage: str = info.get("stage", "")
         self.item_shape: tuple[int, ...] | None = tuple(info.get("item_shape") or ()) or None

@@ -218,6 +218,7 @@ def main() -> int:
         **_identity(first, server_uid),
         "source": first.source,
         "classes": [os.fsdecode(c) for c in first.classes],
+        "class_labels": list(first.class_labels),
         "num_source_items": first.num_source_items,
         "num_items": first.num_items,
         "num_rank_items": first.num_rank_items,

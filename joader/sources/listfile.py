@@ -4,7 +4,8 @@
   symlink) and may not leave it: absolute paths and `..` components are refused at listing, and
   every read goes through `safe_open.open_in_root`, so a symlink cannot leave it either.
 - Item id = line order (blank lines are ignored). A first line `path<sep>label` is a header.
-- Labels are all integers (classes are then "0".."max") or all class names (classes are the
+- Labels are all integers (delivered as written; classes are then the distinct integers that
+  occur, as text, each mapped to itself in `class_to_idx`) or all class names (classes are the
   sorted names, and label = index, as ImageFolder numbers its class folders).
 - `.csv` follows the csv module's quoting (a path with a comma is written `"a,b.jpg",3`);
   `.tsv` has no quoting: a field is everything between tabs.
@@ -168,7 +169,7 @@ def _parse(file: object, sep: str, name: str) -> tuple[list[str], list[str], _Li
                         f"{_hint(sep)}"
                     )
             rel, label = row
-            if not rel or rel[0] == "/" or ".." in rel or rel.isspace():
+            if not rel or rel[0] == "/" or ".." in rel or rel.isspace() or "\0" in rel:
                 _check_path(rel, name, reader.line_num, sep)
             if reader.line_num - len(paths) != offset:
                 offset = reader.line_num - len(paths)
@@ -185,6 +186,12 @@ def _parse(file: object, sep: str, name: str) -> tuple[list[str], list[str], _Li
 
 
 def _check_path(rel: str, name: str, line: int, sep: str) -> None:
+    if "\0" in rel:  # no file name holds one: it failed at decode, blaming the stage
+        shown = display_path(rel.replace("\0", "\\0"))
+        raise InvalidArgumentError(
+            f"list file {name}, line {line}: the path {shown!r} holds a NUL byte, which no file "
+            "name can; fix that line (is the file binary, or UTF-16?)"
+        )
     if not rel.strip():
         raise InvalidArgumentError(
             f"list file {name}, line {line}: the path is empty; {_hint(sep)}"
@@ -211,16 +218,21 @@ def _labels(
     is_int = [text.isascii() and text.isdigit() for text in raw]
     num_ints = sum(is_int)
     if num_ints == len(raw):
-        values = np.array(raw).astype(np.int64) if raw else np.zeros(0, np.int64)
-        top = int(values.max())
+        # Python ints, and digit strings too long for one never converted: 10**23 or 5,000
+        # digits is an error that names the line, not an overflow or a traceback.
+        values = [int(text) if len(text) <= 12 else _MAX_LABEL + 1 for text in raw]
+        top = max(values, default=0)
         if top > _MAX_LABEL:
-            at = int(values.argmax())
+            at = values.index(top)
             raise InvalidArgumentError(
-                f"list file {name}, line {line_of(at)}: label {top} is too large (at most "
+                f"list file {name}, line {line_of(at)}: label {_clip(raw[at])} is too large (at most "
                 f"{_MAX_LABEL}); number classes from 0"
             )
-        classes = tuple(str(k) for k in range(top + 1))
-        return classes, {c: k for k, c in enumerate(classes)}, values.astype(np.int32)
+        # The classes that occur, not 0..top: one label of 10,000,000 once built ten million
+        # class names (1.3 GB) and an Attach reply nobody could receive.
+        distinct = sorted(set(values))
+        classes = tuple(str(k) for k in distinct)
+        return classes, dict(zip(classes, distinct, strict=True)), np.asarray(values, dtype=np.int32)
     for position, text in enumerate(raw):
         if not text:
             raise InvalidArgumentError(

@@ -38,8 +38,8 @@ def test_tsv_with_integer_labels(tmp_path: Path) -> None:
     assert source.root == listed.resolve() and source.folder == tmp_path.resolve()
     assert source.paths == ("img/b.jpg", "img/a.png", "other/c.jpeg")  # line order, not sorted
     assert source.labels.dtype == np.int32 and source.labels.tolist() == [2, 0, 5]
-    assert source.classes == ("0", "1", "2", "3", "4", "5")
-    assert source.class_to_idx["5"] == 5
+    assert source.classes == ("0", "2", "5")  # the labels that occur, delivered as written
+    assert source.class_to_idx == {"0": 0, "2": 2, "5": 5}
     assert len(source) == source.num_items == 3 and source.num_skipped == 0
     for item_id, rel in enumerate(source.paths):
         assert source.read(item_id) == (tmp_path / rel).read_bytes()
@@ -194,3 +194,27 @@ def test_a_large_list_is_read_in_linear_time(tmp_path: Path) -> None:
     assert source.labels[1234] == 234 and source.paths[-1] == f"n00000999/img_{count - 1}.JPEG"
     assert isinstance(source.paths, tuple) and source.labels.dtype == np.int32
     assert elapsed < 10, f"{count} lines took {elapsed:.1f} s"
+
+
+@pytest.mark.parametrize("label", ["10000000", "2147483647"])
+def test_a_large_integer_label_costs_one_class_not_millions(tmp_path: Path, label: str) -> None:
+    """One label of 10,000,000 once built ten million class names (1.3 GB, 7 s)."""
+    _files(tmp_path, "a.jpg", "b.jpg")
+    source = read_list_file(_write(tmp_path / "l.tsv", f"a.jpg\t{label}\nb.jpg\t3\n"))
+    assert source.classes == ("3", label) and source.labels.tolist() == [int(label), 3]
+
+
+@pytest.mark.parametrize("label", ["2147483648", "100000000000000000000000", "9" * 5000])
+def test_a_label_beyond_int32_is_a_clear_error(tmp_path: Path, label: str) -> None:
+    _files(tmp_path, "a.jpg")
+    with pytest.raises(InvalidArgumentError, match=r"line 1: label .* is too large \(at most 2147483647\); number classes from 0"):
+        read_list_file(_write(tmp_path / "l.tsv", f"a.jpg\t{label}\n"))
+
+
+def test_a_nul_byte_in_a_path_is_refused_at_listing(tmp_path: Path) -> None:
+    """It passed the listing, then every read logged a traceback that blamed the stage."""
+    _files(tmp_path, "a.jpg")
+    listed = tmp_path / "l.tsv"
+    listed.write_bytes(b"a.jpg\t0\nb\x00c.jpg\t1\n")
+    with pytest.raises(InvalidArgumentError, match=r"line 2: the path .* holds a NUL byte"):
+        read_list_file(listed)

@@ -61,7 +61,7 @@ def test_order_labels_and_bytes(tmp_path: Path) -> None:
         "a.tar/train/n01_9.jpg", "a.tar/train/n01_1.jpeg", "b.tar/z.jpg", "b.tar/a.PNG",
     )  # fmt: skip
     assert source.labels.dtype == np.int32 and source.labels.tolist() == [2, 0, 1, 0]
-    assert source.classes == ("0", "1", "2")
+    assert source.classes == ("0", "1", "2") and source.class_to_idx == {"0": 0, "1": 1, "2": 2}
     assert len(source) == source.num_items == 4 and source.num_skipped == 0
     expected = [b"image train/n01_9", b"image train/n01_1", b"image z", b"image a"]
     assert [source.read(i) for i in range(4)] == expected
@@ -278,3 +278,14 @@ def test_many_members_index_in_linear_time(tmp_path: Path) -> None:
     source = index_tar_shards(tmp_path)
     assert len(source) == 20_000 and source.labels[-1] == 99
     assert source.read(12_345) == b"image 012345"
+
+
+def test_a_large_cls_label_costs_one_class_and_one_beyond_int32_is_a_clear_error(tmp_path: Path) -> None:
+    """A .cls label of 10,000,000 once built ten million class names (1.3 GB, 7 s)."""
+    _tar(tmp_path / "s" / "a.tar", [("x.jpg", b"x"), ("x.cls", b"10000000"), ("y.jpg", b"y"), ("y.cls", b"4")])
+    source = index_tar_shards(tmp_path / "s")
+    assert source.classes == ("4", "10000000") and source.labels.tolist() == [10_000_000, 4]
+    assert source.class_to_idx == {"4": 4, "10000000": 10_000_000}
+    _tar(tmp_path / "t" / "a.tar", [("x.jpg", b"x"), ("x.cls", b"1" + b"0" * 23)])
+    with pytest.raises(InvalidArgumentError, match=r"is too large \(at most 2147483647\); number classes from 0"):
+        index_tar_shards(tmp_path / "t")
