@@ -74,8 +74,8 @@ def render(now: dict[str, Any], before: dict[str, Any] | None, dt: float, cpu: l
         bar.append(f" {job['epoch_delivered']:,}/{job['epoch_items']:,}", style="dim")
         stall = (job.get("stall") or {}).get("fraction")
         delivered = job["items_delivered"]
-        jobs.add_row(
-            job["name"], f"{job['ranks_attached']}/{job['world_size']}", str(job["epoch"]) if job["epoch"] else "-",
+        jobs.add_row(  # a job's name is the user's text, never markup ("exp[/data/x]")
+            Text(job["name"]), f"{job['ranks_attached']}/{job['world_size']}", str(job["epoch"]) if job["epoch"] else "-",
             bar, _number(rate), format_percent(stall),
             format_percent(job.get("items_shared", 0) / delivered if delivered else None), f"{delivered:,}",
         )
@@ -116,6 +116,9 @@ def render(now: dict[str, Any], before: dict[str, Any] | None, dt: float, cpu: l
         f"{_number(sharing['cross_epoch_reuse'], 2)} per decode; {now['items_decoded']:,} decoded, "
         f"{now['items_delivered']:,} delivered", style="dim")
     parts: list[Any] = [header, jobs, pool, table, footer]
+    if workers.get("crash_loop"):
+        parts.append(Text(f"decode workers keep dying (a crash loop, see joaderd's log): replacements slowed "
+                          f"down, next in {workers.get('restart_in_s', 0):g} s; decodes wait", style="bold red"))
     events = now.get("workers", {}).get("resizes") or []
     if events:
         log = Text("decode pool changes (--workers auto):\n", style="bold")
