@@ -1,32 +1,12 @@
-"""The decode workers: the shared stage, run in parallel, writing into the arena.
+"""The decode pool: joaderd's side of the decode workers (tasks, results, faults, resizing).
 
-Each worker reads an item's bytes from its source (`ItemSource.read`), runs the source's stage
-(`Stage.prepare`), and writes the result into the byte range joaderd allocated for it (the
-stage's upper bound; joaderd shrinks it to the real size when the result arrives). Each worker
-maps the arena file read-write itself: only small task and result tuples cross sockets, never
-pixels.
+Three process kinds, each in a module of its own:
 
-Three processes kinds, and why:
-
-- **joaderd** (the pool's owner) talks to every worker directly over a socket of its own
-  (`AF_UNIX`, `SOCK_SEQPACKET`: one message per task or result, atomic, no framing). There is no
-  shared task queue: a process killed while it waits on a shared `multiprocessing.Queue` dies
-  holding the queue's read lock, and every other worker then blocks forever.
-- **the forker**, forked once when the pool is created, before joaderd imports grpc. joaderd must
-  never fork again once gRPC runs (a child of a process with live gRPC state can crash), yet dead
-  and stuck workers must be replaced: the forker is single-threaded and has no gRPC, so it forks
-  every worker on request and hands joaderd the worker's socket over SCM_RIGHTS. Create the pool
-  from the main thread of a process that has not imported grpc.
-- **the workers**, children of the forker.
-
-The forker closes every descriptor it inherited and unmaps its inherited mapping of the arena
-(so its children never get either). That matters for the arena's `flock`: a lock belongs to the
-open file description, and both a descriptor and a memory mapping keep the description open, so
-a child that kept either would keep the arena "alive" after joaderd died, and a restart would
-not remove it. Workers map the arena themselves, through a description of their own.
-Both set `PR_SET_PDEATHSIG` (SIGKILL) so that they die with their parent: the forker with joaderd
-(it is forked from the thread that runs joaderd to its end; the death signal fires when the
-*thread* that forked exits), the workers with the forker.
+- **joaderd** (this module, the pool's owner) talks to every worker directly over a socket of
+  its own, sends it tasks (`tasks_per_worker` ahead) and reads its results;
+- **the forker** (`joader.server.forker`) forks every worker, because joaderd must never fork
+  once gRPC runs;
+- **the workers** (`joader.server.decode_worker`) run the shared stage and write into the arena.
 
 Faults, handled in `get_result` (the one consumer thread):
 
@@ -77,9 +57,7 @@ while the consumer thread waits in `get_result`):
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import mmap
 import os
 import pickle
 import select
@@ -88,17 +66,15 @@ import signal
 import socket
 import threading
 import time
-import zlib
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import count
 from typing import Any, Self
 
-import numpy as np
-
-from joader.errors import DecodeError, InvalidArgumentError, JoaderError
-from joader.proto import DTYPE_CODES
+from joader.errors import InvalidArgumentError, JoaderError
+from joader.server.decode_worker import MAX_MESSAGE, WorkerContext
+from joader.server.forker import forker_main, log_exit
 from joader.server.replacement import ReplacementPolicy
 from joader.sources.safe_open import display_path
 
@@ -106,11 +82,8 @@ __all__ = ["DecodePool", "DecodeResult", "PoolConfig", "PoolStats", "SourceSpec"
 
 logger = logging.getLogger(__name__)
 
-_MAX_MESSAGE = 1 << 16
-_ERROR_LIMIT = 2000  # characters of an error text; results must stay small messages
 _SLICE_S = 0.1  # how often get_result looks at timeouts while it waits
 _CLOSE_TIMEOUT_S = 5.0
-_PR_SET_PDEATHSIG = 1
 _RESIZE_LOG = 20  # entries of the resize log kept for `stats()`
 
 
@@ -228,7 +201,7 @@ class DecodePool:
         if pid == 0:  # the forker
             try:
                 child_end_fd = child_end.fileno()
-                _forker_main(child_end, _WorkerContext(arena_path, self._sources), parent, keep={child_end_fd})
+                forker_main(child_end, WorkerContext(arena_path, self._sources), parent, keep={child_end_fd})
             finally:
                 os._exit(0)
         child_end.close()
@@ -364,7 +337,7 @@ class DecodePool:
                 ready, _, _ = select.select([worker.sock], [], [], 0.1)
                 if ready:
                     try:
-                        if not worker.sock.recv(_MAX_MESSAGE):
+                        if not worker.sock.recv(MAX_MESSAGE):
                             break
                     except OSError:
                         break
@@ -444,7 +417,7 @@ class DecodePool:
                 logger.critical("decode pool: the forker process died; dead workers cannot be replaced")
                 self._selector.unregister(self._control)
             return
-        _log_exit(data)
+        log_exit(data)
 
     def _check_timeouts(self) -> None:
         now = time.monotonic()
@@ -585,12 +558,12 @@ class DecodePool:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not select.select([self._control], [], [], remaining)[0]:
                 raise OSError("the forker did not answer within 30 s")
-            data, fds, _flags, _addr = socket.recv_fds(self._control, _MAX_MESSAGE, 1)
+            data, fds, _flags, _addr = socket.recv_fds(self._control, MAX_MESSAGE, 1)
             if not data:
                 raise OSError("the forker process is gone")
             kind, pid, _ = pickle.loads(data)
             if kind == "exit":
-                _log_exit(data)
+                log_exit(data)
                 continue
             sock = socket.socket(fileno=fds[0])
             worker = _Worker(index, pid, sock, self._born)
@@ -607,196 +580,6 @@ class DecodePool:
         while self._pending:
             task = self._pending.popleft()
             self._fail(task, f"cannot decode {display_path(self._path(task))}: {reason}")
-
-
-# ----------------------------------------------------------------------------- child processes
-
-
-@dataclass(frozen=True)
-class _WorkerContext:
-    """What every worker inherits through fork (never pickled)."""
-
-    arena_path: str
-    sources: tuple[SourceSpec, ...]
-
-
-def _forker_main(control: socket.socket, ctx: _WorkerContext, parent: int, keep: set[int]) -> None:
-    _close_inherited(keep)
-    _unmap(os.path.realpath(ctx.arena_path))
-    _die_with_parent(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    children: set[int] = set()
-    try:
-        while True:
-            ready, _, _ = select.select([control], [], [], 0.5)
-            for pid, how in _reaped(children):
-                try:
-                    control.send(pickle.dumps(("exit", pid, how)))
-                except OSError:
-                    return
-            if not ready:
-                continue
-            try:
-                message = control.recv(64)
-            except OSError:
-                return
-            if not message:  # the pool closed, or joaderd died
-                return
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            pid = os.fork()
-            if pid == 0:
-                try:
-                    keep_fd = theirs.fileno()
-                    _worker_main(theirs, ctx, keep={keep_fd})
-                finally:
-                    os._exit(0)
-            theirs.close()
-            children.add(pid)
-            try:
-                socket.send_fds(control, [pickle.dumps(("spawned", pid, ""))], [ours.fileno()])
-            except OSError:
-                return
-            finally:
-                ours.close()
-    finally:
-        for pid in children:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for pid in children:
-            try:
-                os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass
-
-
-def _reaped(children: set[int]) -> Iterable[tuple[int, str]]:
-    while children:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        children.discard(pid)
-        if os.WIFSIGNALED(status):
-            yield pid, f"killed by signal {os.WTERMSIG(status)}"
-        else:
-            yield pid, f"exit code {os.waitstatus_to_exitcode(status)}"
-
-
-def _worker_main(sock: socket.socket, ctx: _WorkerContext, keep: set[int]) -> None:
-    _close_inherited(keep)
-    _die_with_parent(os.getppid())
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group; joaderd owns it
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    fd = os.open(ctx.arena_path, os.O_RDWR | os.O_CLOEXEC)
-    try:
-        arena = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)  # the mapping stays; no descriptor (and no lock) is kept
-    while True:
-        try:
-            data = sock.recv(_MAX_MESSAGE)
-        except OSError:
-            return
-        if not data:
-            return  # joaderd closed its end
-        task = pickle.loads(data)
-        if task is None:
-            return
-        result = _run_task(task, arena, ctx.sources)
-        try:
-            sock.send(pickle.dumps(result))
-        except OSError:
-            return  # joaderd is gone
-
-
-def _run_task(
-    task: tuple[int, int, int, int, int],
-    arena: mmap.mmap,
-    sources: tuple[SourceSpec, ...],
-) -> tuple[Any, ...]:
-    """Reads, prepares and writes one item; returns a `DecodeResult`'s fields."""
-    task_id, source_index, item_id, offset, capacity = task
-    spec = sources[source_index]
-    path = str(spec.source.paths[item_id])
-    start = time.perf_counter()
-    try:
-        array = np.ascontiguousarray(spec.stage.prepare(spec.source.read(item_id), path))
-        problem = _check_output(array, spec.stage, capacity)
-        if problem:
-            raise DecodeError(f"cannot prepare {path}: {problem}")
-        written = array.reshape(-1).view(np.uint8)
-        np.frombuffer(arena, np.uint8, array.nbytes, offset)[:] = written
-        checksum = zlib.crc32(written)  # ~0.03 ms per 196 KB: a client's copy is checked against it
-    except DecodeError as exc:
-        return (task_id, False, display_path(str(exc))[:_ERROR_LIMIT], path, time.perf_counter() - start)
-    except Exception as exc:  # a bug (or a user stage's error) must not kill the worker
-        logging.getLogger(__name__).exception("decode worker: task %d failed", task_id)
-        message = f"stage {spec.stage.name} failed on {path}: {type(exc).__name__}: {exc}"
-        return (task_id, False, display_path(message)[:_ERROR_LIMIT], path, time.perf_counter() - start)
-    return (task_id, True, None, path, time.perf_counter() - start, tuple(array.shape), array.dtype.name, array.nbytes,
-            checksum)
-
-
-def _check_output(array: np.ndarray, stage: Any, capacity: int) -> str | None:
-    """Why a stage's output cannot be cached, or None."""
-    if array.dtype.name not in DTYPE_CODES:
-        return f"stage {stage.name} returned dtype {array.dtype}; use one of {', '.join(DTYPE_CODES)}"
-    fixed = stage.spec.shape
-    if fixed is not None and tuple(array.shape) != tuple(fixed):
-        return f"stage {stage.name} returned shape {tuple(array.shape)}, not its declared {tuple(fixed)}"
-    if array.nbytes > capacity:
-        return (f"stage {stage.name} returned {array.nbytes} bytes, more than its declared bound "
-                f"({capacity}); raise the stage's max_item_bytes")
-    return None
-
-
-def _close_inherited(keep: set[int]) -> None:
-    """Closes every descriptor but 0, 1, 2 and `keep` (in particular joaderd's arena lock)."""
-    keep = keep | {0, 1, 2}
-    try:
-        fds = [int(name) for name in os.listdir("/proc/self/fd")]
-    except OSError:
-        fds = list(range(3, 1024))
-    for fd in fds:
-        if fd not in keep:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
-def _unmap(path: str) -> None:
-    """Unmaps every inherited mapping of `path`.
-
-    A mapping holds a reference to the open file description it was made from, and so does the
-    `flock` on it: joaderd's own mapping of the arena, inherited by fork, would keep the lock
-    held after joaderd died as surely as an inherited descriptor. The forker never touches the
-    memory; the Python object that owned it in joaderd is never used here.
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    with open("/proc/self/maps") as maps:
-        lines = maps.readlines()
-    for line in lines:
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and fields[5].rstrip("\n").removesuffix(" (deleted)") == path:
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            libc.munmap(start, end - start)
-
-
-def _die_with_parent(parent: int) -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: the EOF on the control socket still ends us
-    if os.getppid() != parent:  # the parent died before the death signal was armed
-        os._exit(0)
 
 
 def _reap(pid: int, timeout_s: float) -> None:
@@ -822,15 +605,8 @@ def _recv_nowait(sock: socket.socket) -> bytes | None:
     dead) can take the message select saw before the consumer thread got the lock.
     """
     try:
-        return sock.recv(_MAX_MESSAGE, socket.MSG_DONTWAIT)
+        return sock.recv(MAX_MESSAGE, socket.MSG_DONTWAIT)
     except BlockingIOError:
         return None
     except OSError:
         return b""
-
-
-def _log_exit(message: bytes) -> None:
-    """The forker's notice of how a worker exited (usually after its EOF was handled)."""
-    kind, pid, how = pickle.loads(message)
-    if kind == "exit":
-        logger.info("decode pool: worker pid %d exited (%s)", pid, how)
