@@ -1,6 +1,6 @@
 """Shared pieces of the joader benchmarks: demo data, a joaderd subprocess, emulated jobs, CPU.
 
-Every job runs as its own process through `python -m joader.client.simjob`, as a training
+Every job runs as its own process through `bench/simjob.py`, as a training
 script would, with one torch thread and OMP_NUM_THREADS=1 (on a busy two-core machine, OpenMP
 spinning makes torch.stack in collate about 30x slower). The bench process itself never opens a
 gRPC channel: the status is read by `joader status --json` in a subprocess.
@@ -32,7 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from joader.client.simjob import tree_cpu_s
+from simjob import tree_cpu_s  # bench/ is on sys.path (each bench script puts it there)
+
 from joader.launch import JoaderdProcess
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -138,7 +139,7 @@ def simjob_command(name: str, *, address: str | None = None, baseline: Path | No
                    num_workers: int = 0, start_at: float = 0.0, start_delay_s: float = 0.0,
                    record: bool = False, batched: bool = False, threads: int = 1,
                    decoder: str | None = None, augment: int = 0, step_cpu_s: float = 0.0) -> list[str]:
-    command = [sys.executable, "-m", "joader.client.simjob", "--name", name, "--epochs", str(epochs),
+    command = [sys.executable, str(Path(__file__).resolve().parent / "simjob.py"), "--name", name, "--epochs", str(epochs),
                "--batch-size", str(batch_size), "--step-s", str(step_s), "--num-workers", str(num_workers),
                "--image-size", str(IMAGE_SIZE), "--threads", str(threads)]
     if baseline is not None:

@@ -9,7 +9,6 @@ they run and at the end, and stops the server cleanly.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,40 @@ def start_joaderd(data: Path, address: str, cache_bytes: int, extra: list[str] |
         raise SystemExit(f"demo: {error}") from None
 
 
+def run_job(argv: list[str]) -> int:
+    """One demo job: what a training script does, with a sleep for its step and a progress bar."""
+    parser = argparse.ArgumentParser(prog="python -m joader.client.demo job")
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--indices", required=True, help="START:STOP")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--step-s", type=float, default=0.0, help="emulated training step per batch")
+    parser.add_argument("--start-delay-s", type=float, default=0.0)
+    parser.add_argument("--position", type=int, default=0, help="progress bar line")
+    args = parser.parse_args(argv)
+    time.sleep(args.start_delay_s)
+    from torch.utils.data import DataLoader
+    from tqdm import tqdm
+
+    from joader import JoaderDataset
+
+    start, stop = map(int, args.indices.split(":"))
+    with JoaderDataset("demo", indices=range(start, stop), address=args.address, name=args.name,
+                       batch_size=32) as ds:
+        loader = DataLoader(ds, batch_size=32)
+        for epoch in range(args.epochs):
+            with tqdm(total=len(ds), desc=f"{args.name} epoch {epoch + 1}/{args.epochs}", position=args.position,
+                      unit="img", leave=True, dynamic_ncols=True) as bar:
+                for images, _labels in loader:
+                    bar.update(len(images))
+                    time.sleep(args.step_s)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["job"]:
+        return run_job(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m joader.client.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--data", type=Path, default=Path("demo-data"))
     parser.add_argument("--items", type=int, default=1200)
@@ -64,10 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for position, (name, indices, step_s, delay_s) in enumerate(jobs):
             procs.append(subprocess.Popen([
-                sys.executable, "-m", "joader.client.simjob", "--address", address, "--source", "demo",
-                "--indices", indices, "--epochs", str(args.epochs), "--batch-size", "32",
-                "--step-s", str(step_s), "--start-delay-s", str(delay_s), "--name", name,
-                "--progress", "--position", str(position), "--out", os.devnull,
+                sys.executable, "-m", "joader.client.demo", "job", "--address", address, "--indices", indices,
+                "--epochs", str(args.epochs), "--step-s", str(step_s), "--start-delay-s", str(delay_s),
+                "--name", name, "--position", str(position),
             ]))
         shown = False
         while any(p.poll() is None for p in procs):

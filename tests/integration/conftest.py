@@ -2,7 +2,7 @@
 
 The pytest process itself never opens a gRPC channel: the unit tests fork decode workers, and a
 fork with a live channel can crash. Status is read through `joader status --json` in a
-subprocess, and jobs run through `python -m joader.client.simjob`, as a training script would.
+subprocess, and jobs run through `bench/simjob.py`, as a training script would.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from joader.launch import JoaderdProcess, JoaderdStartError
 from joader.sources.demo import make_demo_data
 
 NUM_DEMO_ITEMS = 160
+SIMJOB = Path(__file__).resolve().parents[2] / "bench" / "simjob.py"  # a test and bench helper, not shipped
 IMAGE_SIZE = 64  # small prepared images keep the tests fast; the demo and benches use 256
 ITEM_NBYTES = 3 * IMAGE_SIZE * IMAGE_SIZE
 
@@ -87,7 +88,7 @@ class Joaderd:
 
     def job(self, *args: str, name: str = "job") -> subprocess.Popen[bytes]:
         """Starts an emulated training job; its JSON report goes to `report_path(name)`."""
-        command = [sys.executable, "-m", "joader.client.simjob", "--address", self.address,
+        command = [sys.executable, str(SIMJOB), "--address", self.address,
                    "--image-size", str(IMAGE_SIZE), "--name", name, "--record",
                    "--out", str(self.report_path(name)), *args]
         return subprocess.Popen(command, stderr=open(self.dir / f"{name}.err", "wb"), start_new_session=True)

@@ -83,7 +83,8 @@ def test_every_mode_gets_the_right_pixels_across_two_restarts(demo_root: Path, s
     home = server.dir
     jobs = {name: _start(server, name, indices, options, 3, 0.05) for name, (indices, options) in MODES.items()}
     for restart in range(2):
-        wait_for(lambda: all(_samples(home, name) >= 24 * (restart + 1) for name in jobs), 90,
+        wanted = 24 * (restart + 1)
+        wait_for(lambda wanted=wanted: all(_samples(home, name) >= wanted for name in jobs), 90,
                  "every job's next batches")
         _kill(server)
         time.sleep(0.5)
