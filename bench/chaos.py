@@ -188,7 +188,7 @@ class Soak:
                 continue
             if code != 0:
                 err = (self.work / f"{run.mode.name}-{run.number}.err").read_text(errors="replace")
-                if _never_attached(err) and not read_records(run.records) and not self.stopping:
+                if _never_attached(err) and not read_records(run.records):
                     # Started while joaderd was down (a restart's window): a job that cannot
                     # attach fails at once, as documented; the slot starts it again.
                     self.summary.attach_retries += 1
