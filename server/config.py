@@ -13,6 +13,7 @@ TOML (`--config FILE`), every key optional, command-line flags win:
     log_level = "INFO"         # DEBUG, INFO, WARNING or ERROR
     retry_failed_s = 60        # a file that failed to decode is tried again after this long
     decode_timeout_s = 60      # a decode that takes longer kills its worker
+    rank_attach_timeout_s = 60 # a job whose ranks do not all attach within this long ends
     max_jobs = 1024            # jobs attached at once; more are refused
     pacing = "deadline"        # decode by when jobs read, evict by speed; "rounds": the old order
     ready_file = "/run/joaderd.ready"   # JSON written once joaderd serves (joader.launch)
@@ -103,6 +104,7 @@ class ServerConfig:
     ready_file: Path | None = None
     retry_failed_s: float = 60.0
     decode_timeout_s: float = 60.0
+    rank_attach_timeout_s: float = 60.0
     max_jobs: int = 1024
     pacing: str = "deadline"
     metrics_listen: str | None = None  # HOST:PORT of Prometheus /metrics; None: off
@@ -240,6 +242,7 @@ _KEYS: dict[str, _Key] = {
     "log_level": _Key("--log-level", _log_level, '"INFO"'),
     "retry_failed_s": _Key("--retry-failed-s", _non_negative_seconds, "60"),
     "decode_timeout_s": _Key("--decode-timeout-s", _positive_seconds, "60"),
+    "rank_attach_timeout_s": _Key("--rank-attach-timeout-s", _positive_seconds, "60"),
     "max_jobs": _Key("--max-jobs", _positive_int, "1024"),
     "pacing": _Key("--pacing", lambda v, w, e: _choice(v, w, e, PACINGS), '"deadline"'),
     "ready_file": _Key("--ready-file", _path, '"/run/user/1000/joaderd.ready"'),
@@ -298,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="retry a file that failed to decode at its next use after S seconds (default 60)")
     add("--decode-timeout-s", type=float, metavar="S",
         help="kill and replace a decode worker stuck on one file for S seconds (default 60)")
+    add("--rank-attach-timeout-s", type=float, metavar="S",
+        help="end a job whose ranks do not all attach within S seconds of its first (default 60)")
     add("--max-jobs", type=int, help="jobs attached at once; more are refused (default 1024)")
     add("--pacing", choices=PACINGS,
         help="deadline (default): decode what jobs read soonest first and evict what they read "
@@ -350,7 +355,8 @@ def _worker_settings(workers: int | str) -> dict[str, Any]:
 
 # Settings whose ServerConfig field has the same name as the key.
 _PLAIN_FIELDS = ("lease_s", "lookahead_batches", "seed", "log_level", "allow_remote",
-                 "ready_file", "retry_failed_s", "decode_timeout_s", "max_jobs", "pacing", "metrics_listen")
+                 "ready_file", "retry_failed_s", "decode_timeout_s", "rank_attach_timeout_s", "max_jobs",
+                 "pacing", "metrics_listen")
 
 
 def _read_toml(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:

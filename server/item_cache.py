@@ -4,7 +4,8 @@ An `Item` exists from the round that first wants it until it is evicted (READY),
 unwanted (WAITING), or forever while it fails (FAILED, until retried). Its states and their
 transitions are `ItemState` (records.py); this module is the only one that moves them.
 
-Pins: `Item.pins` counts, for the item's whole life, every queue entry and every handed-out,
+Pins: `Item.pins` counts, for the item's whole life, every pinned queue entry (a rank pins the
+head of its queue, within its share of the cache: `Scheduler.pin_ahead`) and every handed-out,
 unacknowledged copy of it. While the item is READY the RefCnt policy is told of every pin and
 unpin too (it must never choose a pinned victim), so `check_invariants` can compare both. The
 policy's refcount of a READY item is the number of jobs (of its source) that still need it in
@@ -91,6 +92,9 @@ class ItemCache:
         self.decode_failures = 0
         self.decodes_cancelled = 0  # requested, then dropped: every job that wanted it left first
         self.items_retried = 0
+        # decodes asked again when a queued copy of a failed item came up for use after
+        # `retry_failed_s` (not a lookup: its entry was counted when it was queued)
+        self.retried_at_use = 0
         self.decode_s = 0.0
 
     # ----------------------------------------------------------------------------- wanting
@@ -137,6 +141,23 @@ class ItemCache:
                 heapq.heappush(self._demand, (due_s, round_seq, key))
         self.pin(item)
         return item
+
+    def retry_due(self, item: Item, due_s: float) -> bool:
+        """Decodes a FAILED item again if `retry_failed_s` has passed since it failed; True if so.
+
+        For a queued copy that comes up for use (its pass starts, or a `Next` reaches it): the
+        entry was queued while the item was failed, perhaps an epoch ahead, and that decision
+        is old by now. The file may have been fixed since; it is tried again, and every queue
+        holding the item waits for that decode.
+        """
+        if item.state is not ItemState.FAILED or self._clock() - item.failed_s < self.retry_failed_s:
+            return False
+        item.move(ItemState.WAITING)
+        item.due_s = due_s
+        heapq.heappush(self._demand, (due_s, 0, item.key))
+        self.items_retried += 1
+        self.retried_at_use += 1
+        return True
 
     def consume_unqueued(self, source: Source, item_id: int) -> None:
         """A pick nobody receives (drop_last) left a job's remaining set: one reference less."""
@@ -260,7 +281,7 @@ class ItemCache:
     @property
     def decodes_requested(self) -> int:
         """Every decode asked for: decoded + failed + cancelled + in flight."""
-        return self.lookups.misses + self.lookahead.misses
+        return self.lookups.misses + self.lookahead.misses + self.retried_at_use
 
     def decodes_in_flight(self) -> int:
         """Items waiting for a decode worker or being decoded."""

@@ -4,7 +4,12 @@ A *job* is one DSA job: a dataset read by `world_size` ranks (the processes of o
 one process). The ranks of one job attach one by one with the same name, source, indices and
 world size; the first creates the job, the others join it. Every rank holds its own lease (its
 lease keeper's stream); when any rank's lease ends the whole job goes, and the other ranks are
-told why at their next request (DDP cannot go on without a rank anyway).
+told why at their next request (DDP cannot go on without a rank anyway). A job with no rank
+attached any more ends too: at once when its last attached rank closes its lease, and after
+`rank_attach_timeout_s` when some of its ranks never attach. Otherwise a half-attached job
+lingered for good, and the next run of the same name was split between it and a new job (one
+rank joined the stale job and read the whole epoch alone). A rank arriving for an ended job (or
+for a rank that closed) starts a new job.
 
 Who may read a job: whoever holds its secret, which `attach` returns to the lease holders only
 (`status` lists job ids, never secrets). Within a rank, a *pass* (one `iter()` of the dataset,
@@ -48,16 +53,20 @@ _MAX_PASSES_PER_RANK = 8
 _MAX_RETIRED_PER_RANK = 256
 _MAX_REMOVED_REMEMBERED = 4096
 MAX_WORLD_SIZE = 4096
+# Readers of one rank a resume may say report (`resume_parts`): DataLoader workers of one
+# process. More is no real configuration (and the client refuses such a state, too).
+MAX_RESUME_PARTS = 1024
 
 
 class JobTable:
     """The registered jobs (see the module docstring). No lock: the `Registry` holds one."""
 
     def __init__(self, cache: ItemCache, scheduler: Scheduler, *, lease_s: float, max_jobs: int,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], rank_attach_timeout_s: float = 60.0) -> None:
         self._cache = cache
         self._scheduler = scheduler
         self.lease_s = lease_s
+        self.rank_attach_timeout_s = rank_attach_timeout_s
         self.max_jobs = max_jobs
         self._clock = clock
         self.jobs: dict[str, Job] = {}
@@ -121,14 +130,19 @@ class JobTable:
         return job, ranks[rank]
 
     def _group(self, key: tuple[object, ...], rank: int) -> Job | None:
-        """The job whose ranks `key` describes, still missing rank `rank`."""
+        """The job whose ranks `key` describes, still missing rank `rank`.
+
+        A job whose rank `rank` closed already is the previous run's, still finishing on its
+        other ranks: this rank belongs to a new run, hence to a new job.
+        """
         taken = None
         for job in self.jobs.values():
             if job.group_key == key:
                 member = job.ranks[rank]
                 if not member.attached and not member.closed and member.current is None:
                     return job
-                taken = job
+                if not member.closed:
+                    taken = job
         if taken is not None:
             raise InvalidArgumentError(
                 f"job {taken.name!r}: rank {rank} is already attached (job {taken.job_id}); every "
@@ -144,24 +158,39 @@ class JobTable:
             raise UnknownJobError(self.gone_message(job_id))
         job.ranks[rank].last_seen_s = self._clock()
 
-    def close_rank(self, job: Job, index: int) -> bool:
-        """Rank `index` is done (closed its lease on purpose); True once every rank is."""
+    def close_rank(self, job: Job, index: int) -> str | None:
+        """Rank `index` is done (closed its lease on purpose). Returns why the job ends, if it
+        must: no rank of it is attached any more (every rank closed, or the others never came:
+        nobody could ever read the job again, and the next run must not join it)."""
         rank = job.ranks[index]
         rank.attached = False
         rank.closed = True
         self._scheduler.drop_queue(rank, lambda entry: True)
         for pass_ in rank.passes.values():
-            self.release_outstanding(pass_)
+            self.release_outstanding(rank, pass_)
         logger.info("job %s: rank %d closed", job.job_id, index)
-        return all(r.closed for r in job.ranks)
+        if any(r.attached for r in job.ranks):
+            return None
+        if job.world_size == 1:
+            return "closed by its client"
+        missing = [r.index for r in job.ranks if not r.closed]
+        if not missing:
+            return "all its ranks closed"
+        closed = [r.index for r in job.ranks if r.closed]
+        return (f"rank {_ranks(closed)} closed while rank {_ranks(missing)} of {job.world_size} never "
+                "attached; a job with no rank attached ends (a new run of its name starts a new job)")
 
     def expire(self) -> list[tuple[Job, str]]:
-        """Jobs with a rank whose lease expired (the caller removes them); releases the copies
-        of superseded passes whose grace time ended."""
+        """Jobs with a rank whose lease expired, or whose missing ranks did not attach within
+        `rank_attach_timeout_s` (the caller removes them); releases the copies of superseded
+        passes whose grace time ended."""
         now = self._clock()
         deadline = now - self.lease_s
         expired = []
         for job in self.jobs.values():
+            if not job.all_attached and now - job.created_s >= self.rank_attach_timeout_s:
+                expired.append((job, self._attach_timeout_reason(job)))
+                continue
             for rank in job.ranks:
                 if rank.attached and rank.last_seen_s < deadline:
                     what = f"rank {rank.index}: " if job.world_size > 1 else ""
@@ -169,8 +198,48 @@ class JobTable:
                     break
                 for pass_ in rank.passes.values():
                     if pass_.release_at_s is not None and pass_.release_at_s <= now:
-                        self.release_outstanding(pass_)
+                        self.release_outstanding(rank, pass_)
+                        if self._scheduler.pin_ahead(job, rank, now):
+                            job.wake()
         return expired
+
+    def _attach_timeout_reason(self, job: Job) -> str:
+        missing = [r.index for r in job.ranks if not (r.attached or r.closed)]
+        return (f"rank {_ranks(missing)} of {job.world_size} did not attach within "
+                f"{self.rank_attach_timeout_s:g} s of the first; start every rank with the same "
+                "name, indices, world_size and drop_last (check WORLD_SIZE and RANK), or raise "
+                "joaderd's --rank-attach-timeout-s if ranks start that far apart")
+
+    def waiting(self, job: Job, now: float) -> dict[str, object] | None:
+        """What keeps the job from reading, for status: ranks not attached yet, or a resumed
+        epoch still gathering its readers' reports (which rank, how many of how many)."""
+        if not job.all_attached:
+            missing = [r.index for r in job.ranks if not (r.attached or r.closed)]
+            return {
+                "for": "ranks", "ranks": missing,
+                "detail": (f"rank {_ranks(missing)} of {job.world_size} not attached yet; the job "
+                           f"ends if they do not attach within {self.rank_attach_timeout_s:g} s"),
+                "since_s": round(now - job.created_s, 3), "limit_s": self.rank_attach_timeout_s,
+            }
+        resume = job.resume
+        if resume is None:
+            return None
+        ranks = []
+        for index in range(job.world_size):
+            reports = sum(1 for r, _ in resume.reports if r == index)
+            ranks.append({"rank": index, "reports": reports, "parts": resume.parts.get(index)})
+        short = [
+            f"rank {r['rank']}: {r['reports']} of {r['parts']}" if r["parts"] is not None
+            else f"rank {r['rank']}: no report yet"
+            for r in ranks if r["parts"] is None or r["reports"] < r["parts"]
+        ]
+        return {
+            "for": "resume_reports", "epoch": resume.epoch, "ranks": ranks,
+            "detail": (f"epoch {resume.epoch} resumes once every reader reported what it consumed "
+                       f"({'; '.join(short)}); resume_parts must be the rank's number of readers "
+                       "(its DataLoader's num_workers, or 1)"),
+            "since_s": round(now - resume.started_s, 3),
+        }
 
     def remove(self, job_id: str, reason: str) -> Job | None:
         """Forgets a job and releases everything it held; None if it was already gone."""
@@ -183,7 +252,7 @@ class JobTable:
         for rank in job.ranks:
             self._scheduler.drop_queue(rank, lambda entry: True)
             for pass_ in rank.passes.values():
-                self.release_outstanding(pass_)
+                self.release_outstanding(rank, pass_)
         self._scheduler.remove(job, self.jobs)
         return job
 
@@ -222,6 +291,12 @@ class JobTable:
 
     def claim(self, job: Job, rank: Rank, args: NextArgs) -> Pass:
         """The pass a request belongs to; a new token, or fresh workers, start a new one."""
+        if not 1 <= args.resume_parts <= MAX_RESUME_PARTS:
+            raise InvalidArgumentError(
+                f"job {job.job_id}: resume_parts {args.resume_parts} is not a number of readers of "
+                f"one rank (1..{MAX_RESUME_PARTS}); it counts the DataLoader workers that report a "
+                "part of the resumed epoch: load a state_dict this client saved, with the "
+                "DataLoader's num_workers unchanged")
         if (args.token, args.pid) in rank.retired:
             raise PassSupersededError(self._superseded(job, rank.passes.get(args.token)))
         pass_ = rank.passes.get(args.token)
@@ -257,7 +332,7 @@ class JobTable:
         logger.info("job %s: pass %x resumes epoch %d", job.job_id, pass_.token, epoch)
         pass_.epoch = epoch
         rank.claimed_epoch = epoch
-        resume = job.resume = Resume(epoch)
+        resume = job.resume = Resume(epoch, self._clock())
         for worker_id in pass_.members:
             resume.reports[(rank.index, worker_id)] = BitMap()
 
@@ -288,11 +363,11 @@ class JobTable:
             if (job.world_size == 1 and args.resume_parts <= 1 and not args.resume_consumed
                     and epoch == job.sampler_epoch):
                 return  # nothing to resume: the epoch is whole already
-            resume = job.resume = Resume(epoch)
+            resume = job.resume = Resume(epoch, self._clock())
         elif resume.epoch != epoch:
             if resume.epoch > epoch:
                 return
-            resume = job.resume = Resume(epoch)  # a newer checkpoint replaces an older one
+            resume = job.resume = Resume(epoch, self._clock())  # a newer checkpoint replaces an older one
         resume.parts[rank.index] = max(1, args.resume_parts)
         consumed = args.resume_consumed if args.resume_consumed is not None else BitMap()
         resume.reports[(rank.index, args.worker_id)] = consumed
@@ -315,12 +390,12 @@ class JobTable:
         pass_ = Pass(args.token, epoch, {args.worker_id: args.pid})
         old = rank.passes.pop(args.token, None)
         if old is not None:
-            self.release_outstanding(old)
+            self.release_outstanding(rank, old)
         rank.passes[args.token] = pass_
         rank.current = pass_
         while len(rank.passes) > _MAX_PASSES_PER_RANK:
             oldest = next(iter(rank.passes))
-            self.release_outstanding(rank.passes.pop(oldest))
+            self.release_outstanding(rank, rank.passes.pop(oldest))
         return pass_
 
     def supersede(self, job: Job, rank: Rank, pass_: Pass) -> None:
@@ -346,9 +421,13 @@ class JobTable:
             self._scheduler.abandon_if_done(job, epoch)
         job.wake()
 
-    def acknowledge(self, job: Job, pass_: Pass, acks: Iterable[int]) -> None:
+    def acknowledge(self, job: Job, rank: Rank, pass_: Pass, acks: Iterable[int], worker_id: int = 0) -> None:
+        """Releases the copies `acks` names (of `pass_`, a pass of `rank`, sent by its reader
+        `worker_id`); the rank may then pin more of its queue (the caller runs
+        `Scheduler.pin_ahead`)."""
         base = job.source.key_base
         outstanding = pass_.outstanding
+        held = pass_.held
         for item_id in acks:
             key = base + item_id
             if outstanding[key] <= 0:
@@ -357,13 +436,21 @@ class JobTable:
             outstanding[key] -= 1
             if not outstanding[key]:
                 del outstanding[key]
+            # A reader acknowledges what it was handed; should another acknowledge it, some
+            # reader's count still goes down, so the counts keep summing to the copies out.
+            reader = worker_id if held[worker_id] > 0 else next(w for w, n in held.items() if n > 0)
+            held[reader] -= 1
+            rank.handed_out -= 1
             self._cache.release(key)
 
-    def release_outstanding(self, pass_: Pass) -> None:
+    def release_outstanding(self, rank: Rank, pass_: Pass) -> None:
+        """Releases every copy `pass_` (a pass of `rank`) still holds."""
         for key, count in pass_.outstanding.items():
             for _ in range(count):
                 self._cache.release(key)
+            rank.handed_out -= count
         pass_.outstanding.clear()
+        pass_.held.clear()
         pass_.release_at_s = None
 
     def _superseded(self, job: Job, pass_: Pass | None) -> str:
@@ -375,16 +462,33 @@ class JobTable:
     # ----------------------------------------------------------------------------- checks
 
     def expected_pins(self) -> dict[int, int]:
-        """key -> queue entries plus unacknowledged copies, over every job (for invariants)."""
+        """key -> pinned queue entries plus unacknowledged copies, over every job (for
+        invariants); asserts each rank's own counts of both agree with its queue and passes."""
         pins: dict[int, int] = {}
         for job in self.jobs.values():
             for rank in job.ranks:
-                for entry in rank.queue:
+                assert 0 <= rank.pinned <= len(rank.queue), (job.job_id, rank.index, rank.pinned, len(rank.queue))
+                for position, entry in enumerate(rank.queue):
+                    if position >= rank.pinned:
+                        break
                     pins[entry.key] = pins.get(entry.key, 0) + 1
+                handed_out = 0
                 for pass_ in rank.passes.values():
                     for key, count in pass_.outstanding.items():
                         pins[key] = pins.get(key, 0) + count
+                        handed_out += count
+                    assert sum(pass_.held.values()) == sum(pass_.outstanding.values()), (pass_.held, pass_.outstanding)
+                assert rank.handed_out == handed_out, (job.job_id, rank.index, rank.handed_out, handed_out)
+                assert rank.pinned <= max(0, job.cache_share - handed_out), (
+                    f"job {job.job_id} rank {rank.index}: {rank.pinned} entries pinned and {handed_out} "
+                    f"copies out, over its share of {job.cache_share}")
         return pins
+
+
+def _ranks(indices: list[int]) -> str:
+    """`1`, `1 and 3`, `1, 2 and 3`: ranks named in a message."""
+    names = [str(i) for i in indices]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def printable_name(name: str, limit: int = 80) -> str:

@@ -33,7 +33,8 @@ class ItemState(enum.Enum):
         WAITING  -> DECODING   a slot was found and the decode pool took the task
         DECODING -> READY      the decode landed in its slot (the cache policy now owns it)
         DECODING -> FAILED     the file could not be read or decoded (or hung / crashed twice)
-        FAILED   -> WAITING    a round picked it again after `retry_failed_s`: retry the file
+        FAILED   -> WAITING    after `retry_failed_s`: a round picked it again, or a `Next` (or
+                               a new pass) reached a copy queued before then: retry the file
         (READY items leave by eviction, WAITING items when nobody wants them any more: the
         `Item` is then dropped, not moved.)
 
@@ -137,14 +138,22 @@ class Item:
 
 
 class Entry:
-    """One queued item of a job: which epoch of the job it belongs to."""
+    """One queued item of a job: which epoch of the job it belongs to.
 
-    __slots__ = ("epoch", "item_id", "key")
+    Only the first `Rank.pinned` entries of a queue pin their item (and ask for its decode);
+    the rest are the rank's picks beyond its share of the cache, pinned when they come within
+    it. `rechecked`: a failure this entry was dealt has been looked at again when its pass
+    started or a `Next` reached it (a file is retried at most once per entry there, so a file
+    that fails at once cannot loop).
+    """
+
+    __slots__ = ("epoch", "item_id", "key", "rechecked")
 
     def __init__(self, epoch: int, item_id: int, key: int) -> None:
         self.epoch = epoch
         self.item_id = item_id
         self.key = key
+        self.rechecked = False
 
 
 @dataclass
@@ -162,6 +171,8 @@ class Pass:
     superseded: bool = False
     outstanding: Counter[int] = field(default_factory=Counter)  # key -> unacknowledged copies
     release_at_s: float | None = None  # superseded: release unacknowledged copies then
+    held: Counter[int] = field(default_factory=Counter)  # worker id -> its unacknowledged copies
+    asking: Counter[int] = field(default_factory=Counter)  # worker id -> its Next calls in progress
 
 
 @dataclass
@@ -183,6 +194,10 @@ class Rank:
     retired: dict[tuple[int, int], None] = field(default_factory=dict)  # (token, pid) of old passes
     handed: Counter[int] = field(default_factory=Counter)  # epoch -> items handed out or skipped
     abandoned: set[int] = field(default_factory=set)  # epochs a newer pass cut short
+    # Its part of the cache: `pinned` head entries of its queue plus `handed_out` copies (over
+    # all its passes, not yet acknowledged) stay within `Job.cache_share` (Scheduler.pin_ahead).
+    pinned: int = 0
+    handed_out: int = 0
 
 
 @dataclass
@@ -219,6 +234,7 @@ class Resume:
     """
 
     epoch: int
+    started_s: float = 0.0  # when its first report came (registry clock), for status
     parts: dict[int, int] = field(default_factory=dict)  # rank -> reports it expects
     reports: dict[tuple[int, int], BitMap] = field(default_factory=dict)  # (rank, worker) -> ids
 
@@ -254,6 +270,9 @@ class Job:
     ranks: list[Rank]
     group_key: tuple[object, ...] = ()
     queue_capacity: int = 1  # per rank
+    # Items (of its source's largest size) of the cache each of its ranks may hold: queued
+    # entries pinned ahead plus copies handed out and not yet acknowledged (Registry._resize_queues).
+    cache_share: int = 1
     sampler_epoch: int = 1  # the epoch the sampler is filling the queues with
     shares: dict[int, EpochShare] = field(default_factory=dict)  # epoch -> its split
     sampler_abandoned: set[int] = field(default_factory=set)  # epochs the sampler gave up
@@ -360,6 +379,9 @@ class Batch:
     shapes: list[tuple[int, ...]] = field(default_factory=list)
     dtypes: list[str] = field(default_factory=list)
     checksums: list[int] = field(default_factory=list)  # zlib.crc32 of each item's bytes
+    # The rank holds more handed-out, unacknowledged copies than its share allows: its reader
+    # must copy these items out and acknowledge them at once, not hand them on (NextResponse).
+    copy_now: bool = False
 
 
 @dataclass(frozen=True)
@@ -394,3 +416,4 @@ class NextCall:
     waker: Callable[[], None]
     linger_until_s: float | None = None
     max_batches: int = 1
+    worker_id: int = 0

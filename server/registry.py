@@ -85,6 +85,10 @@ class RegistryConfig:
     # A job that starts reading waits this long for its source's other attached jobs to start
     # too (a sweep launched together then begins in step: see Scheduler.run_round).
     start_grace_s: float = 0.2
+    # A job whose ranks do not all attach within this long (of its first) ends: its attached
+    # ranks cannot read anyway, and a stale half-attached job would capture the next run's ranks.
+    # Shorter than a client's item timeout (300 s), so the error names the missing rank.
+    rank_attach_timeout_s: float = 60.0
 
 
 class Registry:
@@ -115,7 +119,8 @@ class Registry:
         if self.config.deadline_pacing:
             self.cache.reuse_hazard = self._reuse_hazard
         self.jobs = JobTable(self.cache, self._scheduler, lease_s=self.config.lease_s,
-                             max_jobs=self.config.max_jobs, clock=clock)
+                             max_jobs=self.config.max_jobs, clock=clock,
+                             rank_attach_timeout_s=self.config.rank_attach_timeout_s)
         self._stopped = False
         self._failure: str | None = None
         self._started_s = clock()
@@ -187,14 +192,16 @@ class Registry:
             return self._remove(job_id, reason)
 
     def close_rank(self, job_id: str, rank: int) -> None:
-        """A rank closed its lease on purpose: the job ends once all its ranks did."""
+        """A rank closed its lease on purpose: the job ends once no rank of it is attached."""
         with self._cond:
             job = self.jobs.jobs.get(job_id)
             if job is None:
                 return
-            if self.jobs.close_rank(job, rank):
-                self._remove(job_id, "closed by its client" if job.world_size == 1 else "all its ranks closed")
+            ending = self.jobs.close_rank(job, rank)
+            if ending is not None:
+                self._remove(job_id, ending)
             else:
+                self._resize_queues()  # the closed rank's share goes to the others
                 self._cond.notify_all()
 
     def _remove(self, job_id: str, reason: str) -> bool:
@@ -210,18 +217,26 @@ class Registry:
         return True
 
     def _resize_queues(self) -> None:
-        # Queued items are pinned. A queue's capacity is its share of half the cache (so that,
-        # at their limit of twice the capacity, all queues together fit in it), but at least one
-        # batch while the whole cache can still hold every queue at its limit: a rank that reads
-        # a batch at a time and finds less than a batch queued sits out rounds it should share.
-        # Counted in items of each job's source's largest size.
-        num_queues = max(1, sum(job.world_size for job in self.jobs.jobs.values()))
-        for job in self.jobs.jobs.values():
+        # Each rank's share of the cache (`Job.cache_share`) is the cache over the ranks not
+        # closed: what its pinned queue entries and its handed-out, unacknowledged copies may
+        # hold together (`Scheduler.pin_ahead` pins or unpins queue entries to match, so queues
+        # shrink the moment jobs arrive). A queue's capacity (its lookahead) is its share of
+        # half the cache (so that, at their limit of twice the capacity, all queues together
+        # fit in it), but at least one batch while the whole cache can still hold every queue
+        # at its limit: a rank that reads a batch at a time and finds less than a batch queued
+        # sits out rounds it should share. Counted in items of each job's source's largest size.
+        jobs = self.jobs.jobs.values()
+        num_queues = max(1, sum(1 for job in jobs for rank in job.ranks if not rank.closed))
+        for job in jobs:
             num_items = self.cache.capacity_bytes // max(1, job.source.max_item_bytes)
             share = num_items // (4 * num_queues)
             floor = min(job.batch_size, num_items // (2 * num_queues))
             wanted = self.config.lookahead_batches * job.batch_size
             job.queue_capacity = max(1, min(wanted, max(share, floor)))
+            job.cache_share = max(1, num_items // num_queues)
+            for rank in job.ranks:
+                if self._scheduler.pin_ahead(job, rank):
+                    job.wake()
 
     # ----------------------------------------------------------------------------- Next
 
@@ -244,20 +259,25 @@ class Registry:
             if args.stall is not None:
                 job.stall.report(args.stall[0], (rank.index, args.token), *args.stall[1:])
             if known is not None and args.acks:
-                self.jobs.acknowledge(job, known, args.acks)
+                self.jobs.acknowledge(job, rank, known, args.acks, args.worker_id)
+                if self._scheduler.pin_ahead(job, rank, now):
+                    job.wake()  # another reader of the rank may be waiting for these
                 self._cond.notify_all()
             if args.max_items == 0:  # acknowledge only: also for a pass that was superseded
                 return Batch(known.epoch if known else 0, False, [], [], [], [])
             pass_ = self.jobs.claim(job, rank, args)
+            if pass_ is not known:
+                self._recheck_failures(job, rank, pass_.epoch, len(rank.queue))
             if not job.reading:
                 job.reading = True
                 job.reading_since_s = now
             self._cond.notify_all()
             job.wakers.add(waker)
+            pass_.asking[args.worker_id] += 1
             max_items = min(args.max_items, self.config.max_items_per_request)
             max_batches = max(1, min(args.max_batches, self.config.max_items_per_request // max(1, max_items)))
             return NextCall(job, rank, pass_, max_items, now, now + self.config.next_wait_s, waker,
-                            max_batches=max_batches)
+                            max_batches=max_batches, worker_id=args.worker_id)
 
     def poll_next(self, call: NextCall) -> Batch | float:
         """A batch of ready items of the call's epoch (or its end), or seconds to wait first.
@@ -274,6 +294,8 @@ class Registry:
                 raise self.jobs.superseded_error(job, pass_)
             epoch = pass_.epoch
             now = self._clock()
+            if self._scheduler.pin_ahead(job, rank, now):
+                job.wake()  # the rank's other readers too
             left = self._left(job, rank, epoch)
             if left == 0:
                 return Batch(epoch, True, [], [], [], [])
@@ -284,13 +306,16 @@ class Registry:
             # the jobs' batch sizes) forces partial replies, after `linger_s`.
             partial_ok = wanted > job.queue_capacity
             wanted = min(wanted, job.queue_capacity)
+            self._recheck_failures(job, rank, epoch, call.max_items * call.max_batches)
             ready = self._count_ready(rank, epoch, wanted)
             if ready and call.linger_until_s is None:
                 call.linger_until_s = now + self.config.linger_s
             linger = call.linger_until_s
             lingered = partial_ok and linger is not None and now >= linger
-            if ready >= wanted or (ready and (lingered or self._stopped)):
-                batch = self._take_ready(job, rank, pass_, self._reply_size(call, rank, epoch, left, ready))
+            if ((ready >= wanted or (ready and (lingered or self._stopped)))
+                    and not self._after_another(call) and not self._must_acknowledge_first(call, wanted)):
+                batch = self._take_ready(job, rank, pass_, self._reply_size(call, rank, epoch, left, ready),
+                                         call.worker_id)
                 assert batch is not None
                 return batch
             if now >= call.deadline_s or self._stopped:
@@ -298,17 +323,64 @@ class Registry:
             wake_s = linger if partial_ok and linger is not None else call.deadline_s
             return max(0.0, min(call.deadline_s, wake_s) - now)
 
+    def _after_another(self, call: NextCall) -> bool:
+        """Whether another reader of the call's pass, waiting now, holds fewer unacknowledged
+        copies: it is served first (its poll is woken), and this call waits.
+
+        A DataLoader's training loop takes its workers' batches in turn. Served first come, one
+        worker (whose requests go out before it yields) was dealt four batches while the other
+        waited with none: three of them filled a cache of three batches, held unacknowledged in
+        the DataLoader's queue and in a reply the first worker would read only after the loop
+        took the second worker's batch, which could not be decoded. Dealing to the reader
+        holding least keeps the workers' batches in step with the order the loop reads them.
+        """
+        pass_ = call.pass_
+        mine = pass_.held[call.worker_id]
+        if not mine:
+            return False
+        for worker, calls in pass_.asking.items():
+            if calls and worker != call.worker_id and pass_.held[worker] < mine:
+                for waker in list(call.job.wakers):
+                    if waker is not call.waker:  # waking this call too would spin it
+                        waker()
+                return True
+        return False
+
+    def _must_acknowledge_first(self, call: NextCall, size: int) -> bool:
+        """Whether this reader must wait for acknowledgements before a reply that would take
+        its rank beyond its copies budget: it holds more unacknowledged copies than another
+        reader of the rank (a DataLoader worker), which the training loop will wait for first.
+
+        A worker whose prefetch slots are full is suspended: a reply reaching it then sits
+        unread (`copy_now` cannot act) until the training loop takes one of its batches, and
+        the loop takes its workers' batches in turn. Worker 0 of a fresh DataLoader was dealt
+        four batches before worker 1 first asked; the loop then waited for worker 1, whose
+        batch had no slot left to decode into. Fresh workers ask one by one, so the workers of
+        the rank's recent passes count too (holding nothing, until they ask).
+        """
+        job, rank, pass_ = call.job, call.rank, call.pass_
+        mine = pass_.held[call.worker_id]
+        if not mine or rank.handed_out + size <= _copies_budget(job):
+            return False
+        readers = set(pass_.members).union(range(max(len(p.members) for p in rank.passes.values())))
+        return any(pass_.held[worker] < mine for worker in readers if worker != call.worker_id)
+
     def _reply_size(self, call: NextCall, rank: Rank, epoch: int, left: int | None, ready: int) -> int:
         """How many items the reply takes once its first batch is ready: further whole batches
         (up to `max_batches`) that are ready now, never a wait for them. Beside other jobs on
         the source, only from what the rank's queue holds beyond its capacity: a queue drained
         below it would make this job join the next rounds alone while the others' queues are
-        full (fewer shared rounds). A job alone on its source takes what is ready."""
+        full (fewer shared rounds). A job alone on its source takes what is ready. Either way,
+        only while the rank's handed-out copies stay within its share less its lookahead
+        (`_copies_budget`): extra batches dealt into a cache its copies nearly fill left its
+        other readers (DataLoader workers, which the training loop reads in turn) nothing to
+        decode into, and the loop hung."""
         size = call.max_items
         job = call.job
         keep = job.queue_capacity if len(job.source.job_ids) > 1 else 0
         spare = len(rank.queue) - size - keep
         extra = min(call.max_batches - 1, spare // size) if ready >= size else 0
+        extra = min(extra, (_copies_budget(job) - rank.handed_out) // size - 1)
         if extra <= 0:
             return size
         most = size * (1 + extra) if left is None else min(size * (1 + extra), left)
@@ -330,6 +402,10 @@ class Registry:
     def end_next(self, call: NextCall) -> None:
         with self._cond:
             call.job.wakers.discard(call.waker)
+            asking = call.pass_.asking
+            asking[call.worker_id] -= 1
+            if asking[call.worker_id] <= 0:
+                del asking[call.worker_id]
             call.job.wait_s += self._clock() - call.started_s
 
     def next_items(
@@ -366,12 +442,37 @@ class Registry:
         finally:
             self.end_next(call)
 
+    def _recheck_failures(self, job: Job, rank: Rank, epoch: int, limit: int) -> None:
+        """Failed copies among the next `limit` pinned entries of `epoch`, queued while their
+        file had failed, are decoded again if `retry_failed_s` has passed by now (once per
+        entry): queued as lookahead, maybe an epoch before, they carry an old decision, and a
+        file fixed meanwhile was skipped in the epoch after its fix. Runs when a pass starts
+        (the decodes start early) and when a `Next` is about to hand them out."""
+        items = self.cache.items
+        now = self._clock()
+        seen = 0
+        for position, entry in enumerate(rank.queue):
+            if position >= rank.pinned or seen >= limit:
+                break
+            if entry.epoch != epoch:
+                if entry.epoch > epoch:
+                    break
+                continue
+            seen += 1
+            item = items[entry.key]
+            if item.state is ItemState.FAILED and not entry.rechecked and self.cache.retry_due(item, now):
+                entry.rechecked = True
+                item.waiters.append(job)
+                logger.info("source %s: item %d failed %.1f s ago; decoding it again for job %s",
+                            job.source.name, entry.item_id, now - item.failed_s, job.job_id)
+
     def _count_ready(self, rank: Rank, epoch: int, limit: int) -> int:
-        """How many items at the head of the queue (of `epoch`, up to `limit`) can be taken."""
+        """How many items at the head of the queue (of `epoch`, up to `limit`) can be taken:
+        settled and pinned (entries beyond the rank's share are not decoded yet)."""
         items = self.cache.items
         count = 0
-        for entry in rank.queue:
-            if count >= limit:
+        for position, entry in enumerate(rank.queue):
+            if count >= limit or position >= rank.pinned:
                 break
             if entry.epoch < epoch:
                 continue  # leftovers of an abandoned epoch, dropped when taking
@@ -380,17 +481,20 @@ class Registry:
             count += 1
         return count
 
-    def _take_ready(self, job: Job, rank: Rank, pass_: Any, max_items: int) -> Batch | None:
+    def _take_ready(self, job: Job, rank: Rank, pass_: Any, max_items: int, worker_id: int = 0) -> Batch | None:
         queue = rank.queue
         epoch = pass_.epoch
         while queue and queue[0].epoch < epoch:  # leftovers of an abandoned epoch
-            self.cache.release(queue.popleft().key)
+            entry = queue.popleft()
+            if rank.pinned:
+                rank.pinned -= 1
+                self.cache.release(entry.key)
         batch = Batch(epoch, False, [], [], [], [])
         reused = shared = 0
         source = job.source
         source_labels = source.listing.labels
         items = self.cache.items
-        while queue and len(batch.item_ids) + len(batch.failed) < max_items:
+        while queue and rank.pinned and len(batch.item_ids) + len(batch.failed) < max_items:
             entry = queue[0]
             if entry.epoch != epoch:
                 break
@@ -410,16 +514,23 @@ class Registry:
                 batch.dtypes.append(item.dtype)
                 batch.checksums.append(item.checksum)
                 pass_.outstanding[entry.key] += 1  # the queue's pin now covers the handed-out copy
+                rank.handed_out += 1
             elif item.state is ItemState.FAILED:
                 batch.failed.append((entry.item_id, source.listing.paths[entry.item_id], source.failed[entry.item_id]))
                 self.cache.release(entry.key)
             else:
                 break
             queue.popleft()
+            rank.pinned -= 1
         item_ids, failed = batch.item_ids, batch.failed
         if not item_ids and not failed:
             return None
+        if failed and self._scheduler.pin_ahead(job, rank):  # a skipped item freed its part of the share
+            job.wake()
         rank.handed[epoch] += len(item_ids) + len(failed)
+        pass_.held[worker_id] += len(item_ids)
+        if len(pass_.asking) > 1:
+            job.wake()  # a reader of the pass that deferred to this one may take what is left
         job.rate.add(self._clock(), len(item_ids) + len(failed))
         job.items_delivered += len(item_ids)
         job.items_skipped += len(failed)
@@ -428,7 +539,11 @@ class Registry:
         job.items_shared += shared
         self.items_reused += reused
         self._cond.notify_all()  # the queue has room again
-        return dataclasses.replace(batch, end_of_epoch=self._left(job, rank, epoch) == 0)
+        # More copies out than its share allows: this reader must copy the items and
+        # acknowledge them at once, not hand them on (to the training process) and acknowledge
+        # later, or the rank's next replies find nothing decoded.
+        copy_now = rank.handed_out > _copies_budget(job)
+        return dataclasses.replace(batch, end_of_epoch=self._left(job, rank, epoch) == 0, copy_now=copy_now)
 
     # ----------------------------------------------------------------------------- scheduling
 
@@ -545,10 +660,22 @@ class Registry:
         """A JSON-ready snapshot (`joader.server.status`; the schema `joader status --json`
         documents)."""
         with self._cond:
-            status = snapshot(self, self._clock())
+            now = self._clock()
+            status = snapshot(self, now)
+            for job, entry in zip(self.jobs.jobs.values(), status["jobs"], strict=True):
+                entry["waiting"] = self.jobs.waiting(job, now)
+                entry["cache_share"] = job.cache_share * job.world_size
+                entry["handed_out"] = sum(rank.handed_out for rank in job.ranks)
         if extra:
             status.update(extra)
         return status
+
+
+def _copies_budget(job: Job) -> int:
+    """Handed-out, unacknowledged copies one rank of `job` may hold before its replies say
+    `copy_now`: its share of the cache less its lookahead, which its queue needs to keep
+    reading."""
+    return max(1, job.cache_share - job.queue_capacity)
 
 
 def _describe_ids(ids: BitMap) -> str:

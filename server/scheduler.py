@@ -11,6 +11,10 @@ epoch, so every rank gets `ceil(N / W)` items (padding with the epoch's first pi
 sampler's epoch is over) or `floor(N / W)` under drop_last (the picks no rank needs are dropped
 undecoded). A job of world size 1 has one rank that receives every pick.
 
+Queued is not pinned: a rank pins the head of its queue (asking for those decodes) only within
+its share of the cache, counting the copies it was handed and has not acknowledged
+(`pin_ahead`); a rank that stops reading holds its share at most, never the others'.
+
 Refcounts: an item's refcount is the number of jobs that still need it in their current epoch.
 -1 when a round gives it to a job, +1 for every cached item of a job's new epoch, recomputed
 from the sampler when a decode lands (`needed`).
@@ -165,14 +169,60 @@ class Scheduler:
         )
 
     def drop_queue(self, rank: Rank, drop: object) -> None:
-        """Releases and removes the queued entries of `rank` for which `drop(entry)` is true."""
+        """Removes the queued entries of `rank` for which `drop(entry)` is true, releasing the
+        pinned ones. The pinned entries left are still the head of the queue (order is kept)."""
         kept: deque[Entry] = deque()
-        for entry in rank.queue:
+        pinned = 0
+        for position, entry in enumerate(rank.queue):
+            held = position < rank.pinned
             if drop(entry):  # type: ignore[operator]
-                self._cache.release(entry.key)
+                if held:
+                    self._cache.release(entry.key)
             else:
                 kept.append(entry)
+                pinned += held
         rank.queue = kept
+        rank.pinned = pinned
+
+    def pin_ahead(self, job: Job, rank: Rank, now: float | None = None) -> bool:
+        """Pins the head of the rank's queue, in order, while the rank holds less than its share
+        of the cache (`Job.cache_share`: pinned entries plus copies handed out and not yet
+        acknowledged); unpins the newest pinned entries beyond it, when the share shrank (jobs
+        arrived) or copies went out.
+
+        A pinned entry asks for its item's decode and keeps the item's bytes in the arena.
+        Without this bound a job that stops reading (its lease alive) held its copies and its
+        whole queue, more than its share once other jobs arrived, and they found no slot to
+        decode into. Unpinned entries keep their place in the queue (the DSA picks stand);
+        their items may be evicted, and are decoded again when acknowledgements bring them
+        within the rank's share: such a job gets no more decodes ahead until it acknowledges.
+
+        Returns whether an entry it pinned is settled already (ready to hand out: the caller
+        wakes the job's waiting requests, unless a round does).
+        """
+        queue = rank.queue
+        allowance = max(0, job.cache_share - rank.handed_out)
+        cache = self._cache
+        while rank.pinned > allowance:
+            rank.pinned -= 1
+            cache.release(queue[rank.pinned].key)
+        if rank.pinned >= allowance or rank.pinned >= len(queue):
+            return False
+        if now is None:
+            now = self._clock()
+        rate = job.rate.rate(now) if self._deadlines else None
+        settled = False
+        while rank.pinned < allowance and rank.pinned < len(queue):
+            entry = queue[rank.pinned]
+            due_s = due_time(now, rank.pinned, rate) if self._deadlines else 0.0
+            item = cache.want(job.source, entry.item_id, self._round_seq, consumed=False, due_s=due_s,
+                              ahead=entry.epoch > rank.claimed_epoch)
+            rank.pinned += 1
+            if item.state.settled:
+                settled = True
+            else:
+                item.waiters.append(job)  # woken when it settles
+        return settled
 
     # ----------------------------------------------------------------------------- rounds
 
@@ -236,16 +286,12 @@ class Scheduler:
 
     def _enqueue(self, job: Job, rank: Rank, share: EpochShare, item_id: int, *, consumed: bool) -> None:
         share.assigned[rank.index] += 1
+        if consumed:  # the pick left the job's remaining set: a cached copy has one reference less
+            self._cache.consume_unqueued(job.source, item_id)
         if rank.closed:  # the rank is done: its share is not prepared
-            if consumed:
-                self._cache.consume_unqueued(job.source, item_id)
             return
-        due_s = due_time(self._now, len(rank.queue), job.rate.rate(self._now)) if self._deadlines else 0.0
-        item = self._cache.want(job.source, item_id, self._round_seq, consumed=consumed, due_s=due_s,
-                                ahead=share.epoch > rank.claimed_epoch)
-        rank.queue.append(Entry(share.epoch, item_id, item.key))
-        if not item.state.settled:
-            item.waiters.append(job)  # woken when it settles; settled ones: after the round
+        rank.queue.append(Entry(share.epoch, item_id, job.source.key_base + item_id))
+        self.pin_ahead(job, rank, self._now)
 
 
 def _count_pairs(counts: dict[tuple[str, str], list[int]], picks: dict[str, int]) -> None:

@@ -227,6 +227,7 @@ def _response(batch: Batch, arena: str) -> joader_pb2.NextResponse:
         dtypes=[DTYPE_CODES[d] for d in batch.dtypes],
         arena=arena,
         checksums=batch.checksums,
+        copy_now=batch.copy_now,
     )
 
 

@@ -226,20 +226,52 @@ def test_bad_registrations_name_the_problem() -> None:
 
 
 def test_a_failed_item_is_decoded_again_at_its_next_use_after_the_retry_time() -> None:
-    registry, pool, clock = make_registry(lease_s=1000.0)
-    job = attach(registry, "demo", BitMap(range(20)), "a", 4)
-    order = read_epoch(registry, pool, job.job_id, token=1, fail={5})
-    assert 5 not in order and registry.status()["items_failed"] == 1
-    clock.now += registry.config.retry_failed_s + 1  # the file was fixed meanwhile
-    # Epoch 2 may have queued item 5 (still failed) as lookahead before the clock moved; its
-    # next use picked after the retry time decodes it again.
-    read_epoch(registry, pool, job.job_id, token=2)
-    order = read_epoch(registry, pool, job.job_id, token=3)
-    assert sorted(order) == list(range(20))
+    """The storage was down during epoch 1: every file failed. The lookahead queued epoch 2's
+    first picks then, still failed. Once the retry time has passed (the storage is back), those
+    copies are decoded again when epoch 2's pass starts, not reported failed from the old
+    decision (epoch 2 delivered 8 of 10)."""
+    registry, pool, clock = make_registry(num_slots=8, lease_s=1000.0)
+    job = attach(registry, "demo", BitMap(range(10)), "a", 2)
+    order = read_epoch(registry, pool, job.job_id, token=1, batch=2, fail=set(range(10)))
+    assert order == [] and registry.status()["items_failed"] == 10
+    stale = [e.item_id for e in job.ranks[0].queue if e.epoch == 2]
+    assert stale  # queued while failed
+    clock.now += registry.config.retry_failed_s + 1  # the files are back
+    first = nxt(registry, job.job_id, 2, 2, [])  # epoch 2's pass starts: their decodes start at once
+    registry.schedule_once()
+    assert set(stale) <= {item_id for _, _, item_id, _ in pool.submitted}
+    order = first.item_ids + read_epoch(registry, pool, job.job_id, token=2, batch=2)
+    assert sorted(order) == list(range(10))
     status = registry.status()
-    assert status["items_failed"] == 0 and status["decodes"]["retried"] == 1
+    assert status["items_failed"] == 0 and status["decodes"]["retried"] == 10
     registry.remove_job(job.job_id, "test")
     assert registry.status()["cache"]["pinned_items"] == 0
+
+
+def test_a_failed_copy_reached_by_a_next_after_the_retry_time_is_decoded_again() -> None:
+    """The same when the retry time passes during epoch 2, before a Next reaches the copy: the
+    first copy, handed out before the retry time, is skipped; the second is decoded again."""
+    registry, pool, clock = make_registry(num_slots=12, lease_s=1000.0)
+    job = attach(registry, "demo", BitMap(range(10)), "a", 1)
+    read_epoch(registry, pool, job.job_id, token=1, batch=1, fail=set(range(10)))
+    assert len([e for e in job.ranks[0].queue if e.epoch == 2]) >= 2
+    first = nxt(registry, job.job_id, 2, 1, [])  # before the retry time: skipped
+    assert first.item_ids == [] and len(first.failed) == 1
+    clock.now += registry.config.retry_failed_s + 1
+    order = read_epoch(registry, pool, job.job_id, token=2, batch=1)
+    assert sorted(order) == sorted(set(range(10)) - {first.failed[0][0]})
+
+
+def test_a_file_that_keeps_failing_is_retried_at_most_once_per_use_and_skipped() -> None:
+    """--retry-failed-s 0: every use may retry, but a copy reached by a Next is retried once,
+    then reported; an epoch never loops on a broken file."""
+    registry, pool, clock = make_registry(num_slots=60, lease_s=1000.0, retry_failed_s=0.0)
+    job = attach(registry, "demo", BitMap(range(10)), "a", 4)
+    for token in (1, 2, 3):
+        clock.now += 1.0
+        order = read_epoch(registry, pool, job.job_id, token=token, fail={5})
+        assert sorted(order) == [i for i in range(10) if i != 5]
+    assert registry.status()["decodes"]["requested"] <= 10 + 3 * 2
 
 
 def test_fresh_workers_with_a_repeated_token_start_a_new_whole_epoch() -> None:
@@ -683,3 +715,174 @@ def test_stall_reports_are_summed_over_readers_per_epoch() -> None:
     status = registry.status()["jobs"][0]
     assert status["stall"]["epoch"] == 2 and status["stall"]["fraction"] == 0.5
     assert status["stall_total"] == {"wait_s": 4.5, "step_s": 7.5, "items": 12, "fraction": 0.375}
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+def test_a_job_whose_only_attached_rank_closes_ends_and_the_next_run_gets_a_new_job() -> None:
+    """Rank 0 of a 2-rank job attached and closed; rank 1 never came. The job ends at once
+    (it stayed "0/2" for good, and the next run's rank 1 joined it and read its whole epoch
+    alone while that run's rank 0 waited in a new job)."""
+    registry, pool, _ = make_registry(num_slots=30)
+    stale = attach(registry, "demo", BitMap(range(20)), "ddp", 4, rank=0, world_size=2)
+    registry.close_rank(stale.job_id, 0)
+    assert registry.status()["jobs"] == []
+    with pytest.raises(UnknownJobError, match="rank 1 of 2 never attached"):
+        nxt(registry, stale.job_id, 1, 4, [])
+    second = attach(registry, "demo", BitMap(range(20)), "ddp", 4, rank=1, world_size=2)
+    assert second.job_id != stale.job_id
+    assert attach(registry, "demo", BitMap(range(20)), "ddp", 4, rank=0, world_size=2) is second
+    orders = read_ranks(registry, pool, second, token=10)
+    assert [len(o) for o in orders] == [10, 10] and sorted(orders[0] + orders[1]) == list(range(20))
+
+
+def test_a_rank_of_a_new_run_does_not_join_the_old_run_while_it_finishes() -> None:
+    """Rank 0 of run 1 closed while its rank 1 still reads: run 2's rank 0 starts a new job,
+    and run 2's rank 1 joins that one, not run 1's."""
+    registry, _, _ = make_registry(num_slots=30)
+    old = attach(registry, "demo", BitMap(range(20)), "ddp", 4, rank=0, world_size=2)
+    attach(registry, "demo", BitMap(range(20)), "ddp", 4, rank=1, world_size=2)
+    registry.close_rank(old.job_id, 0)
+    assert [j["job_id"] for j in registry.status()["jobs"]] == [old.job_id]  # rank 1 still reads
+    new = attach(registry, "demo", BitMap(range(20)), "ddp", 4, rank=0, world_size=2)
+    assert new is not old
+    assert attach(registry, "demo", BitMap(range(20)), "ddp", 4, rank=1, world_size=2) is new
+    registry.close_rank(old.job_id, 1)
+    assert [j["job_id"] for j in registry.status()["jobs"]] == [new.job_id]
+
+
+def test_a_job_whose_ranks_never_all_attach_ends_after_the_attach_timeout() -> None:
+    registry, pool, clock = make_registry(lease_s=5.0, rank_attach_timeout_s=30.0)
+    job = attach(registry, "demo", BitMap(range(20)), "ddp", 4, rank=0, world_size=3)
+    attach(registry, "demo", BitMap(range(20)), "ddp", 4, rank=2, world_size=3)
+    for _ in range(5):  # attached ranks keep their leases; the job waits for rank 1
+        clock.now += 5.0
+        assert nxt(registry, job.job_id, 1, 4, [], rank=0).item_ids == []
+        nxt(registry, job.job_id, 2, 4, [], rank=2)
+        pump(registry, pool)
+    waiting = registry.status()["jobs"][0]["waiting"]
+    assert waiting["for"] == "ranks" and waiting["ranks"] == [1] and waiting["since_s"] == 25.0
+    assert "rank 1 of 3 not attached" in waiting["detail"]
+    clock.now += 5.0
+    registry.schedule_once()
+    assert registry.status()["jobs"] == []
+    with pytest.raises(UnknownJobError, match="rank 1 of 3 did not attach within 30 s.*--rank-attach-timeout-s"):
+        nxt(registry, job.job_id, 1, 4, [], rank=0)
+    assert registry.status()["cache"]["pins"] == 0
+    # the missing rank arriving late starts a new job (which waits for the others in turn)
+    late = attach(registry, "demo", BitMap(range(20)), "ddp", 4, rank=1, world_size=3)
+    assert late.job_id != job.job_id
+
+
+def test_a_job_that_stops_reading_holds_its_share_at_most_and_never_stalls_another() -> None:
+    """A cache of three batches per job. `paused` reads a reply, has a second one in flight (a
+    client's prefetch), and stops reading with its lease alive. Alone it may use the whole
+    cache; once `other` attaches, its queue is unpinned down to its share (its copies count in
+    it) and `other` reads its whole epoch. `paused` then goes on and gets its whole epoch too."""
+    registry, pool, _ = make_registry(num_slots=24, lease_s=1000.0)
+    paused = attach(registry, "demo", BitMap(range(60)), "paused", 8)
+    nxt(registry, paused.job_id, 1, 8, [], max_batches=4)
+    pump(registry, pool)
+    held = nxt(registry, paused.job_id, 1, 8, [], max_batches=4).item_ids
+    pump(registry, pool)
+    held += nxt(registry, paused.job_id, 1, 8, [], max_batches=4).item_ids
+    pump(registry, pool)
+    assert len(held) == 16
+    other = attach(registry, "demo", BitMap(range(60)), "other", 8)
+    assert sorted(read_epoch(registry, pool, other.job_id, 1, batch=8)) == list(range(60))
+    rank = paused.ranks[0]
+    assert rank.handed_out == 16 and rank.pinned == 0  # over its share of 12: nothing pinned ahead
+    status = {j["name"]: j for j in registry.status()["jobs"]}
+    assert status["paused"]["handed_out"] == 16 and status["paused"]["cache_share"] == 12
+    # It reads on, acknowledging its first reply: still over its share less its lookahead, so
+    # its next reply says to copy at once; then its epoch is whole.
+    order = list(held)
+    assert nxt(registry, paused.job_id, 1, 8, held[:8], max_batches=4).item_ids == []  # decoding
+    pump(registry, pool)
+    first = nxt(registry, paused.job_id, 1, 8, [], max_batches=4)
+    assert first.copy_now and 0 < len(first.item_ids) <= 8
+    acks = held[8:] + first.item_ids
+    order += first.item_ids
+    while True:
+        pump(registry, pool)
+        result = nxt(registry, paused.job_id, 1, 8, acks, max_batches=4)
+        acks = result.item_ids
+        order += result.item_ids
+        if result.end_of_epoch:
+            break
+    assert sorted(order) == list(range(60))
+
+
+def test_copies_beyond_the_share_get_no_extra_batches_and_ask_for_copy_now() -> None:
+    """Two readers of one pass (DataLoader workers handing batches on) hold their replies
+    unacknowledged. A reply adds extra batches only while the rank's copies stay within its
+    share less its lookahead (here 32 - 8 = 24 items); a reply beyond it says copy_now, and goes
+    only to a reader holding no more copies than the other (the loop takes their batches in
+    turn); acknowledging brings the rank back within it."""
+    registry, pool, _ = make_registry(num_slots=32, lease_s=1000.0)
+    job = attach(registry, "demo", BitMap(range(60)), "a", 4)
+    assert (job.cache_share, job.queue_capacity) == (32, 8)
+    nxt(registry, job.job_id, 1, 4, [], worker_id=0, pid=10, max_batches=4)
+    held: dict[int, list[int]] = {0: [], 1: []}
+    sizes, flags = [], []
+    for worker in (0, 1, 0, 1, 0, 1):
+        pump(registry, pool)
+        reply = nxt(registry, job.job_id, 1, 4, [], worker_id=worker, pid=10 + worker, max_batches=4)
+        held[worker] += reply.item_ids
+        sizes.append(len(reply.item_ids))
+        flags.append(reply.copy_now)
+        assert job.ranks[0].handed_out == len(held[0]) + len(held[1])
+    # two batches while within 24 copies, then one; worker 0, ahead of worker 1, waits for it
+    assert sizes == [8, 8, 8, 4, 0, 4]
+    assert flags == [False, False, False, True, False, True]
+    assert nxt(registry, job.job_id, 1, 4, held[0], worker_id=0, pid=10, max_batches=4).item_ids == []
+    pump(registry, pool)  # worker 0's 16 copies acknowledged: its queue is pinned and decoded again
+    reply = nxt(registry, job.job_id, 1, 4, [], worker_id=0, pid=10, max_batches=4)
+    assert not reply.copy_now and len(reply.item_ids) == 8  # 16 + 8 copies: within 24 again
+
+
+def test_a_worker_ahead_of_one_that_has_not_asked_yet_waits_for_it() -> None:
+    """Fresh DataLoader workers ask one by one. In a cache of three batches, worker 0 of the
+    second pass asks three times before worker 1 first asks, acknowledging nothing (its batches
+    wait in the DataLoader's queue until the loop took worker 1's). Beyond the copies budget it
+    gets nothing more (the rank's previous pass had two workers); worker 1 gets the next batch,
+    with copy_now. Dealt first come, worker 0 took the whole cache and the loop hung."""
+    registry, pool, _ = make_registry(num_slots=24, lease_s=1000.0)
+    job = attach(registry, "demo", BitMap(range(40)), "a", 8)
+    assert (job.cache_share, job.queue_capacity) == (24, 8)  # copies budget: 24 - 8
+    for worker in (0, 1):  # the first pass: two workers, read through
+        nxt(registry, job.job_id, 1, 8, [], worker_id=worker, pid=10 + worker)
+    acks: dict[int, list[int]] = {0: [], 1: []}
+    done = {0: False, 1: False}
+    while not all(done.values()):
+        pump(registry, pool)
+        for worker in (0, 1):
+            if not done[worker]:
+                result = nxt(registry, job.job_id, 1, 8, acks[worker], worker_id=worker, pid=10 + worker)
+                acks[worker], done[worker] = result.item_ids, result.end_of_epoch
+    for worker in (0, 1):
+        nxt(registry, job.job_id, 1, 0, acks[worker], worker_id=worker, pid=10 + worker)
+    sizes = []
+    for _ in range(3):  # the second pass: worker 0 alone so far
+        pump(registry, pool)
+        sizes.append(len(nxt(registry, job.job_id, 2, 8, [], worker_id=0, pid=20).item_ids))
+    assert sizes == [8, 8, 0] and job.ranks[0].handed_out == 16
+    pump(registry, pool)
+    first = nxt(registry, job.job_id, 2, 8, [], worker_id=1, pid=21)
+    assert len(first.item_ids) == 8 and first.copy_now
+
+
+def test_an_impossible_resume_parts_is_refused_and_a_waiting_resume_is_shown() -> None:
+    registry, _, _ = make_registry(num_slots=30)
+    job = attach(registry, "demo", BitMap(range(20)), "a", 4)
+    with pytest.raises(InvalidArgumentError, match=r"resume_parts 5000 .*1\.\.1024.*num_workers"):
+        nxt(registry, job.job_id, 5, 4, [], resume_epoch=2, resume_consumed=BitMap(range(3)), resume_parts=5000)
+    assert job.resume is None
+    for worker in (0, 1):  # a state that says five readers report; two do
+        nxt(registry, job.job_id, 5, 4, [], worker_id=worker, pid=10 + worker,
+            resume_epoch=2, resume_consumed=BitMap([worker]), resume_parts=5)
+    waiting = registry.status()["jobs"][0]["waiting"]
+    assert waiting["for"] == "resume_reports" and waiting["epoch"] == 2
+    assert waiting["ranks"] == [{"rank": 0, "reports": 2, "parts": 5}]
+    assert "rank 0: 2 of 5" in waiting["detail"]
