@@ -210,6 +210,8 @@ async def _serve(
                 "mode": "auto" if config.autoscale else "fixed",
                 "max": config.max_workers,
                 "resizes": list(stats.resizes),
+                "crash_loop": stats.crash_loop,
+                "restart_in_s": stats.restart_in_s,
             },
             "pid": os.getpid(),
         }
@@ -269,7 +271,7 @@ def _forward_results(pool: DecodePool, registry: Registry, stop: threading.Event
         if result is not None:
             registry.file_result(result.task_id, result.ok, result.error, result.decode_s,
                                  shape=result.shape, dtype=result.dtype, nbytes=result.nbytes,
-                                 checksum=getattr(result, "checksum", 0))
+                                 checksum=result.checksum)
 
 
 def _autoscale(pool: DecodePool, status: Callable[[], dict[str, Any]], config: ServerConfig,

@@ -110,12 +110,16 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
 
         job_id = job.job_id
         self._registry.on_removed(job_id, on_removed)
+        # Set before the first yield: if building or sending the reply fails (a reply too large
+        # to send), the `finally` below still knows the lease did not close on purpose.
+        closed: list[bool] = []
         try:
             yield joader_pb2.AttachResponse(
                 job_id=job_id,
                 job_secret=job.secret,
                 source=source.name,
                 classes=[os.fsencode(c) for c in source.listing.classes],
+                class_labels=[source.listing.class_to_idx[c] for c in source.listing.classes],
                 num_source_items=source.num_items,
                 num_items=job.num_items,
                 image_size=getattr(source.stage, "size", 0) or 0,
@@ -136,7 +140,6 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
                 seed=job.seed,
                 targets=source.listing.labels[job.dataset.to_array()].astype("<i4").tobytes(),
             )
-            closed: list[bool] = []
             heartbeats = asyncio.ensure_future(self._heartbeats(job_id, rank, request_iterator, closed))
             gone = asyncio.ensure_future(removed.wait())
             try:
