@@ -149,7 +149,8 @@ class Reader:
                    if ds.world_size > 1 else "")
         raise TimeoutError(
             f"job {self.conn.job_id}: no item from joaderd for {ds.timeout_s:g} s; see `joader "
-            "status` (is the cache too small, or a decode worker stuck?)" + waiting)
+            "status`: its job's `waiting` names a rank that has not attached or resume reports "
+            "still missing; else the decode pool's state (a crash loop, a stuck worker)." + waiting)
 
     def _acknowledge_leftover(self, call: Call) -> None:
         """Best effort: give back a prefetched batch nobody will read (the lease's end would
