@@ -86,6 +86,7 @@ class Run:
     state: Path | None
     proc: subprocess.Popen[bytes] | None = None
     kills: int = 0
+    err_at: int = 0  # where the newest launch's stderr starts in the run's .err file
     done: bool = False
     failed: str = ""
 
@@ -173,6 +174,7 @@ class Soak:
         if run.state is not None:
             command += ["--state", str(run.state)]
         err = open(self.work / f"{run.mode.name}-{run.number}.err", "ab")
+        run.err_at = err.tell()  # what this launch writes starts here
         run.proc = subprocess.Popen(command, cwd=ROOT, env=self.env, stderr=err, stdout=subprocess.DEVNULL,
                                     start_new_session=True)
         err.close()
@@ -188,7 +190,7 @@ class Soak:
                 continue
             if code != 0:
                 err = (self.work / f"{run.mode.name}-{run.number}.err").read_text(errors="replace")
-                if _never_attached(err) and not read_records(run.records):
+                if _never_attached(err[run.err_at:]):
                     # Started while joaderd was down (a restart's window): a job that cannot
                     # attach fails at once, as documented; the slot starts it again.
                     self.summary.attach_retries += 1
@@ -322,7 +324,8 @@ class Soak:
 
 
 def _never_attached(err: str) -> bool:
-    """The job's stderr says it failed at its first attach (no joaderd answered)."""
+    """The launch's stderr says it failed at its first attach (no joaderd answered): started,
+    or started again from its checkpoint, in a restart's window. Nothing was delivered to it."""
     return "_start_keeper" in err and "ConnectionError: no joaderd is answering" in err
 
 
