@@ -282,7 +282,9 @@ def test_a_crash_loop_slows_replacements_down_and_the_pool_recovers(listing: Sou
         assert all(r.ok for r in results.values()), [r.error for r in results.values()]
         _wait(lambda: (pool.get_result(timeout_s=0.1), pool.stats().workers_alive)[1] == 2,
               "the pool back at its target", timeout_s=60)
-        assert time.monotonic() - started < 60
+        recovered_s = time.monotonic() - started
+        print(f"crash loop after {deaths} deaths: tasks done and the pool back at its target in {recovered_s:.1f} s")
+        assert recovered_s < 60
         assert pool.stats().crash_loop  # until a quiet minute
 
 
