@@ -121,13 +121,18 @@ def is_loopback(address: str) -> bool:
 # --- the server side --------------------------------------------------------------------------
 
 
-def prepare_server_socket(path: Path, address: str) -> None:
+def prepare_server_socket(path: Path, address: str, *, remove_dead: bool = True) -> None:
     """Makes `path`'s directory ready for joaderd to bind, or refuses with the reason and fix.
 
     Creates the directory (mode 0700; its parents too, but only for the default location),
     checks that no one else controls it, and clears a dead socket left by a joaderd that died.
     Refuses when a live joaderd listens there, and when anything other than a socket is at
     `path` (it is never deleted).
+
+    joaderd checks at start with `remove_dead=False` and removes a dead socket only right
+    before it binds: jobs started while a restarted joaderd lists its sources and allocates its
+    arena (seconds) then still find a socket, which refuses, and wait for it (the lease keeper's
+    first attach), instead of finding none and failing at once.
     """
     is_default = path == default_socket_path()
     _make_private_dir(path.parent, parents=is_default)
@@ -148,7 +153,8 @@ def prepare_server_socket(path: Path, address: str) -> None:
             f"another joaderd is already listening at {address}{owner}; stop it, or start this "
             "one with --listen unix:/other/path.sock (and set JOADER_ADDRESS for its clients)"
         )
-    _remove_dead_socket(path, st)
+    if remove_dead:
+        _remove_dead_socket(path, st)
 
 
 def _make_private_dir(directory: Path, *, parents: bool) -> None:

@@ -111,7 +111,7 @@ def run(config: ServerConfig) -> int:
     address = resolve_address(config.listen)
     sock = socket_path(address)
     if sock is not None:
-        prepare_server_socket(sock, address)
+        prepare_server_socket(sock, address, remove_dead=False)  # removed right before the bind
     elif not is_loopback(address):
         logger.warning(
             "joaderd listens on %s, reachable from other hosts (--allow-remote): there is NO "
@@ -222,6 +222,8 @@ async def _serve(
     if config.autoscale:
         supervisor.spawn("joaderd-autoscale", lambda: _autoscale(pool, full_status, config, stopping))
     servicer = JoaderServicer(registry, str(arena.path), extra_status)
+    if (unix_path := socket_path(address)) is not None:
+        prepare_server_socket(unix_path, address)  # checked again; a dead socket goes now
     server, port = await start_server(servicer, address, receive_limit_bytes(source_sizes))
     metrics_server = None
     try:
