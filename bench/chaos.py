@@ -243,11 +243,11 @@ class Soak:
             time.sleep(0.01)
         return False
 
-    def kill_client(self) -> None:
+    def kill_client(self) -> bool:
         killable = [run for run in self.runs.values() if run.mode.killable and run.proc is not None
                     and run.proc.poll() is None and run.state is not None and run.state.exists()]
         if not killable:
-            return
+            return False
         run = self.rng.choice(killable)
         assert run.proc is not None
         os.killpg(run.proc.pid, signal.SIGKILL)
@@ -255,22 +255,25 @@ class Soak:
         run.kills += 1
         self.summary.client_kills += 1
         self.launch(run)
+        return True
 
-    def kill_worker(self) -> None:
+    def kill_worker(self) -> bool:
         assert self.server is not None
         try:
             status = json.loads(subprocess.run(
                 [sys.executable, "-m", "joader.client.cli", "status", "--json", "--address", self.address],
                 capture_output=True, text=True, timeout=30, env=self.env).stdout)
         except (json.JSONDecodeError, subprocess.TimeoutExpired):
-            return
+            return False
         pids = status.get("workers", {}).get("pids") or []
         if pids:
             try:
                 os.kill(self.rng.choice(pids), signal.SIGKILL)
                 self.summary.worker_kills += 1
+                return True
             except ProcessLookupError:
                 pass
+        return False
 
     # ----------------------------------------------------------------------------- the soak
 
@@ -282,20 +285,25 @@ class Soak:
             self.runs[mode.name] = self.start_run(mode)
         next_fault = started + self.rng.expovariate(1 / self.args.fault_every_s)
         next_progress = started + 30
+        first = ["client", "restart", "worker", "epoch_end"]
         try:
             while time.monotonic() - started < self.args.duration_s:
                 self.reap()
                 now = time.monotonic()
                 if now >= next_fault:
-                    kind = self.rng.choices(["restart", "epoch_end", "client", "worker"], [4, 2, 3, 2])[0]
+                    # Every kind once first (a short soak must see each), then at random.
+                    kind = first.pop(0) if first else \
+                        self.rng.choices(["restart", "epoch_end", "client", "worker"], [4, 2, 3, 2])[0]
                     if kind == "restart":
                         self.restart_server()
                     elif kind == "epoch_end":
-                        self.restart_at_epoch_end()
+                        if not self.restart_at_epoch_end():
+                            first.append(kind)
                     elif kind == "client":
-                        self.kill_client()
-                    else:
-                        self.kill_worker()
+                        if not self.kill_client():
+                            first.append(kind)  # nothing to kill yet: again at the next fault
+                    elif not self.kill_worker():
+                        first.append(kind)
                     next_fault = time.monotonic() + self.rng.expovariate(1 / self.args.fault_every_s)
                 if now >= next_progress:
                     print(f"chaos: {now - started:5.0f} s  {self.summary.line()}", flush=True)
