@@ -31,7 +31,15 @@ import numpy as np
 from joader.errors import DecodeError, InvalidArgumentError
 from joader.sources.safe_open import display_path, open_in_root
 
-__all__ = ["SOURCE_KINDS", "ItemSource", "check_item_id", "open_source", "read_in_root"]
+__all__ = [
+    "MAX_LABEL",
+    "SOURCE_KINDS",
+    "ItemSource",
+    "check_item_id",
+    "int_label",
+    "open_source",
+    "read_in_root",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +53,10 @@ KINDS_HINT = (
     "(WebDataset: KEY.jpg + KEY.cls members, e.g. '/data/shards/train-*.tar')"
 )
 
+# Labels travel as int32 (`NextResponse.labels`, `AttachResponse.targets`): an integer label is
+# a class number 0..MAX_LABEL, and one beyond it is an error naming where it was written.
+MAX_LABEL = 2**31 - 1
+
 
 @runtime_checkable
 class ItemSource(Protocol):
@@ -52,10 +64,14 @@ class ItemSource(Protocol):
 
     kind: str  # "imagefolder" | "list" | "tar"
     root: Path  # resolved; shown in status (the folder, the list file, the shard folder)
+    # What a client sees as `ds.classes`, `ds.class_to_idx` and each item's label (Attach's
+    # `classes`, `class_labels`, `targets`). Class names (folders, or names in a list or .cls):
+    # classes sorted, label = index. Integer labels (list, .cls): delivered as written, classes
+    # = the distinct integers that occur in numeric order, as text, each mapped to itself.
     classes: tuple[str, ...]
-    class_to_idx: dict[str, int]
+    class_to_idx: dict[str, int]  # class -> the label its items carry
     paths: Sequence[str]  # display names; item id = position ("cls/x.jpg", "shard.tar/KEY.jpg")
-    labels: np.ndarray  # int32, one per item
+    labels: np.ndarray  # int32, one per item, 0..MAX_LABEL
     num_skipped: int  # entries left out when listing (symlinks leaving the root, ...)
 
     def __len__(self) -> int: ...
@@ -84,6 +100,11 @@ def open_source(path: str | os.PathLike[str]) -> ItemSource:
     text = os.fspath(path)
     if not text:
         raise InvalidArgumentError(f"source path is empty; {KINDS_HINT}")
+    if "\0" in text:  # every os call would raise ValueError; "does not exist" printed a raw NUL
+        shown = display_path(text.replace("\0", "<NUL>"))
+        raise InvalidArgumentError(
+            f"source path {shown!r} holds a NUL byte, which no path can; fix the source's path"
+        )
     given = Path(text).expanduser()
     if not os.path.lexists(given):
         if glob.has_magic(str(given)):
@@ -169,6 +190,20 @@ def check_item_id(source: ItemSource, item_id: int) -> int:
             f"0..{count - 1}"
         )
     return int(item_id)
+
+
+def int_label(digits: str) -> int:
+    """The value of a label written as ASCII digits, or `MAX_LABEL + 1` for one too large.
+
+    Never converts more than 12 significant digits: 5,000 digits would make `int()` raise
+    (it refuses more than 4,300) or, below that, take quadratic time; zero padding
+    (`0000000000007`) is still the value it pads. Callers refuse anything above `MAX_LABEL`.
+    """
+    if len(digits) > 12:
+        digits = digits.lstrip("0") or "0"
+        if len(digits) > 12:
+            return MAX_LABEL + 1
+    return int(digits)
 
 
 def read_in_root(root: str | os.PathLike[str], relpath: str) -> bytes:

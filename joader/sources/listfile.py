@@ -4,9 +4,15 @@
   symlink) and may not leave it: absolute paths and `..` components are refused at listing, and
   every read goes through `safe_open.open_in_root`, so a symlink cannot leave it either.
 - Item id = line order (blank lines are ignored). A first line `path<sep>label` is a header.
-- Labels are all integers (delivered as written; classes are then the distinct integers that
-  occur, as text, each mapped to itself in `class_to_idx`) or all class names (classes are the
-  sorted names, and label = index, as ImageFolder numbers its class folders).
+- Labels are all integers or all class names. Integers are class numbers: 0 to 2**31-1 (the
+  int32 every label travels as), no sign (`-1` is refused, not taken for a class name), leading
+  zeros allowed (`007` is 7). They are delivered as written; the classes are the distinct
+  integers that occur, in numeric order, as text, each mapped to itself in `class_to_idx` (so
+  one label of 10,000,000 costs one class, not ten million). Class names are sorted into
+  classes and label = index, as ImageFolder numbers its class folders. A label is stripped of
+  surrounding spaces; an empty one, or one holding a NUL byte, is an error.
+- A path listed twice is two items (oversampling, or one image under two labels): joader does
+  not merge them. A path naming a folder (`x/`, `.`) is refused at listing.
 - `.csv` follows the csv module's quoting (a path with a comma is written `"a,b.jpg",3`);
   `.tsv` has no quoting: a field is everything between tabs.
 - The file is UTF-8; bytes that are not UTF-8 are kept as they are (surrogateescape), so any
@@ -32,14 +38,12 @@ from typing import ClassVar
 import numpy as np
 
 from joader.errors import InvalidArgumentError
-from joader.sources.base import ListedItems, check_item_id, read_in_root
+from joader.sources.base import MAX_LABEL, ListedItems, check_item_id, int_label, read_in_root
 from joader.sources.safe_open import display_path
 
 __all__ = ["ListSource", "read_list_file"]
 
 logger = logging.getLogger(__name__)
-
-_MAX_LABEL = 2**31 - 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -169,7 +173,14 @@ def _parse(file: object, sep: str, name: str) -> tuple[list[str], list[str], _Li
                         f"{_hint(sep)}"
                     )
             rel, label = row
-            if not rel or rel[0] == "/" or ".." in rel or rel.isspace() or "\0" in rel:
+            if (
+                not rel
+                or rel[0] == "/"
+                or rel[-1] in "/."
+                or ".." in rel
+                or rel.isspace()
+                or "\0" in rel
+            ):
                 _check_path(rel, name, reader.line_num, sep)
             if reader.line_num - len(paths) != offset:
                 offset = reader.line_num - len(paths)
@@ -208,6 +219,12 @@ def _check_path(rel: str, name: str, line: int, sep: str) -> None:
             f"folder {display_path(os.path.dirname(name))} (a '..' component); joader never reads "
             "outside it - put the list file in a folder above the data"
         )
+    if rel.endswith("/") or rel.rsplit("/", 1)[-1] == ".":
+        # It passed the listing, then every read failed as a file "outside the source root".
+        raise InvalidArgumentError(
+            f"list file {name}, line {line}: path {display_path(rel)!r} names a folder, not a "
+            "file; list each image file of it on its own line"
+        )
 
 
 def _labels(
@@ -220,13 +237,13 @@ def _labels(
     if num_ints == len(raw):
         # Python ints, and digit strings too long for one never converted: 10**23 or 5,000
         # digits is an error that names the line, not an overflow or a traceback.
-        values = [int(text) if len(text) <= 12 else _MAX_LABEL + 1 for text in raw]
+        values = [int(text) if len(text) <= 12 else int_label(text) for text in raw]
         top = max(values, default=0)
-        if top > _MAX_LABEL:
+        if top > MAX_LABEL:
             at = values.index(top)
             raise InvalidArgumentError(
                 f"list file {name}, line {line_of(at)}: label {_clip(raw[at])} is too large (at most "
-                f"{_MAX_LABEL}); number classes from 0"
+                f"{MAX_LABEL}); number classes from 0"
             )
         # The classes that occur, not 0..top: one label of 10,000,000 once built ten million
         # class names (1.3 GB) and an Attach reply nobody could receive.
@@ -237,6 +254,12 @@ def _labels(
         if not text:
             raise InvalidArgumentError(
                 f"list file {name}, line {line_of(position)}: the label is empty; {_hint(sep)}"
+            )
+        if "\0" in text:  # a binary or UTF-16 file, or C-string padding: not a class name
+            shown = _clip(display_path(text.replace("\0", "\\0")))
+            raise InvalidArgumentError(
+                f"list file {name}, line {line_of(position)}: the label {shown!r} holds a NUL "
+                "byte; fix that line (is the file binary, or UTF-16?)"
             )
         if text[0] in "+-" and text[1:].isascii() and text[1:].isdigit():
             raise InvalidArgumentError(

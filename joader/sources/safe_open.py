@@ -88,6 +88,13 @@ def _real_root(root: str) -> str:
 
 
 def _open(path: str) -> int:
+    if "\0" in path:
+        # os.open raises ValueError, which escaped as a traceback blaming the stage. Listings
+        # refuse such names; this keeps any other caller's read a DecodeError.
+        raise DecodeError(
+            f"cannot read {display_path(path.replace(chr(0), '<NUL>'))}: the path holds a NUL "
+            "byte, which no file name can; fix the source's listing of it"
+        )
     try:
         return os.open(path, _OPEN_FLAGS)
     except (FileNotFoundError, NotADirectoryError):

@@ -10,9 +10,13 @@ WebDataset convention: a sample is a run of consecutive members sharing a key, w
 name is `KEY.EXT` and the extension starts at the first dot of the file name
 (`train/n0144_10026.JPEG` has key `train/n0144_10026`, extension `JPEG`). A sample needs
 exactly one image member (an ImageFolder image extension, any case) and one `KEY.cls` member
-holding its label: an integer, or a class name (then classes are the sorted names and a label
-is its index, as ImageFolder numbers class folders). Other members (`.json`, `.txt` ...) and
-folder entries are ignored; a sample without an image is skipped and counted.
+holding its label, UTF-8 text (a byte-order mark and surrounding spaces are dropped; a NUL byte,
+an empty label or several lines are errors). Labels are all integers or all class names, as in
+a list file (`listfile.py`): integers are class numbers 0..2**31-1 without a sign, delivered as
+written, and the classes are the distinct integers that occur, in numeric order, each mapped to
+itself; class names are sorted into classes and a label is its index, as ImageFolder numbers
+class folders. Other members (`.json`, `.txt` ...) and folder entries are ignored; a sample
+without an image is skipped and counted.
 
 Item id = shards in name order, then samples in archive order. `paths[i]` is
 `<shard name>/<image member name>`.
@@ -45,7 +49,7 @@ from typing import ClassVar
 import numpy as np
 
 from joader.errors import DecodeError, InvalidArgumentError
-from joader.sources.base import ListedItems, check_item_id
+from joader.sources.base import MAX_LABEL, ListedItems, check_item_id, int_label
 from joader.sources.imagefolder import IMG_EXTENSIONS
 from joader.sources.safe_open import display_path, open_in_root
 
@@ -56,7 +60,6 @@ logger = logging.getLogger(__name__)
 IMAGE_EXTS: frozenset[str] = frozenset(ext.lstrip(".") for ext in IMG_EXTENSIONS)
 LABEL_EXT = "cls"
 _MAX_LABEL_BYTES = 1024
-_MAX_LABEL = 2**31 - 1
 _HINT = (
     "expected WebDataset shards: uncompressed .tar files whose members are KEY.jpg (or .png, "
     ".webp, ...) and KEY.cls holding the label (an integer or a class name)"
@@ -326,13 +329,13 @@ class _Index:
         texts = list(self.label_texts)  # by code
         codes = np.frombuffer(self.label_codes, dtype=np.int32)
         if self._first_name is None:  # all integers
-            values = [int(text) if len(text) <= 12 else _MAX_LABEL + 1 for text in texts]
+            values = [int_label(text) for text in texts]
             top = max(values)
-            if top > _MAX_LABEL:
+            if top > MAX_LABEL:
                 where = self.paths[int(np.argmax(codes == values.index(top)))]
                 raise InvalidArgumentError(
                     f"tar shards in {display_path(self.root)}: label {texts[values.index(top)][:40]} of "
-                    f"{display_path(where)} is too large (at most {_MAX_LABEL}); number classes "
+                    f"{display_path(where)} is too large (at most {MAX_LABEL}); number classes "
                     "from 0"
                 )
             # The classes that occur, not 0..top: one label of 10,000,000 once built ten
@@ -367,6 +370,14 @@ class _Sample:
         _check_name(name, self.where)
         if member.isdir():
             return
+        if _has_data(member) and member.offset_data + member.size > shard_size:
+            # Every member with data, read or not: tarfile seeks past it, and a corrupt size
+            # (base-256, 2**70) in an ignored member once escaped as a raw ValueError.
+            raise InvalidArgumentError(
+                f"{self._what(name)}: its data ends at byte "
+                f"{member.offset_data + member.size}, past the end of the shard ({shard_size} "
+                "bytes); the shard is truncated or corrupt - rewrite or re-download it"
+            )
         key, ext = split_key(name)
         if key != self.key:
             self.finish()
@@ -380,12 +391,6 @@ class _Sample:
                 f"{self._what(name)} is not a plain file (a link, a device or a sparse "
                 "file); joader reads member data by offset - write the shard with regular "
                 "members (tar --dereference)"
-            )
-        if member.offset_data + member.size > shard_size:
-            raise InvalidArgumentError(
-                f"{self._what(name)}: its data ends at byte "
-                f"{member.offset_data + member.size}, past the end of the shard ({shard_size} "
-                "bytes); the shard is truncated - rewrite or re-download it"
             )
         if is_image:
             if self.image is not None:
@@ -407,7 +412,14 @@ class _Sample:
                 "member holds a class number or a class name"
             )
         data = os.pread(fd, member.size, member.offset_data)
-        label = data.decode("utf-8", "surrogateescape").strip()
+        # A byte-order mark (a .cls saved by a Windows editor) is not part of the label.
+        label = data.decode("utf-8", "surrogateescape").removeprefix("\ufeff").strip()
+        if "\0" in label:  # C-string padding, UTF-16, a binary member: not a class name
+            shown = display_path(label.replace("\0", "\\0"))[:80]
+            raise InvalidArgumentError(
+                f"{self._what(name)}: the label {shown!r} holds a NUL byte; a .cls member holds "
+                "one class number or class name as UTF-8 text - rewrite it without NUL bytes"
+            )
         if not label or "\n" in label:
             raise InvalidArgumentError(
                 f"{self._what(name)}: the label is "
@@ -499,6 +511,15 @@ def _field(buf: bytes, start: int, stop: int) -> bytes:
     raw = buf[start:stop]
     end = raw.find(b"\0")
     return (raw if end == -1 else raw[:end]).strip()
+
+
+def _has_data(member: tarfile.TarInfo) -> bool:
+    """Whether `member.size` bytes of data follow its header, as tarfile skips them.
+
+    Links, folders and devices have none whatever their size field says; a sparse member's
+    `size` is its expanded size, larger than the data stored.
+    """
+    return (member.isreg() or member.type not in tarfile.SUPPORTED_TYPES) and not member.issparse()
 
 
 def _check_name(name: str, where: str) -> None:

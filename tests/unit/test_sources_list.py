@@ -218,3 +218,45 @@ def test_a_nul_byte_in_a_path_is_refused_at_listing(tmp_path: Path) -> None:
     listed.write_bytes(b"a.jpg\t0\nb\x00c.jpg\t1\n")
     with pytest.raises(InvalidArgumentError, match=r"line 2: the path .* holds a NUL byte"):
         read_list_file(listed)
+
+
+@pytest.mark.parametrize("sep", ["\t", ","])
+def test_a_nul_byte_in_a_label_is_refused_naming_the_line(tmp_path: Path, sep: str) -> None:
+    """It became a class name `'1\\x00'`, or one side of a confusing "labels mix" error."""
+    _files(tmp_path, "a.jpg", "b.jpg")
+    listed = tmp_path / ("l.tsv" if sep == "\t" else "l.csv")
+    listed.write_bytes(f"a.jpg{sep}0\nb.jpg{sep}1\0\n".encode())
+    with pytest.raises(InvalidArgumentError, match=r"line 2: the label .* holds a NUL byte; fix that line"):
+        read_list_file(listed)
+
+
+@pytest.mark.parametrize("path", ["img/", ".", "img/."])
+def test_a_path_naming_a_folder_is_refused_at_listing(tmp_path: Path, path: str) -> None:
+    """It passed the listing, then every read failed as a file "outside the source root"."""
+    _files(tmp_path, "img/a.jpg")
+    listed = _write(tmp_path / "l.tsv", f"img/a.jpg\t0\n{path}\t1\n")
+    with pytest.raises(InvalidArgumentError, match=r"line 2: path .* names a folder, not a file; list each image"):
+        read_list_file(listed)
+
+
+def test_a_file_name_ending_in_a_dot_is_a_file(tmp_path: Path) -> None:
+    _files(tmp_path, "a.", "b..jpg")
+    source = read_list_file(_write(tmp_path / "l.tsv", "a.\t0\nb..jpg\t1\n"))
+    assert source.read(0) == b"bytes of a." and source.read(1) == b"bytes of b..jpg"
+
+
+def test_zero_padded_labels_are_their_value(tmp_path: Path) -> None:
+    """Thirteen digits or more were taken for a label beyond int32, whatever their value."""
+    _files(tmp_path, "a.jpg", "b.jpg", "c.jpg")
+    padded = "0" * 12 + "7"
+    source = read_list_file(_write(tmp_path / "l.tsv", f"a.jpg\t{padded}\nb.jpg\t007\nc.jpg\t{'0' * 5000}3\n"))
+    assert source.labels.tolist() == [7, 7, 3]
+    assert source.classes == ("3", "7") and source.class_to_idx == {"3": 3, "7": 7}
+
+
+def test_labels_are_stripped_and_duplicate_paths_are_separate_items(tmp_path: Path) -> None:
+    """A path listed twice is two items (oversampling, or one image under two labels)."""
+    _files(tmp_path, "a.jpg", "b.jpg")
+    source = read_list_file(_write(tmp_path / "l.csv", "a.jpg, 1\nb.jpg,2 \na.jpg,\t5\n"))
+    assert source.paths == ("a.jpg", "b.jpg", "a.jpg") and source.labels.tolist() == [1, 2, 5]
+    assert source.read(0) == source.read(2) == b"bytes of a.jpg"

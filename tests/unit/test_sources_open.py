@@ -191,3 +191,15 @@ def test_tar_shards_with_class_names(demo: Path, tmp_path: Path) -> None:
         file.write("path\tlabel\n")
     with pytest.raises(InvalidArgumentError, match="lists no items"):
         open_source(tmp_path / "l.tsv")
+
+
+def test_a_nul_byte_in_a_path_is_an_error_naming_it_never_a_valueerror(tmp_path: Path) -> None:
+    """os calls raise ValueError on a NUL byte: a read escaped as a traceback blaming the stage,
+    and a source path was said not to exist, printed with the raw NUL."""
+    from joader.sources.safe_open import open_in_root
+
+    (tmp_path / "a").write_bytes(b"x")
+    with pytest.raises(DecodeError, match=r"a<NUL>b: the path holds a NUL byte, which no file name can; fix"):
+        open_in_root(tmp_path, "a\0b")
+    with pytest.raises(InvalidArgumentError, match=r"source path '.*/a<NUL>b' holds a NUL byte, which no path can"):
+        open_source(tmp_path / "a\0b")

@@ -289,3 +289,35 @@ def test_a_large_cls_label_costs_one_class_and_one_beyond_int32_is_a_clear_error
     _tar(tmp_path / "t" / "a.tar", [("x.jpg", b"x"), ("x.cls", b"1" + b"0" * 23)])
     with pytest.raises(InvalidArgumentError, match=r"is too large \(at most 2147483647\); number classes from 0"):
         index_tar_shards(tmp_path / "t")
+
+
+def _huge_size_member(name: str, size: int) -> bytes:
+    """A GNU header claiming `size` bytes (base-256 past 8**11), with no data after it."""
+    info = tarfile.TarInfo(name)
+    info.size = size
+    return info.tobuf(tarfile.GNU_FORMAT)
+
+
+@pytest.mark.parametrize("size", [2**70, 2**62, 2**40])
+def test_a_corrupt_size_in_an_ignored_member_is_a_clear_error(tmp_path: Path, size: int) -> None:
+    """2**70 in a `.json` member escaped as a raw ValueError from tarfile's seek past it."""
+    shard = _tar(tmp_path / "s" / "a.tar", _sample("x", 1))
+    data = shard.read_bytes().rstrip(b"\0")
+    data += b"\0" * (-len(data) % 512) + _huge_size_member("x.json", size) + b"\0" * 1024
+    shard.write_bytes(data)
+    with pytest.raises(InvalidArgumentError, match=r"member 'x.json': its data ends at byte \d+, past the end of "
+                                                   r"the shard \(\d+ bytes\); the shard is truncated or corrupt"):
+        index_tar_shards(tmp_path / "s")
+
+
+def test_cls_labels_drop_a_byte_order_mark_and_keep_zero_padding_as_their_value(tmp_path: Path) -> None:
+    """A .cls saved by a Windows editor was the class name '\\ufeff1'; 13 digits were "too large"."""
+    _tar(tmp_path / "s" / "a.tar", [("x.jpg", b"x"), ("x.cls", b"\xef\xbb\xbf1\r\n"),
+                                    ("y.jpg", b"y"), ("y.cls", b"0000000000001"), ("z.jpg", b"z"), ("z.cls", b"4")])
+    source = index_tar_shards(tmp_path / "s")
+    assert source.labels.tolist() == [1, 1, 4] and source.classes == ("1", "4")
+
+
+def test_a_nul_byte_in_a_cls_label_is_refused(tmp_path: Path) -> None:
+    _tar(tmp_path / "s.tar", [("a.jpg", b"x"), ("a.cls", b"1\0")])
+    _index_error(tmp_path, r"member 'a.cls': the label .* holds a NUL byte; a .cls member holds one class number")
