@@ -64,6 +64,9 @@ def _translating(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+_ATTACH_INTERNAL = "internal error in joaderd (Attach): its log has the traceback; the job was not started"
+
+
 def _threadsafe_setter(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> Callable[[], None]:
     def wake() -> None:
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
@@ -100,6 +103,12 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
         except JoaderError as error:
             await _abort(context, error)
             return
+        except Exception:
+            # A bug, not the client's mistake: say so, instead of the bare UNKNOWN that gRPC
+            # makes of an exception escaping a stream handler.
+            logger.exception("internal error in Attach (source %r, job %r)", first.source, first.name)
+            await context.abort(grpc.StatusCode.INTERNAL, _ATTACH_INTERNAL)
+            return
         removed = asyncio.Event()
         reason: list[str] = []
         set_removed = _threadsafe_setter(asyncio.get_running_loop(), removed)
@@ -110,36 +119,24 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
 
         job_id = job.job_id
         self._registry.on_removed(job_id, on_removed)
-        # Set before the first yield: if building or sending the reply fails (a reply too large
-        # to send), the `finally` below still knows the lease did not close on purpose.
+        # Both set before anything can fail: the `finally` below must know whether the lease
+        # closed on purpose (an unset `closed` was once an UnboundLocalError that hid the real
+        # failure from the client), and why a job that never got its reply was removed.
         closed: list[bool] = []
+        failure: list[str] = []
         try:
-            yield joader_pb2.AttachResponse(
-                job_id=job_id,
-                job_secret=job.secret,
-                source=source.name,
-                classes=[os.fsencode(c) for c in source.listing.classes],
-                class_labels=[source.listing.class_to_idx[c] for c in source.listing.classes],
-                num_source_items=source.num_items,
-                num_items=job.num_items,
-                image_size=getattr(source.stage, "size", 0) or 0,
-                item_nbytes=source.max_item_bytes,
-                stage=source.stage.name,
-                # A fixed-size stage's shape; or the shape a stage's items have but for rare
-                # exceptions (center-crop without upscale: images smaller than S), which a
-                # batched client then refuses one by one, naming the item and the fix.
-                item_shape=list(source.stage.spec.shape or getattr(source.stage, "nominal_shape", None) or ()),
-                item_dtype=source.stage.spec.dtype or "",
-                fingerprint=source.fingerprint,
-                arena_path=self._arena_path,
-                lease_s=self._registry.config.lease_s,
-                server_pid=os.getpid(),
-                world_size=job.world_size,
-                rank=rank,
-                num_rank_items=job.per_rank,
-                seed=job.seed,
-                targets=source.listing.labels[job.dataset.to_array()].astype("<i4").tobytes(),
-            )
+            try:
+                reply = self._attach_reply(job, source, rank)
+            except JoaderError as error:
+                failure.append(str(error))
+                await _abort(context, error)
+                return
+            except Exception:
+                failure.append("joaderd failed to build its Attach reply (an internal error; its log has the traceback)")
+                logger.exception("internal error building the Attach reply of job %s (source %r)", job_id, first.source)
+                await context.abort(grpc.StatusCode.INTERNAL, _ATTACH_INTERNAL)
+                return
+            yield reply
             heartbeats = asyncio.ensure_future(self._heartbeats(job_id, rank, request_iterator, closed))
             gone = asyncio.ensure_future(removed.wait())
             try:
@@ -156,10 +153,58 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
             # or lost its connection, or the call was cancelled.
             if closed:
                 self._registry.close_rank(job_id, rank)
+            elif failure:
+                self._registry.remove_job(job_id, f"its Attach failed: {failure[0]}")
             else:
                 who = f"rank {rank}'s" if job.world_size > 1 else "its"
                 self._registry.remove_job(job_id, f"{who} lease stream closed: the lease keeper "
                                           "process of the training job exited or lost its connection")
+
+    def _attach_reply(self, job: Any, source: Any, rank: int) -> joader_pb2.AttachResponse:
+        """The first reply of a job's lease stream: its identity, the source, and its labels.
+
+        Raises InvalidArgumentError if the reply cannot be sent: past gRPC's message limit the
+        send failed with a RESOURCE_EXHAUSTED that the client took for a full /dev/shm. A
+        source with millions of distinct labels (a label per image is not a class) or a job of
+        over 60 million items gets there.
+        """
+        listing = source.listing
+        reply = joader_pb2.AttachResponse(
+            job_id=job.job_id,
+            job_secret=job.secret,
+            source=source.name,
+            classes=[os.fsencode(c) for c in listing.classes],
+            class_labels=[listing.class_to_idx[c] for c in listing.classes],
+            num_source_items=source.num_items,
+            num_items=job.num_items,
+            image_size=getattr(source.stage, "size", 0) or 0,
+            item_nbytes=source.max_item_bytes,
+            stage=source.stage.name,
+            # A fixed-size stage's shape; or the shape a stage's items have but for rare
+            # exceptions (center-crop without upscale: images smaller than S), which a
+            # batched client then refuses one by one, naming the item and the fix.
+            item_shape=list(source.stage.spec.shape or getattr(source.stage, "nominal_shape", None) or ()),
+            item_dtype=source.stage.spec.dtype or "",
+            fingerprint=source.fingerprint,
+            arena_path=self._arena_path,
+            lease_s=self._registry.config.lease_s,
+            server_pid=os.getpid(),
+            world_size=job.world_size,
+            rank=rank,
+            num_rank_items=job.per_rank,
+            seed=job.seed,
+            targets=listing.labels[job.dataset.to_array()].astype("<i4").tobytes(),
+        )
+        size = reply.ByteSize()
+        if size > MAX_MESSAGE_BYTES:
+            raise InvalidArgumentError(
+                f"joaderd cannot describe source {source.name!r} to this job: its Attach reply "
+                f"would take {size:,} bytes, over gRPC's limit of {MAX_MESSAGE_BYTES:,} "
+                f"({len(listing.classes):,} classes, {len(reply.targets) // 4:,} labels of the "
+                "job's items); give the source fewer distinct labels (classes, not one label per "
+                "image), or the job fewer items (indices=...)"
+            )
+        return reply
 
     async def _heartbeats(self, job_id: str, rank: int,
                           request_iterator: AsyncIterator[joader_pb2.AttachRequest],
