@@ -28,6 +28,18 @@ def fetch_status(address: str | None = None, timeout_s: float = 10.0) -> dict[st
     return json.loads(response.json)
 
 
+# C0 controls, DEL and C1 controls: what a terminal may act on (ESC starts a sequence that can
+# recolour, retitle or clear it) or that breaks a line of the table (a newline, a tab).
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+
+
+def printable(text: object) -> str:
+    """User text (job, source and class names, paths, stages, error reasons) made safe to
+    print: control characters become `\\xNN`, so a name cannot act on the terminal, forge a
+    line or shift the columns. `joader top` shows it as rich `Text`, never as markup."""
+    return str(text).translate(_CONTROLS)
+
+
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -47,7 +59,7 @@ def format_percent(value: float | None) -> str:
 def format_status(status: dict[str, Any]) -> str:
     """A human-readable table of a status snapshot."""
     workers = status.get("workers", {})
-    lines = [f"joaderd at {status.get('address', '?')} (pid {status.get('pid', '?')}), "
+    lines = [f"joaderd at {printable(status.get('address', '?'))} (pid {status.get('pid', '?')}), "
              f"up {status['uptime_s']:.0f} s, decode workers {workers.get('alive', '?')}/"
              f"{workers.get('configured', '?')} alive"
              + (f" (auto, 1..{workers.get('max', '?')})" if workers.get("mode") == "auto" else "")
@@ -60,8 +72,9 @@ def format_status(status: dict[str, Any]) -> str:
     lines.append("")
     lines.append(f"{'SOURCE':<16} {'ITEMS':>9} {'CLASSES':>8} {'KIND':<11} {'STAGE':<22} {'JOBS':>5}  ROOT")
     for s in status["sources"]:
-        lines.append(f"{s['name']:<16} {s['num_items']:>9} {s['num_classes']:>8} {s.get('kind', '?'):<11} "
-                     f"{s.get('stage', '?')[:22]:<22} {s['num_jobs']:>5}  {s['root']}")
+        lines.append(f"{printable(s['name']):<16} {s['num_items']:>9} {s['num_classes']:>8} "
+                     f"{printable(s.get('kind', '?')):<11} {printable(s.get('stage', '?'))[:22]:<22} "
+                     f"{s['num_jobs']:>5}  {printable(s['root'])}")
         if s.get("small_items"):
             lines.append(f"  {s['small_items']} images smaller than the stage's size, served at their own size")
     lines.append("")
@@ -71,7 +84,7 @@ def format_status(status: dict[str, Any]) -> str:
         for j in status["jobs"]:
             ranks = f"{j.get('ranks_attached', 1)}/{j.get('world_size', 1)}"
             progress = f"{j['epoch_delivered']}/{j['epoch_items']}" if j["epoch"] else "not started"
-            lines.append(f"{j['name'][:24]:<24} {j['source'][:12]:<12} {j['num_items']:>8} {ranks:>5} "
+            lines.append(f"{printable(j['name'])[:24]:<24} {printable(j['source'])[:12]:<12} {j['num_items']:>8} {ranks:>5} "
                          f"{j['epoch']:>6} {progress:>13} {_number(j.get('samples_per_s')):>9} "
                          f"{format_percent((j.get('stall') or {}).get('fraction')):>6} {j['items_delivered']:>10}")
         lines.append("  EPOCH: the epoch the job reads now; STALL: the share of its training loop's time spent "
@@ -84,7 +97,7 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append("")
         lines.append(f"{'SHARING (pairs of jobs)':<46} {'ROUNDS':>8} {'SHARED':>8} {'BOUND':>6}")
         for p in pairs[:10]:
-            pair = f"{p['name_a'][:22]} + {p['name_b'][:21]}"
+            pair = f"{printable(p['name_a'])[:22]} + {printable(p['name_b'])[:21]}"
             lines.append(f"{pair:<46} {p['rounds']:>8} {p['rate']:>8.0%} {p['bound']:>6.0%}")
     c = status["cache"]
     lookups, ahead = c["lookups"], c["lookahead"]
@@ -111,7 +124,7 @@ def format_status(status: dict[str, Any]) -> str:
         f"per decode, cross-epoch reuse {_number(sharing['cross_epoch_reuse'])} per decode"
     )
     for f in status.get("failed", [])[:10]:
-        lines.append(f"  failed: {f['source']}/{f['path']}: {f['reason']}")
+        lines.append(f"  failed: {printable(f['source'])}/{printable(f['path'])}: {printable(f['reason'])}")
     return "\n".join(lines)
 
 

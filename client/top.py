@@ -26,7 +26,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from joader.client.cli import fetch_status, format_bytes, format_percent
+from joader.client.cli import fetch_status, format_bytes, format_percent, printable
 
 
 def _rate(now: dict[str, Any], before: dict[str, Any] | None, dt: float, *path: str) -> float | None:
@@ -54,7 +54,7 @@ def render(now: dict[str, Any], before: dict[str, Any] | None, dt: float, cpu: l
     workers = now.get("workers", {})
     alive = workers.get("alive", 0)
     header = Text.assemble(
-        ("joaderd ", "bold"), f"{now.get('address', '?')} (pid {now.get('pid', '?')}), up "
+        ("joaderd ", "bold"), f"{printable(now.get('address', '?'))} (pid {now.get('pid', '?')}), up "
         f"{now['uptime_s']:.0f} s   host CPU ",
         (f"{sum(cpu) / max(1, len(cpu)):.0f}%", "bold"),
         f" ({' '.join(f'{c:.0f}' for c in cpu)} per core)" + ("   q quits" if live else ""),
@@ -74,8 +74,8 @@ def render(now: dict[str, Any], before: dict[str, Any] | None, dt: float, cpu: l
         bar.append(f" {job['epoch_delivered']:,}/{job['epoch_items']:,}", style="dim")
         stall = (job.get("stall") or {}).get("fraction")
         delivered = job["items_delivered"]
-        jobs.add_row(  # a job's name is the user's text, never markup ("exp[/data/x]")
-            Text(job["name"]), f"{job['ranks_attached']}/{job['world_size']}", str(job["epoch"]) if job["epoch"] else "-",
+        jobs.add_row(  # a job's name is the user's text, never markup ("exp[/data/x]") nor escapes
+            Text(printable(job["name"])), f"{job['ranks_attached']}/{job['world_size']}", str(job["epoch"]) if job["epoch"] else "-",
             bar, _number(rate), format_percent(stall),
             format_percent(job.get("items_shared", 0) / delivered if delivered else None), f"{delivered:,}",
         )
@@ -123,7 +123,7 @@ def render(now: dict[str, Any], before: dict[str, Any] | None, dt: float, cpu: l
     if events:
         log = Text("decode pool changes (--workers auto):\n", style="bold")
         for event in events[-5:]:
-            log.append(f"  {event}\n")
+            log.append(f"  {printable(event)}\n")
         parts.append(log)
     return Group(*parts)
 
