@@ -42,6 +42,7 @@ from pyroaring import BitMap
 from torch.utils.data import IterableDataset, get_worker_info
 
 from joader.address import resolve_address
+from joader.client import frameworks, placement
 from joader.client.batchpool import BatchPool
 from joader.client.board import MAX_EPOCH, Board
 from joader.client.connection import BATCHES_PER_REQUEST, Connection, Identity
@@ -52,40 +53,13 @@ from joader.errors import ERROR_CLASSES, InvalidArgumentError, JoaderError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BATCHES_PER_REQUEST", "JoaderDataset", "resolve_rank", "to_bitmap"]
+__all__ = ["BATCHES_PER_REQUEST", "JoaderDataset", "to_bitmap"]
+
+DEFAULT_BATCH_SIZE = 64  # items per request when no DataLoader says otherwise
 
 STATE_VERSION = 1
 MAX_PARTS = 1024  # readers of one rank a state may say reported (DataLoader workers)
 _NOTICE_WORKERS = 0  # board notice: "workers without a transform only add a copy"
-
-
-def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """(rank, world_size): as given, else from an initialized torch.distributed, else from the
-    RANK / WORLD_SIZE environment that torchrun sets, else (0, 1)."""
-    if rank is not None and world_size is not None:
-        found_rank, found_size = rank, world_size
-    else:
-        found_rank, found_size = 0, 1
-        distributed = getattr(torch, "distributed", None)
-        if distributed is not None and distributed.is_available() and distributed.is_initialized():
-            found_rank, found_size = distributed.get_rank(), distributed.get_world_size()
-        elif "WORLD_SIZE" in os.environ:
-            try:
-                found_rank = int(os.environ.get("RANK", "0"))
-                found_size = int(os.environ["WORLD_SIZE"])
-            except ValueError:
-                raise InvalidArgumentError(
-                    f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} "
-                    "are not integers; fix the environment or pass rank= and world_size="
-                ) from None
-        found_rank = found_rank if rank is None else rank
-        found_size = found_size if world_size is None else world_size
-    if found_size < 1 or not 0 <= found_rank < found_size:
-        raise InvalidArgumentError(
-            f"rank {found_rank} is not in 0..{found_size - 1} (world_size {found_size}); pass "
-            "rank= and world_size= consistently (torch.distributed.get_rank() / get_world_size())"
-        )
-    return found_rank, found_size
 
 
 def _set_threads(threads: int | str | None) -> None:
@@ -112,19 +86,15 @@ def _set_threads(threads: int | str | None) -> None:
                     "threads=None to JoaderDataset to keep torch's own setting", wanted, current)
 
 
-def _default_name(world_size: int) -> str:
-    script = os.path.basename(sys.argv[0] or "python")
-    if world_size == 1:
-        return f"{script}-{os.getpid()}"
-    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    if run in ("", "none"):  # torchrun without --rdzv-id says "none"; its master port is unique
-        run = os.environ.get("MASTER_PORT", "")
-    if not run:
-        raise InvalidArgumentError(
-            f"the {world_size} ranks of a job find each other by name; pass the same name= in "
-            "every rank (under torchrun, TORCHELASTIC_RUN_ID or MASTER_PORT names the job)"
-        )
-    return f"{script}-{run}"
+_ordinals: dict[tuple[str, str], int] = {}
+
+
+def _next_ordinal(source: str, digest: str) -> str:
+    """This dataset's place among the process's datasets of the same source and indices: the
+    same on every rank of a job (each runs the same script), so it keys the job's name there."""
+    count = _ordinals.get((source, digest), 0)
+    _ordinals[(source, digest)] = count + 1
+    return f"{source}/{digest}/{count}"
 
 
 def to_bitmap(indices: Any) -> BitMap | None:
@@ -167,8 +137,13 @@ class JoaderDataset(IterableDataset):
         transform: applied in this process to each uint8 CHW tensor (the per-job stage).
         return_index: yield `(index, image, label)` instead of `(image, label)`.
         address: joaderd's address; default `$JOADER_ADDRESS`, else the per-user socket.
-        name: a name for this job in `joader status`.
-        batch_size: items per request; match the DataLoader's batch size.
+        name: a name for this job in `joader status`. Default: `<script>-<pid>` for one
+            process; for ranks, one name per run that every rank agrees on (through the process
+            group's store when torch.distributed is initialized, else torchrun's run id).
+        batch_size: items per request. Default: the batch size of the DataLoader that collates
+            the items (joaderd replies in whole batches, so every worker collates whole ones and
+            an epoch has exactly `len(loader)` batches), else 64; and the batch size of
+            `batched=True`.
         batched: yield whole batches of `batch_size` (the last one of an epoch may be smaller),
             copied straight out of shared memory into one `(B, 3, S, S)` tensor, with a label
             tensor (and an index tensor under `return_index`). Use it with
@@ -179,10 +154,13 @@ class JoaderDataset(IterableDataset):
         timeout_s: raise `TimeoutError` if no item arrives for this long; also how long the
             job waits for a restarted joaderd.
         rank, world_size: this process's place in a DDP job (default: from torch.distributed,
-            else RANK / WORLD_SIZE, else 0 and 1). The ranks of one job (same name, source,
-            indices and world_size on one joaderd) share ONE job: each epoch is split between
-            them, `len(ds)` = ceil(N / world_size) items each, padded by repeating items of the
-            epoch as DistributedSampler does. Ranks on several hosts are not supported yet.
+            else RANK / WORLD_SIZE, else 0 and 1), looked up again when iteration starts: a
+            dataset built before `trainer.fit` attaches as the rank Lightning makes it. With
+            WORLD_SIZE set but not RANK, it attaches once torch.distributed is initialized. The
+            ranks of one job (same name, source, indices and world_size on one joaderd) share
+            ONE job: each epoch is split between them, `len(ds)` = ceil(N / world_size) items
+            each, padded by repeating items of the epoch as DistributedSampler does. Ranks on
+            several hosts are not supported yet.
         drop_last: with ranks, floor(N / world_size) items each instead (no padding).
         seed: the job's seed. A job alone on its joaderd with a seed gets the same order in
             every run; beside other jobs the order also depends on when each job reads.
@@ -205,7 +183,7 @@ class JoaderDataset(IterableDataset):
         *,
         address: str | None = None,
         name: str | None = None,
-        batch_size: int = 64,
+        batch_size: int | None = None,
         batched: bool = False,
         on_error: str = "skip",
         timeout_s: float = 300.0,
@@ -220,43 +198,69 @@ class JoaderDataset(IterableDataset):
         _set_threads(threads)
         if on_error not in ("skip", "raise"):
             raise InvalidArgumentError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
-        if batch_size < 1:
+        if batch_size is not None and batch_size < 1:
             raise InvalidArgumentError(f"batch_size must be >= 1, got {batch_size}")
         self.source = source
         self.transform = transform
         self.return_index = return_index
         self.on_error = on_error
-        self.batch_size = batch_size
+        # Requests ask for the DataLoader's batch size when it shows (`frameworks`), else this.
+        self._batch_size_given = batch_size is not None
+        self.batch_size = batch_size if batch_size is not None else DEFAULT_BATCH_SIZE
         self.batched = batched
         self.timeout_s = timeout_s
         self.address = resolve_address(address)
-        self.rank, self.world_size = resolve_rank(rank, world_size)
         self.drop_last = drop_last
         if seed is not None and not 0 <= seed < 2**64:
             raise InvalidArgumentError(f"seed must be in 0..2**64-1, got {seed}")
         self._seed_given = seed is not None
+        self._asked = (rank, world_size)
         bitmap = to_bitmap(indices)
         self._dataset_digest = _digest(bitmap)
-        board = Board.create()
-        registration = {
+        self._ordinal = _next_ordinal(source, self._dataset_digest)
+        self._registration: dict[str, Any] = {
             "address": self.address,
             "source": source,
             "indices": base64.b64encode(bitmap.serialize() if bitmap is not None else b"").decode(),
-            "name": name or _default_name(self.world_size),
-            "batch_size": batch_size,
-            "rank": self.rank,
-            "world_size": self.world_size,
+            "batch_size": self.batch_size,
             "drop_last": drop_last,
             "seed": seed,
             "timeout_s": timeout_s,
-            "board_fd": board.fd,
         }
-        try:
-            self._keeper, info = _start_keeper(registration, timeout_s=60.0, pass_fds=(board.fd,))
-        except BaseException:
-            board.close()
-            raise
-        self._finalizer = weakref.finalize(self, _stop_keeper, self._keeper, os.getpid(), board)
+        self._name_given = name
+        if verify is None:
+            verify = os.environ.get("JOADER_VERIFY", "") not in ("", "0")
+        self._verify = bool(verify)
+        self._placement: placement.Placement | None = None  # where the job is attached; None: not yet
+        self._dispatched = False  # accelerate's DataLoaderDispatcher: rank 0 reads the whole job
+        self._keeper: subprocess.Popen[str] | None = None
+        self._finalizer: Callable[[], Any] | None = None
+        self._connection: Connection | None = None
+        self._pool: tuple[int, BatchPool] | None = None  # batched: reused batch buffers
+        self._passes = 0
+        self._warned: set[int] = set()
+        self._progress = Progress()  # what this process yielded: state_dict, epoch_order
+        self._resume: dict[str, Any] | None = None
+        self.seed: int | None = seed
+        found = placement.find(rank, world_size, distributed=torch.distributed)
+        if found is None:
+            # A rank whose place is not known yet (Lightning's spawned ranks before fit): what
+            # it trains on now, the job once iteration starts (`_settle`).
+            self.rank: int | None = None
+            self.world_size: int = int(os.environ.get("WORLD_SIZE", "1"))
+            self._describe(_start_keeper(dict(self._registration, describe=True), timeout_s=60.0)[1])
+        else:
+            self._attach(found, self._default_name(found))
+
+    # ----------------------------------------------------------------------------- attaching
+
+    def _default_name(self, found: placement.Placement) -> str:
+        if self._name_given:
+            return self._name_given
+        return placement.job_name(found, ordinal=self._ordinal, distributed=torch.distributed)
+
+    def _describe(self, info: dict[str, Any]) -> None:
+        """What the job trains on, from joaderd's reply: classes, labels, sizes, the stage."""
         self.classes: list[str] = list(info["classes"])
         # Integer labels are delivered as written, and their classes are the labels that occur:
         # a class's label is then not its position (joaderd says which, `class_labels`).
@@ -266,40 +270,158 @@ class JoaderDataset(IterableDataset):
         self.stage: str = info.get("stage", "")
         self.item_shape: tuple[int, ...] | None = tuple(info.get("item_shape") or ()) or None
         self.item_dtype: str = info.get("item_dtype") or ""
-        if batched and (self.item_shape is None or not self.item_dtype):
-            self._finalizer()
+        if self.batched and (self.item_shape is None or not self.item_dtype):
+            self.close()
             raise InvalidArgumentError(
-                f"batched=True needs a fixed-size stage, and source {source!r} uses {self.stage!r}, "
+                f"batched=True needs a fixed-size stage, and source {self.source!r} uses {self.stage!r}, "
                 "whose items vary in size; use batched=False (each item its own tensor), or serve "
                 "the source with a fixed-size stage (center-crop, or a user stage with a spec)")
-        self.seed: int = int(info["seed"])
         self.num_job_items = int(info["num_items"])
-        self._num_items = int(info["num_rank_items"])
+        self._num_source_items = int(info["num_source_items"])
         self.targets: list[int] = np.frombuffer(base64.b64decode(info["targets"]), dtype="<i4").tolist()
+
+    def _attach(self, found: placement.Placement, name: str) -> None:
+        """Registers this process as rank `found.rank` of job `name`, through a new lease keeper."""
+        board = Board.create()
+        registration = dict(self._registration, name=name, rank=found.rank,
+                            world_size=found.world_size, board_fd=board.fd)
+        try:
+            keeper, info = _start_keeper(registration, timeout_s=60.0, pass_fds=(board.fd,))
+        except BaseException:
+            board.close()
+            raise
+        self._keeper = keeper
+        self._finalizer = weakref.finalize(self, _stop_keeper, keeper, os.getpid(), board)
+        self._placement = found
+        self.rank, self.world_size = found.rank, found.world_size
+        self._describe(info)
+        self.seed = int(info["seed"])
+        self._num_items = int(info["num_rank_items"])
         board.size_for(int(info["num_source_items"]))
-        if verify is None:
-            verify = os.environ.get("JOADER_VERIFY", "") not in ("", "0")
         # The one owner of the job's identity (id, secret, arena, generation) in this process.
         self._connection = Connection(self.address, Identity.from_keeper(info, board.generation), board,
-                                      timeout_s=timeout_s, verify=bool(verify), keeper_note=self._keeper_note)
-        self._pool: tuple[int, BatchPool] | None = None  # batched: reused batch buffers
+                                      timeout_s=self.timeout_s, verify=self._verify,
+                                      keeper_note=self._keeper_note)
         self._passes = 0
-        self._warned: set[int] = set()
-        self._progress = Progress()  # what this process yielded: state_dict, epoch_order
-        self._resume: dict[str, Any] | None = None
+
+    def _detach(self) -> None:
+        """Ends this process's part of the job (its other ranks go on)."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self._keeper = self._finalizer = self._connection = None
+        self._placement = None
+
+    def _settle(self) -> None:
+        """Attaches, or attaches again, where this process is now.
+
+        Looked up when iteration starts, `len()` is taken or a state is saved or loaded, since
+        frameworks set ranks up late: Lightning's launcher built the dataset as a plain process
+        and became rank 0 of 2 in `trainer.fit`; its spawned ranks knew WORLD_SIZE but not their
+        rank. A DataLoader worker cannot attach (the lease belongs to the training process): it
+        only checks, and says what to do.
+        """
+        if self._dispatched or (self._placement is not None and self._placement.how == placement.GIVEN):
+            return
+        found = placement.find(*self._asked, distributed=torch.distributed)
+        attached = self._placement
+        if attached is not None and (found is None or found.same_place(attached)):
+            return
+        if found is None:
+            raise InvalidArgumentError(f"JoaderDataset({self.source!r}): {placement.unsettled_message()}")
+        if get_worker_info() is not None:
+            was = (f"attached as rank {attached.rank} of {attached.world_size}" if attached
+                   else "not attached to a job yet")
+            raise InvalidArgumentError(
+                f"JoaderDataset({self.source!r}) in a DataLoader worker is {was}, but this process is "
+                f"rank {found.rank} of {found.world_size} ({found.how}); the dataset attaches in the "
+                "training process, which forked the workers before it knew its rank. Take len(loader) "
+                "once after torch.distributed.init_process_group and before iterating (trainer.fit "
+                "does), build the dataset after init_process_group, or pass rank= and world_size=")
+        if attached is not None:
+            logger.info("joader: %s is now rank %d of %d (%s); attaching as that rank",
+                        self.source, found.rank, found.world_size, found.how)
+            if self._passes:
+                logger.warning(
+                    "JoaderDataset(%r) was read as rank %d of %d, and is now rank %d of %d: it "
+                    "starts a new job as that rank, from a new epoch", self.source,
+                    attached.rank, attached.world_size, found.rank, found.world_size)
+            self._detach()
+        self._attach(found, self._default_name(found))
+
+    @property
+    def _conn(self) -> Connection:
+        """The connection of the job this process is attached to now (attaching if it can)."""
+        self._settle()
+        if self._connection is None:
+            raise InvalidArgumentError(
+                f"JoaderDataset({self.source!r}) is not attached to a job on this rank (accelerate "
+                "dispatches the data from rank 0, which alone reads it)")
+        return self._connection
 
     @property
     def job_id(self) -> str:
         """The job's id on the joaderd it is attached to now (a restart gives a new one)."""
-        return self._connection.job_id
+        return self._conn.job_id
 
     def __len__(self) -> int:
-        return self._num_items
+        """Items per epoch of this rank; batches under `batched=True` (what the loop receives
+        from `DataLoader(ds, batch_size=None)`). Under accelerate's dispatcher, the whole job's."""
+        self._framework_check()
+        try:
+            self._settle()
+        except InvalidArgumentError:
+            if self._connection is not None or get_worker_info() is not None:
+                raise
+            # Not attached yet (WORLD_SIZE known, this rank not): every rank has the same length.
+        items = self._rank_items()
+        return -(-items // self.batch_size) if self.batched else items
+
+    def _rank_items(self) -> int:
+        if self._dispatched:
+            return self.num_job_items
+        if self._connection is not None:
+            return self._num_items
+        size = self.world_size
+        return self.num_job_items // size if self.drop_last else -(-self.num_job_items // size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Accepted, for the frameworks that call it on a dataset (accelerate's loaders, at the
+        start of each epoch). joaderd counts a job's epochs itself: each `iter()` is the next."""
+        self._framework_check()
+
+    def _framework_check(self) -> None:
+        """accelerate's wrappers, seen on the call stack (`joader.client.frameworks`): under its
+        DataLoaderDispatcher rank 0 reads the whole job and the other ranks nothing (the
+        dispatcher slices rank 0's batches for them); under an IterableDatasetShard, refuse."""
+        found = frameworks.accelerate_wrapper(skip=2)
+        if found is None or self._dispatched:
+            return
+        kind, owner = found
+        if kind == frameworks.SHARD:
+            raise InvalidArgumentError(frameworks.SHARD_MESSAGE.format(
+                n=getattr(owner, "num_processes", "num_processes")))
+        if get_worker_info() is not None:
+            return  # the training process saw it first (set_epoch), or does next
+        index = frameworks.process_index(owner, self.rank or 0)
+        self._dispatched = True
+        if self._placement is not None and self._placement.world_size == 1:
+            return  # one process: it reads the whole job already
+        self._detach()
+        if index == 0:
+            whole = placement.Placement(0, 1, placement.GIVEN)
+            name = self._name_given or f"{placement.job_name(whole)}-dispatched"
+            logger.info("joader: accelerate dispatches this loader's batches from rank 0, which "
+                        "reads the whole job %r", name)
+            self._attach(whole, name)
+        else:
+            self.rank = index
+            self._connection = None
 
     def close(self) -> None:
         """Ends this job on the server now (otherwise: when the dataset is collected or the
         process exits)."""
-        self._finalizer()
+        if self._finalizer is not None:
+            self._finalizer()
 
     def __enter__(self) -> JoaderDataset:
         return self
@@ -315,10 +437,11 @@ class JoaderDataset(IterableDataset):
         state["_keeper"] = None
         state["_finalizer"] = None
         state["_pool"] = None
-        connection = copy.copy(self._connection)
-        connection.board = None
-        connection._readers = (0, {})
-        state["_connection"] = connection
+        if self._connection is not None:
+            connection = copy.copy(self._connection)
+            connection.board = None
+            connection._readers = (0, {})
+            state["_connection"] = connection
         return state
 
     # ----------------------------------------------------------------------------- real jobs
@@ -333,6 +456,7 @@ class JoaderDataset(IterableDataset):
         all of them. A finished epoch read by one process is saved as the start of the next.
         `source`, `dataset` (a digest of the indices) and `seed` say whose state it is.
         """
+        self._settle()
         worker = get_worker_info()
         parts = worker.num_workers if worker is not None else 1
         progress = self._progress
@@ -359,6 +483,7 @@ class JoaderDataset(IterableDataset):
         if not isinstance(state, dict) or state.get("job") != "joader":
             raise InvalidArgumentError(
                 "load_state_dict: this is not a JoaderDataset state (from JoaderDataset.state_dict())")
+        self._settle()
         if state.get("version") != STATE_VERSION:
             raise InvalidArgumentError(
                 f"load_state_dict: state version {state.get('version')!r}; this joader reads version "
@@ -402,8 +527,11 @@ class JoaderDataset(IterableDataset):
     # ----------------------------------------------------------------------------- reading
 
     def __iter__(self) -> Iterator[Any]:
+        self._framework_check()
+        if self._dispatched and self._connection is None:
+            return iter(())  # accelerate: rank 0 reads for this rank
         worker = get_worker_info()
-        connection = self._connection
+        connection = self._conn
         board = connection.board
         stream = Pass.start(worker, self._passes, board, os.getpid())
         self._passes += 1

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
+from joader.client import frameworks
 from joader.client.connection import BATCHES_PER_REQUEST, Call, Connection, Reply
 from joader.client.handoff import ArenaBatch, Layout, Receipts
 from joader.client.passes import Pass, resume_point
@@ -39,14 +40,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_NOTICE_BATCH_SIZE = 1  # board notice: "the dataset's batch size is not the loader's"
+
 
 class Reader:
     """One pass of `dataset` in this process."""
 
     def __init__(self, dataset: JoaderDataset, stream: Pass) -> None:
         self.ds = dataset
+        assert dataset._connection is not None
         self.conn: Connection = dataset._connection
         self.stream = stream
+        self.size = dataset.batch_size  # items per request: whole batches of the loop's size
 
     # ----------------------------------------------------------------------------- requests
 
@@ -69,7 +74,7 @@ class Reader:
         """Asks for the next batch, acknowledging `acks`. The reply's items are marked on the
         client board the moment it arrives, read or not: a restart's resume report is built
         from the board, and an item that arrived but was not yet marked would be dealt again."""
-        return self.conn.request(self._fields(self.ds.batch_size), acks, on_reply=self._mark)
+        return self.conn.request(self._fields(self.size), acks, on_reply=self._mark)
 
     def report(self) -> None:
         """A request that asks for nothing: carries the stall figures."""
@@ -204,6 +209,7 @@ class Reader:
         """One `(image, label)` (or `(index, image, label)`) per item."""
         ds, conn = self.ds, self.conn
         placed: list[tuple[int, torch.Tensor, int]] = []
+        self._follow_loader()
 
         def place(reply: Reply) -> None:
             response = reply.response
@@ -222,6 +228,24 @@ class Reader:
                     image = ds.transform(image)
                 self._yielded([index])
                 yield (index, image, label) if ds.return_index else (image, label)
+
+    def _follow_loader(self) -> None:
+        """Asks in the batch size of the DataLoader that collates these items, when its fetch
+        is on the stack (`joader.client.frameworks`): joaderd replies in whole batches of the
+        size asked, so each worker then collates whole batches and the epoch has len(loader)."""
+        ds = self.ds
+        size = frameworks.loader_batch_size(skip=2)
+        if size is None or size == self.size:
+            return
+        if not ds._batch_size_given:
+            self.size = size
+        elif self.conn.board is not None and self.conn.board.first_notice(_NOTICE_BATCH_SIZE):
+            logger.warning(
+                "JoaderDataset(batch_size=%d) under a DataLoader of batch_size=%d: joaderd replies "
+                "in batches of %d, so each DataLoader worker's last batch of an epoch comes short "
+                "and the epoch has more batches than len(loader). Leave batch_size out of "
+                "JoaderDataset (it follows the loader's), or give both the same.", ds.batch_size, size,
+                ds.batch_size)
 
     def batches(self) -> Iterator[Any]:
         """Whole batches, each copied straight into one tensor (`batched=True`)."""

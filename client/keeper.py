@@ -54,7 +54,10 @@ def _requests(registration: dict[str, Any], stop: threading.Event, interval: lis
         drop_last=bool(registration.get("drop_last", False)),
         seed=int(seed) if seed is not None else 0,
         has_seed=seed is not None,
+        describe=bool(registration.get("describe")),
     )
+    if registration.get("describe"):
+        return  # one reply, no lease
     parent = os.getppid()
     while not stop.wait(interval[0]):
         if os.getppid() != parent:  # the training process died; its pipe may still be held open
@@ -213,26 +216,10 @@ def main() -> int:
         _reply({"ok": False, "kind": type(translated).__name__, "message": str(translated)})
         return 1
     registration["fingerprint"] = first.fingerprint  # what a restarted joaderd must serve
-    _reply({
-        "ok": True,
-        **_identity(first, server_uid),
-        "source": first.source,
-        "classes": [os.fsdecode(c) for c in first.classes],
-        "class_labels": list(first.class_labels),
-        "num_source_items": first.num_source_items,
-        "num_items": first.num_items,
-        "num_rank_items": first.num_rank_items,
-        "world_size": first.world_size or 1,
-        "rank": first.rank,
-        "seed": first.seed,
-        "targets": base64.b64encode(first.targets).decode(),
-        "image_size": first.image_size,
-        "item_nbytes": first.item_nbytes,
-        "stage": first.stage,
-        "item_shape": list(first.item_shape),
-        "item_dtype": first.item_dtype,
-        "lease_s": first.lease_s,
-    })
+    if registration.get("describe"):
+        _reply({"ok": True, **_description(first)})
+        return 0
+    _reply({"ok": True, **_identity(first, server_uid), **_description(first)})
 
     def wait_for_eof() -> None:
         if "close" in sys.stdin.read():
@@ -254,6 +241,28 @@ def main() -> int:
         responses = _reattach(address, registration, stop, interval, Board.open(int(board_fd)))
         if responses is None:
             return 0 if stop.is_set() else 1
+
+
+def _description(first: joader_pb2.AttachResponse) -> dict[str, Any]:
+    """What the job trains on, as the dataset reads it (a job's reply, or a description's)."""
+    return {
+        "source": first.source,
+        "classes": [os.fsdecode(c) for c in first.classes],
+        "class_labels": list(first.class_labels),
+        "num_source_items": first.num_source_items,
+        "num_items": first.num_items,
+        "num_rank_items": first.num_rank_items,
+        "world_size": first.world_size or 1,
+        "rank": first.rank,
+        "seed": first.seed,
+        "targets": base64.b64encode(first.targets).decode(),
+        "image_size": first.image_size,
+        "item_nbytes": first.item_nbytes,
+        "stage": first.stage,
+        "item_shape": list(first.item_shape),
+        "item_dtype": first.item_dtype,
+        "lease_s": first.lease_s,
+    }
 
 
 if __name__ == "__main__":

@@ -275,6 +275,11 @@ class Registry:
             job.wakers.add(waker)
             pass_.asking[args.worker_id] += 1
             max_items = min(args.max_items, self.config.max_items_per_request)
+            if max_items > job.batch_size:
+                # A reader asks in its DataLoader's batch size, which the dataset learns only
+                # when the loader first fetches: the lookahead follows, in whole batches.
+                job.batch_size = max_items
+                self._resize_queues()
             max_batches = max(1, min(args.max_batches, self.config.max_items_per_request // max(1, max_items)))
             return NextCall(job, rank, pass_, max_items, now, now + self.config.next_wait_s, waker,
                             max_batches=max_batches, worker_id=args.worker_id)

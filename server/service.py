@@ -94,6 +94,9 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
         try:
             source = self._registry.source(first.source)
             indices = _parse_indices(first.indices, source.num_items) if first.indices else None
+            if first.describe:  # nothing registered: the description, and the stream ends
+                yield self._checked_size(self._source_reply(source, indices), source)
+                return
             rank = first.rank
             job = self._registry.attach(
                 first.source, indices, first.name, first.batch_size or 64, rank=rank,
@@ -161,22 +164,32 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
                                           "process of the training job exited or lost its connection")
 
     def _attach_reply(self, job: Any, source: Any, rank: int) -> joader_pb2.AttachResponse:
-        """The first reply of a job's lease stream: its identity, the source, and its labels.
-
-        Raises InvalidArgumentError if the reply cannot be sent: past gRPC's message limit the
-        send failed with a RESOURCE_EXHAUSTED that the client took for a full /dev/shm. A
-        source with millions of distinct labels (a label per image is not a class) or a job of
-        over 60 million items gets there.
-        """
-        listing = source.listing
-        reply = joader_pb2.AttachResponse(
+        """The first reply of a job's lease stream: its identity, the source, and its labels."""
+        reply = self._source_reply(source, job.dataset)
+        reply.MergeFrom(joader_pb2.AttachResponse(
             job_id=job.job_id,
             job_secret=job.secret,
+            num_items=job.num_items,
+            arena_path=self._arena_path,
+            lease_s=self._registry.config.lease_s,
+            server_pid=os.getpid(),
+            world_size=job.world_size,
+            rank=rank,
+            num_rank_items=job.per_rank,
+            seed=job.seed,
+        ))
+        return self._checked_size(reply, source)
+
+    def _source_reply(self, source: Any, dataset: BitMap | None) -> joader_pb2.AttachResponse:
+        """What a job trains on: the source, its classes, the dataset's labels and size."""
+        listing = source.listing
+        ids = dataset.to_array() if dataset is not None else slice(None)
+        return joader_pb2.AttachResponse(
             source=source.name,
             classes=[os.fsencode(c) for c in listing.classes],
             class_labels=[listing.class_to_idx[c] for c in listing.classes],
             num_source_items=source.num_items,
-            num_items=job.num_items,
+            num_items=len(dataset) if dataset is not None else source.num_items,
             image_size=getattr(source.stage, "size", 0) or 0,
             item_nbytes=source.max_item_bytes,
             stage=source.stage.name,
@@ -186,21 +199,21 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
             item_shape=list(source.stage.spec.shape or getattr(source.stage, "nominal_shape", None) or ()),
             item_dtype=source.stage.spec.dtype or "",
             fingerprint=source.fingerprint,
-            arena_path=self._arena_path,
-            lease_s=self._registry.config.lease_s,
-            server_pid=os.getpid(),
-            world_size=job.world_size,
-            rank=rank,
-            num_rank_items=job.per_rank,
-            seed=job.seed,
-            targets=listing.labels[job.dataset.to_array()].astype("<i4").tobytes(),
+            targets=listing.labels[ids].astype("<i4").tobytes(),
         )
+
+    @staticmethod
+    def _checked_size(reply: joader_pb2.AttachResponse, source: Any) -> joader_pb2.AttachResponse:
+        """`reply`, or InvalidArgumentError if it cannot be sent: past gRPC's message limit the
+        send failed with a RESOURCE_EXHAUSTED that the client took for a full /dev/shm. A
+        source with millions of distinct labels (a label per image is not a class) or a job of
+        over 60 million items gets there."""
         size = reply.ByteSize()
         if size > MAX_MESSAGE_BYTES:
             raise InvalidArgumentError(
                 f"joaderd cannot describe source {source.name!r} to this job: its Attach reply "
                 f"would take {size:,} bytes, over gRPC's limit of {MAX_MESSAGE_BYTES:,} "
-                f"({len(listing.classes):,} classes, {len(reply.targets) // 4:,} labels of the "
+                f"({len(source.listing.classes):,} classes, {len(reply.targets) // 4:,} labels of the "
                 "job's items); give the source fewer distinct labels (classes, not one label per "
                 "image), or the job fewer items (indices=...)"
             )

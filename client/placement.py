@@ -1,0 +1,158 @@
+"""Where this process is in a training job: its rank, the job's world size, and the job's name.
+
+Frameworks set these up at different times. torchrun sets `RANK` and `WORLD_SIZE` before the
+script starts; Lightning's DDP launcher starts as a plain process (the dataset built at the top
+of the script sees no environment at all), then becomes rank 0 of a process group it creates in
+`trainer.fit`, and starts its other ranks with `WORLD_SIZE` and `LOCAL_RANK` but no `RANK`. A
+dataset that took a missing `RANK` for 0 made the launcher a 1-rank job and a spawned rank "rank
+0 of 2": a hang. So the placement is looked up again when iteration starts (`find`), and an
+environment that names a world but not the rank is `None` (unsettled), never a guess.
+
+Pure but for reading the environment and torch.distributed's state (both passed in by tests).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from joader.errors import InvalidArgumentError
+
+# How a placement was found, most authoritative first.
+GIVEN = "given"  # rank= and world_size= passed to the dataset
+GROUP = "process group"  # torch.distributed, initialized
+ENVIRONMENT = "environment"  # RANK and WORLD_SIZE (torchrun, accelerate launch)
+ALONE = "alone"  # nothing says otherwise: one process (may still become a rank, see `find`)
+
+
+@dataclass(frozen=True)
+class Placement:
+    rank: int
+    world_size: int
+    how: str
+
+    def same_place(self, other: Placement) -> bool:
+        return (self.rank, self.world_size) == (other.rank, other.world_size)
+
+
+def _group(distributed: Any) -> tuple[int, int] | None:
+    if distributed is None or not distributed.is_available() or not distributed.is_initialized():
+        return None
+    return distributed.get_rank(), distributed.get_world_size()
+
+
+def _int(env: Mapping[str, str], key: str) -> int | None:
+    value = env.get(key)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidArgumentError(
+            f"{key}={value!r} is not an integer; fix the environment, or pass rank= and "
+            "world_size= to JoaderDataset") from None
+
+
+def find(rank: int | None, world_size: int | None, *, env: Mapping[str, str] | None = None,
+         distributed: Any = None) -> Placement | None:
+    """This process's placement, or None when the environment names a world of several ranks
+    but not this one's (Lightning's spawned ranks before `fit` creates the process group).
+
+    Order: what was given; an initialized torch.distributed; `RANK`/`WORLD_SIZE`; else one
+    process. A given `world_size` without `rank` takes the rank from the group or `RANK`.
+    """
+    env = os.environ if env is None else env
+    if rank is not None and world_size is not None:
+        return _checked(Placement(rank, world_size, GIVEN))
+    group = _group(distributed)
+    if group is not None:
+        found = Placement(group[0] if rank is None else rank,
+                          group[1] if world_size is None else world_size, GROUP)
+        return _checked(found)
+    env_size, env_rank = _int(env, "WORLD_SIZE"), _int(env, "RANK")
+    size = world_size if world_size is not None else env_size
+    if size is None or size == 1 and env_rank in (None, 0):
+        if rank not in (None, 0):
+            raise InvalidArgumentError(
+                f"rank={rank} without world_size=; pass both (torch.distributed.get_rank() / "
+                "get_world_size())")
+        return Placement(0, 1, GIVEN if world_size is not None else ALONE)
+    this = rank if rank is not None else env_rank
+    if this is None:
+        return None
+    return _checked(Placement(this, size, ENVIRONMENT if rank is None or world_size is None else GIVEN))
+
+
+def _checked(placement: Placement) -> Placement:
+    if placement.world_size < 1 or not 0 <= placement.rank < placement.world_size:
+        raise InvalidArgumentError(
+            f"rank {placement.rank} is not in 0..{placement.world_size - 1} (world_size "
+            f"{placement.world_size}, from {placement.how}); pass rank= and world_size= "
+            "consistently (torch.distributed.get_rank() / get_world_size())")
+    return placement
+
+
+def unsettled_message(env: Mapping[str, str] | None = None) -> str:
+    """Why `find` gave None, and what to do."""
+    env = os.environ if env is None else env
+    local = env.get("LOCAL_RANK")
+    seen = f"WORLD_SIZE={env.get('WORLD_SIZE')}" + (f", LOCAL_RANK={local}" if local is not None else "")
+    return (
+        f"this process is one rank of a job ({seen}) but its rank is not known yet: RANK is not "
+        "set and torch.distributed is not initialized (Lightning sets them up in trainer.fit). "
+        "Iterate the dataset (or take len()) after the process group exists, which is what "
+        "trainer.fit does; build the dataset in LightningDataModule.setup(); or pass rank= and "
+        "world_size= to JoaderDataset")
+
+
+# ------------------------------------------------------------------------------------ names
+
+def job_name(placement: Placement, *, ordinal: str, env: Mapping[str, str] | None = None,
+             distributed: Any = None, pid: int | None = None, ppid: int | None = None) -> str:
+    """A default name for the job: the same on every rank of one run, and new in the next run
+    (a name is how ranks find their job; consecutive runs under one name collided when it came
+    from a fixed `MASTER_PORT`, e.g. accelerate's 29500).
+
+    One process: `<script>-<pid>`. Ranks with a process group: a name that the first rank to
+    ask writes into the group's store (`compare_set`, so no rank waits for another), keyed by
+    `ordinal` (the dataset's place among this process's datasets of its source and indices, the
+    same on every rank). Else torchrun's run id; else torchrun's agent (the ranks' parent, one
+    per run on a host) and its master port; else the master address and port.
+    """
+    env = os.environ if env is None else env
+    script = os.path.basename(sys.argv[0] or "python") or "python"
+    if placement.world_size == 1:
+        return f"{script}-{os.getpid() if pid is None else pid}"
+    store = _store(distributed)
+    if store is not None:
+        candidate = f"{script}-{uuid.uuid4().hex[:12]}"
+        agreed = store.compare_set(f"joader/job-name/{ordinal}", "", candidate)
+        return agreed.decode() if isinstance(agreed, bytes) else str(agreed)
+    run = env.get("TORCHELASTIC_RUN_ID", "")
+    if run not in ("", "none"):
+        return f"{script}-{run}"
+    port = env.get("MASTER_PORT", "")
+    if "TORCHELASTIC_RUN_ID" in env:  # torchrun without a run id: its agent is the ranks' parent
+        return f"{script}-{os.getppid() if ppid is None else ppid}-{port}"
+    if port:
+        return f"{script}-{env.get('MASTER_ADDR', '')}-{port}"
+    raise InvalidArgumentError(
+        f"the {placement.world_size} ranks of a job find each other by name; pass the same name= "
+        "in every rank (or initialize torch.distributed first, or run under torchrun)")
+
+
+def _store(distributed: Any) -> Any:
+    """The default process group's store, if there is one (a private but long-stable API)."""
+    if _group(distributed) is None:
+        return None
+    getter = getattr(getattr(distributed, "distributed_c10d", None), "_get_default_store", None)
+    if getter is None:
+        return None
+    try:
+        return getter()
+    except (RuntimeError, ValueError):
+        return None

@@ -1,0 +1,163 @@
+"""Training scripts written the way each framework's users write them, for `test_frameworks`.
+
+    python -m tests.integration.framework_jobs lightning  --address A --source S --out DIR ...
+    torchrun ... -m tests.integration.framework_jobs accelerate --address A ... [--unprepared]
+    torchrun ... -m tests.integration.framework_jobs stateful   --address A ... [--checkpoint F]
+
+Each rank records every sample its training step receives (epoch, index, label, crc32 of the
+pixels), one JSON line per sample in `DIR/records-<rank>.jsonl`, flushed per step, so that the
+test checks content and exactly-once over the union of the ranks (`integrity.check_records`).
+A checkpoint also writes each rank's record count at that step (`DIR/mark-<rank>-<step>.json`);
+a resumed run first truncates each rank's records to the checkpoint it resumes (what a killed
+run received after it was never trained on). `--kill-at E:S` makes rank 0 kill the whole run
+(every rank, SIGKILL) when epoch E reaches step S.
+
+The dataset is built at the top of the script, before any process group exists: the usual way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from joader.client.dataset import JoaderDataset
+
+
+class Records:
+    """This rank's sample records, and the marks that let a resume truncate them."""
+
+    def __init__(self, directory: str, rank: int) -> None:
+        self.dir = Path(directory)
+        self.rank = rank
+        self.path = self.dir / f"records-{rank}.jsonl"
+        self.count = sum(1 for _ in self.path.open()) if self.path.exists() else 0
+        self.out = self.path.open("a")
+
+    def samples(self, epoch: int, indices: Any, images: torch.Tensor, labels: Any) -> None:
+        for index, image, label in zip(indices.tolist(), images, labels.tolist(), strict=True):
+            self.out.write(json.dumps({"kind": "sample", "epoch": epoch, "index": index, "label": label,
+                                       "crc": zlib.crc32(image.contiguous().numpy().tobytes()),
+                                       "rank": self.rank}) + "\n")
+            self.count += 1
+        self.out.flush()
+
+    def mark(self, step: int) -> None:
+        (self.dir / f"mark-{self.rank}-{step}.json").write_text(json.dumps({"lines": self.count}))
+
+    def truncate_to(self, step: int) -> None:
+        """Keeps the records up to checkpoint `step` (a resumed run's first act)."""
+        lines = json.loads((self.dir / f"mark-{self.rank}-{step}.json").read_text())["lines"]
+        self.out.close()
+        kept = self.path.read_text().splitlines(keepends=True)[:lines]
+        self.path.write_text("".join(kept))
+        self.count = lines
+        self.out = self.path.open("a")
+
+
+def _kill_everything() -> None:
+    """SIGKILL to the run's process group (the test starts each run in a session of its own)."""
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def _dataset(args: argparse.Namespace) -> JoaderDataset:
+    return JoaderDataset(args.source, address=args.address, return_index=True, timeout_s=60.0,
+                         **({"seed": args.seed} if args.seed is not None else {}))
+
+
+def _model(ds: JoaderDataset) -> torch.nn.Module:
+    channels = ds.item_shape[0] if ds.item_shape else 3
+    return torch.nn.Linear(channels, max(2, len(ds.classes)))
+
+
+def _features(images: torch.Tensor) -> torch.Tensor:
+    return images.float().mean(dim=(2, 3)) / 255.0
+
+
+def _loader(args: argparse.Namespace, ds: JoaderDataset) -> Any:
+    if args.loader == "plain":
+        return torch.utils.data.DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers)
+    from joader.client.loader import JoaderDataLoader
+
+    return JoaderDataLoader(ds, batch_size=args.batch_size, num_workers=args.workers)
+
+
+# ------------------------------------------------------------------------------ Lightning
+
+def lightning(args: argparse.Namespace) -> None:
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ds = _dataset(args)  # before trainer.fit: no process group, no RANK yet
+    kill_epoch, kill_step = (int(x) for x in args.kill_at.split(":")) if args.kill_at else (-1, -1)
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model(ds)
+            self.records: Records | None = None
+
+        def on_fit_start(self) -> None:
+            self.records = Records(args.out, self.global_rank)
+            if args.resume:
+                self.records.truncate_to(int(torch.load(args.resume, weights_only=False)["global_step"]))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            indices, images, labels = batch
+            if self.current_epoch == kill_epoch and batch_idx == kill_step and self.global_rank == 0:
+                _kill_everything()
+            assert self.records is not None
+            self.records.samples(self.current_epoch + 1, indices, images, labels)
+            return torch.nn.functional.cross_entropy(self.net(_features(images)), labels)
+
+        def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            assert self.records is not None
+            self.records.mark(self.global_step)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    loader = _loader(args, ds)
+    callbacks = [ModelCheckpoint(dirpath=args.out, every_n_train_steps=args.every, save_top_k=-1,
+                                 filename="{epoch}-{step}")] if args.every else []
+    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy="ddp", max_epochs=args.epochs,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=bool(args.every), callbacks=callbacks,
+                        num_sanity_val_steps=0, use_distributed_sampler=False)
+    trainer.fit(Net(), loader, ckpt_path=args.resume)
+    if trainer.global_rank == 0:
+        Path(args.out, "done.json").write_text(json.dumps({
+            "len_loader": len(loader), "global_step": trainer.global_step,
+            "batches_per_epoch": trainer.num_training_batches}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("command", choices=["lightning"])
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--source", default="demo")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--loader", choices=["joader", "plain"], default="joader")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--every", type=int, default=0, help="checkpoint every N steps")
+    parser.add_argument("--kill-at", default="", help="E:S: kill the run at epoch E (0-based), step S")
+    parser.add_argument("--resume", help="a checkpoint to resume")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    {"lightning": lightning}[args.command](args)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
