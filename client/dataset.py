@@ -238,6 +238,7 @@ class JoaderDataset(IterableDataset):
         self._connection: Connection | None = None
         self._pool: tuple[int, BatchPool] | None = None  # batched: reused batch buffers
         self._passes = 0
+        self._job_name = ""
         self._warned: set[int] = set()
         self._progress = Progress()  # what this process yielded: state_dict, epoch_order
         self._resume: dict[str, Any] | None = None
@@ -293,6 +294,7 @@ class JoaderDataset(IterableDataset):
         self._keeper = keeper
         self._finalizer = weakref.finalize(self, _stop_keeper, keeper, os.getpid(), board)
         self._placement = found
+        self._job_name = name
         self.rank, self.world_size = found.rank, found.world_size
         self._describe(info)
         self.seed = int(info["seed"])
@@ -409,7 +411,7 @@ class JoaderDataset(IterableDataset):
         self._detach()
         if index == 0:
             whole = placement.Placement(0, 1, placement.GIVEN)
-            name = self._name_given or f"{placement.job_name(whole)}-dispatched"
+            name = f"{self._job_name}-dispatched"
             logger.info("joader: accelerate dispatches this loader's batches from rank 0, which "
                         "reads the whole job %r", name)
             self._attach(whole, name)

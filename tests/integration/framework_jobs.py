@@ -138,9 +138,48 @@ def lightning(args: argparse.Namespace) -> None:
             "batches_per_epoch": trainer.num_training_batches}))
 
 
+# ------------------------------------------------------------------------------ accelerate
+
+def accelerate_job(args: argparse.Namespace) -> None:
+    """Under torchrun (or `accelerate launch`): the loader prepared as accelerate's examples do
+    (`prepare(model, optimizer, loader)`: its default dispatches batches from rank 0), or with
+    `--unprepared` left out of prepare (each rank reads its own share)."""
+    from accelerate import Accelerator
+
+    ds = _dataset(args)
+    loader = torch.utils.data.DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers)
+    if args.no_dispatch:
+        from accelerate import DataLoaderConfiguration
+
+        accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=False))
+    else:
+        accelerator = Accelerator(cpu=True)
+    model = _model(ds)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if args.unprepared:
+        model, optimizer = accelerator.prepare(model, optimizer)
+    else:
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    records = Records(args.out, accelerator.process_index)
+    counts = []
+    for epoch in range(args.epochs):
+        batches = 0
+        for indices, images, labels in loader:
+            records.samples(epoch + 1, indices, images, labels)
+            loss = torch.nn.functional.cross_entropy(model(_features(images)), labels)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            batches += 1
+        counts.append(batches)
+    Path(args.out, f"done-{accelerator.process_index}.json").write_text(json.dumps({
+        "len_loader": len(loader), "batches": counts}))
+    accelerator.wait_for_everyone()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=["lightning"])
+    parser.add_argument("command", choices=["lightning", "accelerate"])
     parser.add_argument("--address", required=True)
     parser.add_argument("--source", default="demo")
     parser.add_argument("--out", required=True)
@@ -153,9 +192,11 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=0, help="checkpoint every N steps")
     parser.add_argument("--kill-at", default="", help="E:S: kill the run at epoch E (0-based), step S")
     parser.add_argument("--resume", help="a checkpoint to resume")
+    parser.add_argument("--unprepared", action="store_true", help="accelerate: do not prepare the loader")
+    parser.add_argument("--no-dispatch", action="store_true", help="accelerate: dispatch_batches=False")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    {"lightning": lightning}[args.command](args)
+    {"lightning": lightning, "accelerate": accelerate_job}[args.command](args)
     sys.stdout.flush()
 
 
