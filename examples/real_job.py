@@ -7,7 +7,10 @@ if it exists: kill it at any moment (even `kill -9`) and run the same command ag
 interrupted epoch goes on with exactly the items it had not trained on. Each rank saves its own
 state (`PATH.rank<R>`), since each rank reads its own share of the epoch.
 
-The model is a toy (a linear classifier on 32x32 thumbnails); the data path is the real one.
+The model is a toy (a linear classifier on 32x32 thumbnails); the data path is the real one. It
+sizes itself from what the source serves (`ds.item_shape`, `ds.item_dtype`, `ds.classes`), so it
+runs on an RGB source, a grayscale one (`mode = "L"`) and a user stage such as
+examples/userstage.py (float32, one channel), and on integer labels that are not 0..K-1.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import pickle
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -47,7 +51,23 @@ def main() -> None:
                        batch_size=args.batch_size, timeout_s=120)
     rank = ds.rank
     loader = StatefulDataLoader(ds, batch_size=args.batch_size, num_workers=args.workers)
-    model = torch.nn.Linear(3 * 32 * 32, len(ds.classes))
+    # What the source serves: (C, H, W) items of one shape and dtype. C is 3 for RGB, 1 for
+    # mode = "L" or the gray user stage; integer items are scaled to [0, 1], float ones (a user
+    # stage that normalized already) are taken as they are.
+    if ds.item_shape is None or len(ds.item_shape) != 3:
+        ds.close()
+        served = "items of varying size" if ds.item_shape is None else f"items of shape {ds.item_shape}"
+        raise SystemExit(f"source {args.source!r} (stage {ds.stage!r}) serves {served}; this example "
+                         "needs (C, H, W) items of one size: serve it with a fixed-size stage "
+                         "(center-crop, or a user stage with a spec)")
+    channels = ds.item_shape[0]
+    dtype = np.dtype(ds.item_dtype)
+    scale = float(np.iinfo(dtype).max) if np.issubdtype(dtype, np.integer) else 1.0
+    # One output per class. Labels arrive as the source wrote them: class folders give 0..K-1,
+    # integer labels (a list file's or a .cls's 15, 25, ...) stay themselves; the model's target
+    # is the label's position among the source's classes.
+    known_labels = torch.tensor(sorted(ds.class_to_idx.values()), dtype=torch.int64)
+    model = torch.nn.Linear(channels * 32 * 32, len(known_labels))
     if distributed:
         model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -66,8 +86,9 @@ def main() -> None:
     for epoch in range(start_epoch, args.epochs):
         seen, started, loss = 0, time.monotonic(), None
         for images, labels in loader:
-            x = torch.nn.functional.interpolate(images.float() / 255, size=32).flatten(1)
-            loss = torch.nn.functional.cross_entropy(model(x), labels)
+            x = torch.nn.functional.interpolate(images.float() / scale, size=(32, 32)).flatten(1)
+            targets = torch.searchsorted(known_labels, labels.long())
+            loss = torch.nn.functional.cross_entropy(model(x), targets)
             optimizer.zero_grad()
             loss.backward()  # DDP all-reduces here: ranks with unequal step counts would hang
             optimizer.step()
