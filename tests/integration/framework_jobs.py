@@ -63,8 +63,19 @@ class Records:
 
 
 def _kill_everything() -> None:
-    """SIGKILL to the run's process group (the test starts each run in a session of its own)."""
-    os.killpg(os.getpgid(0), signal.SIGKILL)
+    """SIGKILL to every process of the run, this one last: the test tags each run's processes
+    with JOADER_TEST_TAG in their environment (torchrun's ranks each have a session of their
+    own, so a process group is not the run)."""
+    needle = f"JOADER_TEST_TAG={os.environ['JOADER_TEST_TAG']}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                os.kill(int(entry.name), signal.SIGKILL)
+        except OSError:
+            continue
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _dataset(args: argparse.Namespace) -> JoaderDataset:
@@ -177,9 +188,88 @@ def accelerate_job(args: argparse.Namespace) -> None:
     accelerator.wait_for_everyone()
 
 
+# ------------------------------------------------------------------------------ torchrun
+
+def stateful(args: argparse.Namespace) -> None:
+    """Under torchrun: JoaderDataLoader, an all_reduce per step, a checkpoint every `--every`
+    steps written by rank 0 only (the usual code; the loader's state gathers every rank's),
+    and with `--resume`, the run picks up where that checkpoint was."""
+    import torch.distributed as dist
+
+    from joader.client.loader import JoaderDataLoader
+
+    ds = _dataset(args)  # before init_process_group: torchrun's RANK and WORLD_SIZE say where
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    loader = JoaderDataLoader(ds, batch_size=args.batch_size, num_workers=args.workers)
+    records = Records(args.out, rank)
+    checkpoint_path = Path(args.out, "checkpoint.pt")
+    epoch0, step = 0, 0
+    if args.resume:
+        checkpoint = torch.load(checkpoint_path, weights_only=False)
+        loader.load_state_dict(checkpoint["loader"])
+        epoch0, step = checkpoint["epoch"], checkpoint["step"]
+        records.truncate_to(step)
+    kill_epoch, kill_step = (int(x) for x in args.kill_at.split(":")) if args.kill_at else (-1, -1)
+    counts = []
+    for epoch in range(epoch0, args.epochs):
+        batches = 0
+        for batch_idx, (indices, images, labels) in enumerate(loader):
+            if epoch == kill_epoch and batch_idx == kill_step and rank == 0 and not args.resume:
+                _kill_everything()
+            records.samples(epoch + 1, indices, images, labels)
+            reduced = torch.ones(1)
+            dist.all_reduce(reduced)  # what DDP's gradient all-reduce does: every rank steps
+            step += 1
+            batches += 1
+            if args.every and step % args.every == 0:
+                state = loader.state_dict()  # a collective: every rank, here
+                records.mark(step)
+                if rank == 0:
+                    torch.save({"loader": state, "epoch": epoch, "step": step}, f"{checkpoint_path}.tmp")
+                    os.replace(f"{checkpoint_path}.tmp", checkpoint_path)
+                dist.barrier()
+        counts.append(batches)
+    Path(args.out, f"done-{rank}.json").write_text(json.dumps({"len_loader": len(loader), "batches": counts}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------ len()
+
+def lengths(args: argparse.Namespace) -> None:
+    """One epoch in each delivery mode: `len(loader)` against the batches and items received."""
+    from torch.utils.data import DataLoader
+
+    size = args.batch_size
+    modes: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+        ("items", {}, {"batch_size": size}),
+        ("items, 2 workers", {}, {"batch_size": size, "num_workers": 2}),
+        ("items, 2 workers, drop_last", {}, {"batch_size": size, "num_workers": 2, "drop_last": True}),
+        ("items, 2 workers, a transform", {"transform": _flip}, {"batch_size": size, "num_workers": 2}),
+        ("batched", {"batched": True, "batch_size": size}, {"batch_size": None}),
+        ("batched, 2 workers (hand-off)", {"batched": True, "batch_size": size}, {"batch_size": None, "num_workers": 2}),
+    ]
+    results = []
+    for mode, dataset_args, loader_args in modes:
+        with JoaderDataset(args.source, address=args.address, timeout_s=60.0, **dataset_args) as ds:
+            loader = DataLoader(ds, **loader_args)
+            batches = items = 0
+            for images, _labels in loader:
+                batches += 1
+                items += len(images)
+            results.append({"mode": mode, "len_loader": len(loader), "batches": batches, "items": items,
+                            "len_dataset": len(ds)})
+    Path(args.out, "lengths.json").write_text(json.dumps(results))
+
+
+def _flip(image: torch.Tensor) -> torch.Tensor:
+    return image.flip(-1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=["lightning", "accelerate"])
+    parser.add_argument("command", choices=["lightning", "accelerate", "stateful", "lengths"])
     parser.add_argument("--address", required=True)
     parser.add_argument("--source", default="demo")
     parser.add_argument("--out", required=True)
@@ -191,12 +281,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--every", type=int, default=0, help="checkpoint every N steps")
     parser.add_argument("--kill-at", default="", help="E:S: kill the run at epoch E (0-based), step S")
-    parser.add_argument("--resume", help="a checkpoint to resume")
+    parser.add_argument("--resume", help="Lightning: a checkpoint to resume; stateful: any value resumes")
     parser.add_argument("--unprepared", action="store_true", help="accelerate: do not prepare the loader")
     parser.add_argument("--no-dispatch", action="store_true", help="accelerate: dispatch_batches=False")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    {"lightning": lightning, "accelerate": accelerate_job}[args.command](args)
+    {"lightning": lightning, "accelerate": accelerate_job, "stateful": stateful,
+     "lengths": lengths}[args.command](args)
     sys.stdout.flush()
 
 
