@@ -62,6 +62,9 @@ MAX_PARTS = 1024  # readers of one rank a state may say reported (DataLoader wor
 _NOTICE_WORKERS = 0  # board notice: "workers without a transform only add a copy"
 
 
+_threads_warned = False
+
+
 def _set_threads(threads: int | str | None) -> None:
     """torch's intra-op threads in the training process (see `JoaderDataset`'s `threads`)."""
     current = torch.get_num_threads()
@@ -82,8 +85,16 @@ def _set_threads(threads: int | str | None) -> None:
         raise InvalidArgumentError(f"threads must be 'auto', None or a positive int, got {threads!r}")
     if current != wanted:
         torch.set_num_threads(wanted)
-        logger.info("joader: torch.set_num_threads(%d) in this process (it was %d); pass "
-                    "threads=None to JoaderDataset to keep torch's own setting", wanted, current)
+        # A warning, once per process: at INFO nobody saw it, and a CPU-bound training loop
+        # (no GPU) runs its model on these threads too.
+        global _threads_warned
+        if not _threads_warned:
+            _threads_warned = True
+            logger.warning(
+                "joader: torch.set_num_threads(%d) in this process (it was %d), because joaderd's "
+                "decoders keep the cores busy; a model trained on the CPU then runs on %d thread(s). "
+                "Pass JoaderDataset(threads=N) for N threads, or threads=None to keep torch's setting.",
+                wanted, current, wanted)
 
 
 _ordinals: dict[tuple[str, str], int] = {}

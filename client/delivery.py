@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _NOTICE_BATCH_SIZE = 1  # board notice: "the dataset's batch size is not the loader's"
+# Another rank that never asked for items after this long is not coming: a script that reads on
+# one rank only (it was a 300 s wait that blamed the cache).
+RANK_NEVER_READ_LIMIT_S = 60.0
 
 
 class Reader:
@@ -139,8 +142,9 @@ class Reader:
                     idle_s = 0.0
                 elif not response.end_of_epoch:
                     idle_s += 1.0  # the server waited about a second for a ready item
-                    if idle_s > ds.timeout_s:
-                        self._timed_out()
+                    if idle_s > ds.timeout_s or (response.rank_never_read
+                                                  and response.waiting_s > RANK_NEVER_READ_LIMIT_S):
+                        self._timed_out(response.waiting, idle_s)
                 yield
             if ds._progress.current is stream:
                 ds._progress.finished = True
@@ -148,14 +152,18 @@ class Reader:
             if call is not None:  # the loop broke out early with a batch on its way
                 self._acknowledge_leftover(call)
 
-    def _timed_out(self) -> None:
+    def _timed_out(self, waiting: str, idle_s: float) -> None:
         ds = self.ds
-        waiting = (f" A job of {ds.world_size} ranks starts once all of them attached."
-                   if ds.world_size > 1 else "")
+        if waiting:
+            raise TimeoutError(
+                f"job {self.conn.job_id} (rank {ds.rank} of {ds.world_size}): no item from joaderd for "
+                f"{idle_s:.0f} s: {waiting}. Under accelerate, keep prepare()'s default dispatch or "
+                "leave the DataLoader out of prepare(); with a DDP launcher, check that every rank "
+                "builds the dataset with the same source, indices, world_size and drop_last")
         raise TimeoutError(
             f"job {self.conn.job_id}: no item from joaderd for {ds.timeout_s:g} s; see `joader "
-            "status`: its job's `waiting` names a rank that has not attached or resume reports "
-            "still missing; else the decode pool's state (a crash loop, a stuck worker)." + waiting)
+            "status`: the decode pool's state (a crash loop, a stuck worker), or its job's "
+            "`waiting` (resume reports still missing).")
 
     def _acknowledge_leftover(self, call: Call) -> None:
         """Best effort: give back a prefetched batch nobody will read (the lease's end would

@@ -198,6 +198,7 @@ class Rank:
     # all its passes, not yet acknowledged) stay within `Job.cache_share` (Scheduler.pin_ahead).
     pinned: int = 0
     handed_out: int = 0
+    last_read_s: float | None = None  # its last Next asking for items; None: it never asked
 
 
 @dataclass
@@ -382,6 +383,11 @@ class Batch:
     # The rank holds more handed-out, unacknowledged copies than its share allows: its reader
     # must copy these items out and acknowledge them at once, not hand them on (NextResponse).
     copy_now: bool = False
+    # An empty reply: what holds the job up (`Registry.waiting_note`), and whether it is a rank
+    # that never asked for items, for how long.
+    waiting: str = ""
+    rank_never_read: bool = False
+    waiting_s: float = 0.0
 
 
 @dataclass(frozen=True)

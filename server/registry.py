@@ -268,6 +268,7 @@ class Registry:
             pass_ = self.jobs.claim(job, rank, args)
             if pass_ is not known:
                 self._recheck_failures(job, rank, pass_.epoch, len(rank.queue))
+            rank.last_read_s = now
             if not job.reading:
                 job.reading = True
                 job.reading_since_s = now
@@ -324,9 +325,38 @@ class Registry:
                 assert batch is not None
                 return batch
             if now >= call.deadline_s or self._stopped:
-                return Batch(epoch, False, [], [], [], [])
+                return self._empty(job, rank, epoch, now)
             wake_s = linger if partial_ok and linger is not None else call.deadline_s
             return max(0.0, min(call.deadline_s, wake_s) - now)
+
+    def _empty(self, job: Job, rank: Rank, epoch: int, now: float) -> Batch:
+        """An empty reply, saying what holds the job up when it is another rank: one not
+        attached yet, or one that has not asked for items while this one's queue is empty
+        (a job's epoch is dealt to its ranks in turn, so one rank's unread share stops the
+        rounds). A script that reads on one rank only waited out its whole timeout, then
+        blamed the cache or the decoders."""
+        waiting, never, waiting_s = self._held_up_by(job, rank, now)
+        return Batch(epoch, False, [], [], [], [], waiting=waiting, rank_never_read=never, waiting_s=waiting_s)
+
+    def _held_up_by(self, job: Job, rank: Rank, now: float) -> tuple[str, bool, float]:
+        if job.world_size == 1:
+            return "", False, 0.0
+        waiting = self.jobs.waiting(job, now)
+        if waiting is not None:
+            return str(waiting["detail"]), False, 0.0
+        for other in job.ranks:
+            if other is rank or other.closed:
+                continue
+            if other.last_read_s is None:
+                since = now - job.created_s
+                return (f"rank {other.index} of {job.world_size} has not asked for items in the "
+                        f"{since:.0f} s since the job started, and each epoch is dealt to the ranks "
+                        "in turn: every rank must iterate its own JoaderDataset"), True, since
+            idle = now - other.last_read_s
+            if idle > self.config.next_wait_s * 5 and len(other.queue) >= job.queue_capacity:
+                return (f"rank {other.index} of {job.world_size} has not asked for items for "
+                        f"{idle:.0f} s and its share is ready; this rank waits for it"), False, idle
+        return "", False, 0.0
 
     def _after_another(self, call: NextCall) -> bool:
         """Whether another reader of the call's pass, waiting now, holds fewer unacknowledged

@@ -289,6 +289,9 @@ def _response(batch: Batch, arena: str) -> joader_pb2.NextResponse:
         arena=arena,
         checksums=batch.checksums,
         copy_now=batch.copy_now,
+        waiting=batch.waiting,
+        rank_never_read=batch.rank_never_read,
+        waiting_s=batch.waiting_s,
     )
 
 

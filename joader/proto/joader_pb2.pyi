@@ -127,7 +127,7 @@ class FailedItem(_message.Message):
     def __init__(self, item_id: _Optional[int] = ..., path: _Optional[bytes] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class NextResponse(_message.Message):
-    __slots__ = ("epoch", "end_of_epoch", "item_ids", "labels", "offsets", "failed", "lengths", "ndims", "dims", "dtypes", "arena", "checksums", "copy_now")
+    __slots__ = ("epoch", "end_of_epoch", "item_ids", "labels", "offsets", "failed", "lengths", "ndims", "dims", "dtypes", "arena", "checksums", "copy_now", "waiting", "rank_never_read", "waiting_s")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     END_OF_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ITEM_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,9 @@ class NextResponse(_message.Message):
     ARENA_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     COPY_NOW_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    RANK_NEVER_READ_FIELD_NUMBER: _ClassVar[int]
+    WAITING_S_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     end_of_epoch: bool
     item_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -154,7 +157,10 @@ class NextResponse(_message.Message):
     arena: str
     checksums: _containers.RepeatedScalarFieldContainer[int]
     copy_now: bool
-    def __init__(self, epoch: _Optional[int] = ..., end_of_epoch: _Optional[bool] = ..., item_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., failed: _Optional[_Iterable[_Union[FailedItem, _Mapping]]] = ..., lengths: _Optional[_Iterable[int]] = ..., ndims: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., dtypes: _Optional[_Iterable[int]] = ..., arena: _Optional[str] = ..., checksums: _Optional[_Iterable[int]] = ..., copy_now: _Optional[bool] = ...) -> None: ...
+    waiting: str
+    rank_never_read: bool
+    waiting_s: float
+    def __init__(self, epoch: _Optional[int] = ..., end_of_epoch: _Optional[bool] = ..., item_ids: _Optional[_Iterable[int]] = ..., labels: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., failed: _Optional[_Iterable[_Union[FailedItem, _Mapping]]] = ..., lengths: _Optional[_Iterable[int]] = ..., ndims: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., dtypes: _Optional[_Iterable[int]] = ..., arena: _Optional[str] = ..., checksums: _Optional[_Iterable[int]] = ..., copy_now: _Optional[bool] = ..., waiting: _Optional[str] = ..., rank_never_read: _Optional[bool] = ..., waiting_s: _Optional[float] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

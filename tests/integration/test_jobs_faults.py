@@ -132,6 +132,26 @@ def test_a_rank_that_never_attaches_ends_the_job_after_the_attach_timeout(
 # 2. A file fixed before the next epoch
 
 
+def test_a_rank_that_attached_but_never_reads_is_named_when_the_other_gives_up(
+        demo_root: Path, start_joaderd: Any, clients: Any, tmp_path: Path) -> None:
+    """Rank 1 attaches and holds its lease but never reads (accelerate's old dispatch did
+    that): rank 0 fills its share, then waits for rank 1's. Its TimeoutError names rank 1 and
+    says every rank must read, not the cache or the decoders."""
+    server = start_joaderd({"demo": demo_root}, cache_items=64)
+    ready = tmp_path / "held"
+    clients.start("hold", server, "idle", "--rank", "1", "--world-size", "2", "--name", "oneside",
+                  "--ready", str(ready))
+    wait_for(ready.exists, 60, "rank 1 to attach")
+    started = time.monotonic()
+    reader = clients.start("read", server, "reader", "--rank", "0", "--world-size", "2", "--name",
+                           "oneside", "--timeout-s", "8")
+    assert finish(reader, 120) != 0
+    err = clients.stderr("reader")
+    assert "TimeoutError" in err and "rank 1 of 2 has not asked for items" in err, err[-3000:]
+    assert "every rank must iterate its own JoaderDataset" in err
+    print(f"rank 0 gave up after {time.monotonic() - started:.1f} s: {err.strip().splitlines()[-1][:300]}")
+
+
 def test_files_fixed_after_an_epoch_are_decoded_again_in_the_next(
         demo_root: Path, tmp_path: Path, start_joaderd: Any, clients: Clients) -> None:
     """joaderd --retry-failed-s 1. Every file of a 17-item source is broken in epoch 1 (its
@@ -298,6 +318,15 @@ def pause_command(args: argparse.Namespace) -> None:
         time.sleep(1)
 
 
+def hold_command(args: argparse.Namespace) -> None:
+    """Attaches one rank and holds its lease without ever reading (a script that reads on
+    another rank only), until killed."""
+    _dataset(args)
+    _touch(args.ready)
+    while True:
+        time.sleep(1)
+
+
 def forged_command(args: argparse.Namespace) -> None:
     """Loads a state that says `--parts` readers report a part of epoch 1, reads alone."""
     import threading
@@ -318,7 +347,7 @@ def forged_command(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     commands = {"close": close_command, "read": read_command, "epochs": epochs_command,
-                "pause": pause_command, "forged": forged_command}
+                "pause": pause_command, "forged": forged_command, "hold": hold_command}
     parser.add_argument("command", choices=sorted(commands))
     parser.add_argument("--address", required=True)
     parser.add_argument("--out", required=True)
