@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["JoaderDataset"]
+__all__ = ["JoaderDataLoader", "JoaderDataset"]
 
 
 def __getattr__(name: str) -> Any:
@@ -16,4 +16,8 @@ def __getattr__(name: str) -> Any:
         from joader.client.dataset import JoaderDataset
 
         return JoaderDataset
+    if name == "JoaderDataLoader":
+        from joader.client.loader import JoaderDataLoader
+
+        return JoaderDataLoader
     raise AttributeError(f"module 'joader.client' has no attribute {name!r}")

@@ -2,7 +2,8 @@
 
 The core (`joader.sampling`, `joader.cache`, `joader.sources`) is pure Python over numpy and
 pyroaring. `joader.server` is the daemon, `joaderd`; `joader.client` holds `JoaderDataset`, the
-client a training script uses in place of its ImageFolder. `JoaderDataset` is imported lazily so
+client a training script uses in place of its ImageFolder, and `JoaderDataLoader`, the
+StatefulDataLoader whose checkpoint holds every DDP rank's state. Both are imported lazily so
 that `import joader` does not pull in torch or grpc.
 """
 
@@ -12,7 +13,7 @@ from typing import Any
 
 from joader.errors import JoaderError
 
-__all__ = ["JoaderDataset", "JoaderError", "__version__"]
+__all__ = ["JoaderDataLoader", "JoaderDataset", "JoaderError", "__version__"]
 __version__ = "0.1.0"
 
 
@@ -21,4 +22,8 @@ def __getattr__(name: str) -> Any:
         from joader.client.dataset import JoaderDataset
 
         return JoaderDataset
+    if name == "JoaderDataLoader":
+        from joader.client.loader import JoaderDataLoader
+
+        return JoaderDataLoader
     raise AttributeError(f"module 'joader' has no attribute {name!r}")

@@ -23,7 +23,7 @@ import pytest
 
 from tests.integration.conftest import IMAGE_SIZE, NUM_DEMO_ITEMS
 from tests.integration.integrity import check_records, read_records, reference
-from tests.integration.test_real_jobs import Client, Clients, _free_port
+from tests.integration.processes import Client, Clients, free_port
 
 pytestmark = pytest.mark.slow
 JOB = "tests.integration.framework_jobs"
@@ -45,13 +45,13 @@ def clients(tmp_path: Path) -> Any:
 
 
 def _python(clients: Clients, name: str, *args: str) -> Client:
-    return clients._popen(name, [sys.executable, "-m", JOB, *args])
+    return clients.popen(name, [sys.executable, "-m", JOB, *args])
 
 
 def _torchrun(clients: Clients, name: str, *args: str) -> Client:
-    return clients._popen(name, [
+    return clients.popen(name, [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(RANKS),
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", JOB, *args])
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", JOB, *args])
 
 
 def _records(out: Path) -> list[dict[str, Any]]:

@@ -1,0 +1,169 @@
+"""Running client processes for integration tests: each one tagged in its environment, so that
+the test kills it and all its descendants afterwards (torchrun's ranks run in sessions of their
+own, so a process group is not enough), and fails if one is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TAG_VAR = "JOADER_TEST_TAG"
+# What a torchrun or a caller's environment could leak into a client that must not see it.
+_SCRUBBED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+             "MASTER_PORT", "TORCHELASTIC_RUN_ID", "JOADER_ADDRESS")
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _tagged_pids(tag: str) -> dict[int, str]:
+    """Processes (pid -> command line) whose environment carries `tag`."""
+    needle = f"{TAG_VAR}={tag}".encode()
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+    return found
+
+
+class Client:
+    """One client process (or a torchrun and its ranks), with its report and its stderr."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], name: str, directory: Path) -> None:
+        self.proc = proc
+        self.name = name
+        self.out = directory / f"{name}.json"
+        self.err_path = directory / f"{name}.err"
+        self.progress_path = directory / f"{name}.progress"
+        self.state_path = directory / f"{name}.state"
+
+    def stderr(self) -> str:
+        return self.err_path.read_text(errors="replace") if self.err_path.exists() else ""
+
+    def report(self, rank: int | None = None) -> dict[str, Any]:
+        path = self.out if rank is None else self.out.with_name(f"{self.name}-{rank}.json")
+        return json.loads(path.read_text())
+
+    def events(self) -> list[dict[str, Any]]:
+        """The progress lines so far (a line being written is skipped)."""
+        if not self.progress_path.exists():
+            return []
+        events = []
+        for line in self.progress_path.read_text().splitlines():
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return events
+
+    def batches(self) -> list[dict[str, Any]]:
+        return [e for e in self.events() if e["event"] == "batch"]
+
+
+class Clients:
+    """Starts client programs in their own sessions; `close()` leaves none of them behind."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.tag = uuid.uuid4().hex
+        self.started: list[Client] = []
+
+    def _env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
+        env[TAG_VAR] = self.tag
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        return env
+
+    def popen(self, name: str, command: list[str], *, cwd: Path = ROOT,
+              env: dict[str, str] | None = None) -> Client:
+        """Starts `command` (tagged, in a session of its own), its output in NAME.err."""
+        with open(self.dir / f"{name}.err", "wb") as err:
+            proc = subprocess.Popen(command, cwd=cwd, env={**self._env(), **(env or {})},
+                                    stdin=subprocess.DEVNULL,
+                                    stdout=err, stderr=subprocess.STDOUT, start_new_session=True)
+        client = Client(proc, name, self.dir)
+        self.started.append(client)
+        return client
+
+    def start(self, command: str, server: Any, name: str, *args: str) -> Client:
+        """`python -m tests.integration.real_clients COMMAND` against `server`."""
+        client_args = self._args(command, server, name, args)
+        return self.popen(name, [sys.executable, "-m", "tests.integration.real_clients", *client_args])
+
+    def torchrun(self, command: str, server: Any, name: str, *args: str, nproc: int = 2) -> Client:
+        """The same under `torch.distributed.run` with `nproc` ranks; reports `NAME-RANK.json`."""
+        client_args = self._args(command, server, name, args)
+        client_args[client_args.index("--out") + 1] = str(self.dir / f"{name}-{{rank}}.json")
+        return self.popen(name, [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+            "-m", "tests.integration.real_clients", *client_args,
+        ])
+
+    def _args(self, command: str, server: Any, name: str, args: tuple[str, ...]) -> list[str]:
+        return [command, "--address", server.address, "--out", str(self.dir / f"{name}.json"),
+                "--progress", str(self.dir / f"{name}.progress"), *args]
+
+    def wait(self, client: Client, timeout_s: float, expect: int | None = 0) -> int:
+        """Waits for `client`'s exit; fails with its stderr if it takes longer or exits otherwise."""
+        try:
+            code = client.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self._kill(client)
+            pytest.fail(f"client {client.name} did not finish within {timeout_s:g} s; its output:\n"
+                        f"{client.stderr()[-6000:]}")
+        if expect is not None and code != expect:
+            pytest.fail(f"client {client.name} exited with {code}, expected {expect}; its output:\n"
+                        f"{client.stderr()[-6000:]}")
+        return code
+
+    def _kill(self, client: Client) -> None:
+        if client.proc.poll() is None:
+            try:
+                os.killpg(client.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        client.proc.wait()
+        for pid in _tagged_pids(self.tag):  # torchrun's ranks run in sessions of their own
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def close(self) -> None:
+        """Kills what is still running; then no tagged process may be left after a grace time."""
+        for client in self.started:
+            if client.proc.poll() is None:
+                self._kill(client)
+        deadline = time.monotonic() + 15
+        left = _tagged_pids(self.tag)
+        while left and time.monotonic() < deadline:
+            time.sleep(0.2)
+            left = _tagged_pids(self.tag)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        assert not left, f"client processes left behind 15 s after their test: {left}"
+
+
