@@ -76,6 +76,24 @@ def process_index(dispatcher: Any, default: int) -> int:
     return index if isinstance(index, int) else default
 
 
+def lightning_epoch_done(skip: int = 1, depth: int = _MAX_DEPTH) -> bool:
+    """Whether a Lightning fit loop on the call stack (saving a checkpoint) has processed every
+    batch of its current epoch. Lightning resumes such a checkpoint at the NEXT epoch, and its
+    next epoch then read the loader's empty rest of the saved one: it trained nothing."""
+    for frame in _frames(sys._getframe(skip), depth):
+        owner = frame.f_locals.get("self")
+        kind = type(owner)
+        if kind.__name__ != "_FitLoop" or not kind.__module__.endswith("loops.fit_loop"):
+            continue
+        try:
+            processed = owner.epoch_loop.batch_progress.current.processed
+            total = owner.max_batches
+        except AttributeError:
+            return False
+        return isinstance(total, int) and total > 0 and processed >= total
+    return False
+
+
 SHARD_MESSAGE = (
     "accelerate wrapped this JoaderDataset in an IterableDatasetShard (prepare() with "
     "dispatch_batches=False), which keeps one slice of every batch_size x num_processes items a "

@@ -50,7 +50,10 @@ every rank) calls `_load_combined_loader_states` -> `CombinedLoader._load_state_
 - a checkpoint from `on_train_batch_end` at an epoch's last batch: loaded, but Lightning counts
   that epoch as done (`_FitLoop.reset`) and its next epoch gets the empty rest of the saved
   one: that epoch trains nothing. Also with a plain StatefulDataLoader on one device: it is
-  Lightning's pairing with StatefulDataLoader, not the gather.
+  Lightning's pairing with StatefulDataLoader, not the gather. So `JoaderDataLoader.state_dict()`,
+  called by a Lightning fit loop that has processed every batch of its epoch
+  (`joader.client.frameworks.lightning_epoch_done`), saves a rank entry that loads as a fresh
+  pass: the next epoch is whole (test_frameworks, a checkpoint every 10 of 10 steps).
 - `_PrefetchDataFetcher` (loops/fetchers.py) reads one batch ahead when the loader has no
   length, and then a checkpoint's state includes a batch not yet trained (one batch per rank is
   skipped on resume; observed); with a length (JoaderDataset has `__len__`) it does not.
@@ -64,6 +67,7 @@ from typing import Any
 
 import torch
 
+from joader.client import frameworks
 from joader.errors import InvalidArgumentError
 
 try:
@@ -78,6 +82,7 @@ __all__ = ["LOADER_STATE_VERSION", "JoaderDataLoader", "rank_state"]
 
 LOADER_STATE_VERSION = 1
 _TAG = "joader_loader"  # the key (holding the version) that marks a gathered state
+_FRESH = "joader_fresh"  # a rank's entry: nothing to resume (see `JoaderDataLoader.state_dict`)
 
 
 def _process_rank() -> tuple[int, int]:
@@ -174,7 +179,10 @@ class JoaderDataLoader(StatefulDataLoader):
     def state_dict(self) -> dict[str, Any]:
         """Every rank's StatefulDataLoader state, gathered: {"joader_loader": 1, "world_size": W,
         "ranks": [state of rank 0, ..., state of rank W - 1]}. A collective (see the class)."""
-        own = super().state_dict()
+        # Lightning resumes a checkpoint taken after an epoch's last batch at the next epoch,
+        # where the loaded state's empty rest of the saved epoch made a whole epoch train
+        # nothing: such a state starts afresh (a new pass: a whole epoch, still exactly once).
+        own = {_FRESH: True} if frameworks.lightning_epoch_done(skip=2) else super().state_dict()
         _, world_size = _process_rank()
         if world_size == 1:
             ranks: list[Any] = [own]
@@ -186,4 +194,7 @@ class JoaderDataLoader(StatefulDataLoader):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads this rank's entry of a gathered state, or a plain StatefulDataLoader state as
         this rank's own; a state gathered on another world size is refused. Not a collective."""
-        super().load_state_dict(rank_state(state_dict))
+        own = rank_state(state_dict)
+        if own.get(_FRESH):
+            return  # saved after its epoch's last batch, under Lightning: a fresh pass
+        super().load_state_dict(own)

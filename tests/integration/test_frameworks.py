@@ -83,18 +83,22 @@ def _latest_checkpoint(out: Path) -> Path:
     return checkpoints[-1]
 
 
+@pytest.mark.parametrize("checkpoint", ["mid-epoch", "at an epoch's last batch"])
 def test_lightning_ddp_dataset_built_before_fit_killed_and_resumed_is_exact(
-        demo_root: Path, start_joaderd: Any, clients: Clients, expected: Any, tmp_path: Path) -> None:
+        demo_root: Path, start_joaderd: Any, clients: Clients, expected: Any, tmp_path: Path,
+        checkpoint: str) -> None:
     """Lightning's usual script: the dataset built at the top, then Trainer(accelerator="cpu",
-    devices=2, strategy="ddp").fit. Killed -9 in epoch 2 after a mid-epoch checkpoint, resumed
-    with ckpt_path: every epoch exactly once over both ranks (JoaderDataLoader's state holds
-    both ranks'; Lightning saves rank 0's)."""
+    devices=2, strategy="ddp").fit. Killed -9 after a checkpoint, resumed with ckpt_path: every
+    epoch exactly once over both ranks (JoaderDataLoader's state holds both ranks'; Lightning
+    saves rank 0's). A checkpoint every 10 steps falls on each epoch's last batch, which
+    Lightning resumes at the next epoch (with a plain StatefulDataLoader that epoch was empty)."""
     server = start_joaderd({"demo": demo_root}, cache_items=64)
     out = tmp_path / "lightning"
+    every, kill_at = ("4", "1:8") if checkpoint == "mid-epoch" else ("10", "2:5")
     base = ("lightning", "--address", server.address, "--out", str(out), "--epochs", "3",
-            "--batch-size", "8", "--every", "4")
+            "--batch-size", "8", "--every", every)
     started = time.monotonic()
-    run = _python(clients, "lightning", *base, "--kill-at", "1:8")
+    run = _python(clients, "lightning", *base, "--kill-at", kill_at)
     code = clients.wait(run, timeout_s=240, expect=None)
     assert code != 0, f"the run was to be killed mid-epoch; it exited with {code}"
     checkpoint = _latest_checkpoint(out)
