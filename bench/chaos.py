@@ -5,7 +5,8 @@
 It proves content, not counts. A real joaderd serves generated JPEGs with a cache of a few
 batches per job; jobs run as separate processes (`tests/integration/integrity_job.py`, a real
 torch DataLoader over JoaderDataset) in every mode: num_workers 0 and 2, plain and
-`batched=True`, with and without a transform, hand-off workers (workers, batched, no transform),
+`batched=True`, with and without a transform, the dataset asking in the loader's batch size or
+its own, hand-off workers (workers, batched, no transform),
 DataLoaders re-seeded before each epoch, overlapping subsets, different speeds. Each job slot
 runs job after job (each a few epochs) for the whole soak. Meanwhile, at random times from a
 seeded RNG:
@@ -65,10 +66,10 @@ class Mode:
 def modes(num_items: int) -> list[Mode]:
     n = num_items
     return [
-        Mode("plain", f"0:{n * 2 // 3}", (), 0.02, killable=True),
+        Mode("plain", f"0:{n * 2 // 3}", ("--follow-loader",), 0.02, killable=True),
         Mode("batched", f"{n // 3}:{n}", ("--batched",), 0.05, killable=True),
         Mode("transform", f"0:{n}:2", ("--transform",), 0.0, killable=True),
-        Mode("workers", f"{n // 6}:{n * 5 // 6}", ("--workers", "2"), 0.03),
+        Mode("workers", f"{n // 6}:{n * 5 // 6}", ("--workers", "2", "--follow-loader"), 0.03),
         Mode("workers-transform", f"0:{n}:3", ("--workers", "2", "--transform"), 0.0),
         Mode("handoff", f"0:{n // 2}", ("--workers", "2", "--batched"), 0.04),
         Mode("handoff-transform", f"{n // 4}:{n * 3 // 4}", ("--workers", "2", "--batched", "--transform"), 0.01),

@@ -54,6 +54,8 @@ def main() -> int:
     parser.add_argument("--batched", action="store_true")
     parser.add_argument("--transform", action="store_true")
     parser.add_argument("--reseed", action="store_true")
+    parser.add_argument("--follow-loader", action="store_true",
+                        help="no batch_size on the dataset: it asks in the DataLoader's")
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--timeout-s", type=float, default=60.0)
     parser.add_argument("--state", default=None, help="checkpoint file (num_workers=0 only)")
@@ -68,7 +70,8 @@ def main() -> int:
 
     indices = range(*map(int, args.indices.split(":"))) if args.indices else None
     ds = JoaderDataset(args.source, indices=indices, address=args.address, name=args.name,
-                       batch_size=args.batch_size, batched=args.batched, return_index=True,
+                       batch_size=None if args.follow_loader else args.batch_size,
+                       batched=args.batched, return_index=True,
                        transform=_identity if args.transform else None, timeout_s=args.timeout_s,
                        )  # JOADER_VERIFY=1 in the environment checks every crc32
     loader = DataLoader(ds, batch_size=None if args.batched else args.batch_size, num_workers=args.workers)
