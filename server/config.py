@@ -16,6 +16,7 @@ TOML (`--config FILE`), every key optional, command-line flags win:
     rank_attach_timeout_s = 60 # a job whose ranks do not all attach within this long ends
     max_jobs = 1024            # jobs attached at once; more are refused
     pacing = "deadline"        # decode by when jobs read, evict by speed; "rounds": the old order
+    epoch_align = "first"      # a late job's first epoch takes a running job's rest first; "off"; "always" (see README)
     ready_file = "/run/joaderd.ready"   # JSON written once joaderd serves (joader.launch)
     metrics_listen = "127.0.0.1:9400"  # Prometheus /metrics (off by default; loopback unless allow_remote)
 
@@ -55,6 +56,7 @@ from typing import Any
 from joader.address import is_loopback, resolve_address
 from joader.cache.arena import parse_size
 from joader.errors import InvalidArgumentError
+from joader.sampling.dependent import ALIGN_MODES
 from joader.stages import DECODERS, DEFAULT_DECODER
 
 DEFAULT_IMAGE_SIZE = 256
@@ -107,6 +109,7 @@ class ServerConfig:
     rank_attach_timeout_s: float = 60.0
     max_jobs: int = 1024
     pacing: str = "deadline"
+    epoch_align: str = "first"
     metrics_listen: str | None = None  # HOST:PORT of Prometheus /metrics; None: off
 
 
@@ -245,6 +248,7 @@ _KEYS: dict[str, _Key] = {
     "rank_attach_timeout_s": _Key("--rank-attach-timeout-s", _positive_seconds, "60"),
     "max_jobs": _Key("--max-jobs", _positive_int, "1024"),
     "pacing": _Key("--pacing", lambda v, w, e: _choice(v, w, e, PACINGS), '"deadline"'),
+    "epoch_align": _Key("--epoch-align", lambda v, w, e: _choice(v, w, e, ALIGN_MODES), '"first"'),
     "ready_file": _Key("--ready-file", _path, '"/run/user/1000/joaderd.ready"'),
     "metrics_listen": _Key("--metrics-listen", _string, '"127.0.0.1:9400"'),
 }
@@ -307,6 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--pacing", choices=PACINGS,
         help="deadline (default): decode what jobs read soonest first and evict what they read "
              "last (RefCnt weighted by speed); rounds: decode in round order, plain RefCnt")
+    add("--epoch-align", choices=ALIGN_MODES,
+        help="first (default): a job whose first epoch starts while another job on the same "
+             "dataset is mid-epoch takes that job's rest first, and shares it; always: at every "
+             "epoch (shares every round, but a late job takes the same half first every epoch); off")
     add("--ready-file", metavar="PATH",
         help="once serving, write JSON there: address, port, arena_path, pid, num_workers, metrics_port")
     add("--metrics-listen", metavar="HOST:PORT",
@@ -356,7 +364,7 @@ def _worker_settings(workers: int | str) -> dict[str, Any]:
 # Settings whose ServerConfig field has the same name as the key.
 _PLAIN_FIELDS = ("lease_s", "lookahead_batches", "seed", "log_level", "allow_remote",
                  "ready_file", "retry_failed_s", "decode_timeout_s", "rank_attach_timeout_s", "max_jobs",
-                 "pacing", "metrics_listen")
+                 "pacing", "epoch_align", "metrics_listen")
 
 
 def _read_toml(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:

@@ -129,7 +129,8 @@ def run(config: ServerConfig) -> int:
             source_config.stage, size=source_config.image_size, mode=source_config.mode,
             upscale=source_config.upscale, decoder=source_config.decoder, options=source_config.options,
         )
-        sources.append(Source(source_config.name, listing, stage, key_base, config.seed + i))
+        sources.append(Source(source_config.name, listing, stage, key_base, config.seed + i,
+                              epoch_align=config.epoch_align))
         specs.append(SourceSpec(listing, stage))
         key_base += len(listing.paths)
         logger.info(

@@ -81,8 +81,11 @@ class Source:
     # pairs with a removed job, newest last: (name a, name b, rounds, shared, bound)
     pair_history: dict[tuple[str, str], tuple[str, str, int, int, float]] = field(default_factory=dict)
 
+    # joaderd's --epoch-align (joader.sampling.dependent, "Epoch alignment")
+    epoch_align: str = "first"
+
     def __post_init__(self) -> None:
-        self.sampler = DependentSampler(seed=self.seed)
+        self.sampler = DependentSampler(seed=self.seed, align=self.epoch_align)
 
     @property
     def num_items(self) -> int:
@@ -271,6 +274,7 @@ class Job:
     ranks: list[Rank]
     group_key: tuple[object, ...] = ()
     queue_capacity: int = 1  # per rank
+    partial_warned: bool = False  # logged once: the cache is too small for its whole batches
     # Items (of its source's largest size) of the cache each of its ranks may hold: queued
     # entries pinned ahead plus copies handed out and not yet acknowledged (Registry._resize_queues).
     cache_share: int = 1

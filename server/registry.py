@@ -233,6 +233,17 @@ class Registry:
             floor = min(job.batch_size, num_items // (2 * num_queues))
             wanted = self.config.lookahead_batches * job.batch_size
             job.queue_capacity = max(1, min(wanted, max(share, floor)))
+            if job.queue_capacity < job.batch_size and not job.partial_warned:
+                # Replies then come short, each DataLoader worker's last batch too: more batches
+                # than len(loader), and a DDP job whose ranks count differently hangs in its
+                # collectives. Said once, in joaderd's log, with the fix.
+                job.partial_warned = True
+                logger.warning(
+                    "job %s: the cache holds %d items of source %s for %d job queues, less than a "
+                    "batch of %d per queue: replies will be short, and an epoch may have more "
+                    "batches than len(loader) (ranks may differ). Raise --cache-size to at least "
+                    "%d items' worth.", job.job_id, num_items, job.source.name, num_queues,
+                    job.batch_size, 2 * num_queues * job.batch_size)
             job.cache_share = max(1, num_items // num_queues)
             for rank in job.ranks:
                 if self._scheduler.pin_ahead(job, rank):

@@ -7,6 +7,8 @@
   a job with N items, the table C[position, item] should look like a sum of E uniform random
   permutation matrices.
 - `wilson_interval` and `martingale_z` judge a sharing rate.
+- `cross_epoch_z` tests that one job's consecutive epochs are independent shuffles (what epoch
+  alignment can break: the same half first every epoch).
 
 Why the chi-square statistic is rescaled. For one uniform random permutation matrix P (N x N),
 Cov(vec P) = (1/(N-1)) (I - J/N) ⊗ (I - J/N), a projector of rank (N-1)^2 times 1/(N-1). Sum E
@@ -35,6 +37,7 @@ __all__ = [
     "EpochRecorder",
     "UniformityResult",
     "chi2_sf",
+    "cross_epoch_z",
     "martingale_z",
     "permutation_chi2",
     "position_table",
@@ -253,3 +256,38 @@ def two_sided_p(z: float) -> float:
     if math.isinf(z):
         return 0.0
     return 2 * (1 - NormalDist().cdf(abs(z)))
+
+
+def cross_epoch_z(epochs: Sequence[Sequence[int]]) -> tuple[float, float]:
+    """z-scores of two statistics over consecutive pairs of one job's complete epochs (each a
+    permutation of the same N items), against independent uniform shuffles:
+
+    - same half: X_e = |first half of epoch e ∩ first half of epoch e+1|, h = N // 2. Under
+      independence X_e is hypergeometric, mean h^2/N, variance h^2 (N-h)^2 / (N^2 (N-1));
+    - rank correlation: Spearman's rho between the items' positions in epochs e and e+1, mean 0,
+      variance 1/(N-1).
+
+    Why the sums' variances add: given epoch e+1, X_e and X_(e+1) depend on the independent
+    epochs e and e+2 and their conditional laws do not depend on epoch e+1 (any fixed half
+    meets a uniform half hypergeometrically), so consecutive terms are independent; likewise
+    for rho. With 20 or more pairs the normal approximation is close. A frozen partition (the
+    same half first every epoch) gives X_e = h: z in the tens at once."""
+    if len(epochs) < 2:
+        raise ValueError("cross_epoch_z needs at least two epochs")
+    n = len(epochs[0])
+    half = n // 2
+    same_sum = rho_sum = 0.0
+    centre = (n - 1) / 2
+    scale = sum((i - centre) ** 2 for i in range(n))
+    for a, b in zip(epochs, epochs[1:], strict=False):
+        if len(a) != n or len(b) != n or set(a) != set(b):
+            raise ValueError("cross_epoch_z: every epoch must be a permutation of the same items")
+        same_sum += len(set(a[:half]) & set(b[:half]))
+        where = {item: i for i, item in enumerate(b)}
+        rho_sum += sum((i - centre) * (where[item] - centre) for i, item in enumerate(a)) / scale
+    pairs = len(epochs) - 1
+    mean = half * half / n
+    variance = half * half * (n - half) ** 2 / (n * n * (n - 1))
+    z_same = (same_sum - pairs * mean) / math.sqrt(pairs * variance)
+    z_rho = rho_sum / math.sqrt(pairs / (n - 1))
+    return z_same, z_rho

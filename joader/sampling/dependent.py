@@ -69,6 +69,23 @@ the round is a fresh uniform given the past, whichever stream it came from, and 
 through unchanged; jobs sharing a stream (all those without `rng` share the sampler's) are the old
 single-stream case. (What would break it: choosing the stream after peeking at its next value.)
 
+Epoch alignment (`align`). Two jobs on the same dataset whose epochs are out of phase (one
+started half an epoch after the other) share about 0.31 of rounds for as long as they run: DSA
+can share only what both still need. With `align="first"`, a job whose FIRST epoch starts
+(its first round) while another job on the same dataset D is mid-epoch, with epoch remaining P
+(0 < |P| < |D|), runs that epoch in two phases: a uniform order of P, then of D \\ P. Both
+jobs then need the same items for the rest of the other's epoch and share every round of it.
+Why the epoch stays marginally uniform: the other job's epoch is marginally uniform (by the
+claim above, or by this argument for its own phases), so P(x in P) = |P|/|D| for every x, and
+|P| is fixed by how many rounds it took part in, not by which items; x then lands at each
+position of phase 1 with probability (|P|/|D|)/|P| and of phase 2 with ((|D|-|P|)/|D|)/(|D|-|P|),
+both 1/|D|. Only identical datasets are aligned: with a superset the size of P would depend on
+which items it holds. `align="always"` does it at every epoch's start: the jobs then share
+every round, but a job that is half an epoch behind always takes the same half first (epoch
+e+1's first half is epoch e's: full sharing at a fixed offset forces it), so consecutive epochs
+are far from independent (measured in tests/statistical/test_sampling_alignment.py); it is an
+opt-in trade. "first" leaves later epochs alone.
+
 A round with a single participant j skips the walk: one draw picks x uniformly from R_j (the
 distribution the walk gives, by the claim above), then the same incremental update runs, with x
 found in the one vertex I_1..I_{k_j} or leaf L_{k_j} that holds it. The joint law of everything
@@ -86,12 +103,15 @@ from dataclasses import dataclass
 
 from pyroaring import AbstractBitMap, BitMap, FrozenBitMap
 
+from joader.errors import InvalidArgumentError
 from joader.sampling.base import Sampler, copy_bitmap
 from joader.sampling.chain import build_chain, chain_order
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ChainNode", "DependentSampler"]
+__all__ = ["ALIGN_MODES", "ChainNode", "DependentSampler"]
+
+ALIGN_MODES = ("off", "first", "always")
 
 
 @dataclass(frozen=True)
@@ -111,9 +131,15 @@ class DependentSampler(Sampler):
     round draws from the stream of its root-most participant (module docstring).
     """
 
-    def __init__(self, seed: int | None = None, *, rng: random.Random | None = None) -> None:
+    def __init__(self, seed: int | None = None, *, rng: random.Random | None = None,
+                 align: str = "off") -> None:
         super().__init__()
+        if align not in ALIGN_MODES:
+            raise InvalidArgumentError(f"align must be one of {ALIGN_MODES}, got {align!r}")
         self._rng = rng if rng is not None else random.Random(seed)
+        self._align = align
+        self._rest: dict[str, BitMap] = {}  # the second phase of an aligned epoch (module doc)
+        self._whole_start: set[str] = set()  # added with a whole first epoch: may be aligned
         self._remaining: dict[str, BitMap] = {}
         self._job_rngs: dict[str, random.Random] = {}  # the job's rng, or the sampler's
         # The chain, by position: job ids, their remaining sets and sizes, vertices and leaves
@@ -130,13 +156,18 @@ class DependentSampler(Sampler):
 
     # ----------------------------------------------------------------------------- queries
     def remaining(self, job_id: str) -> FrozenBitMap:
-        return FrozenBitMap(self._remaining[self._known(job_id, "remaining")])
+        current = self._remaining[self._known(job_id, "remaining")]
+        rest = self._rest.get(job_id)
+        return FrozenBitMap(current | rest if rest is not None else current)
 
     def num_remaining(self, job_id: str) -> int:
-        return self._rsizes[self._pos[self._known(job_id, "num_remaining")]]
+        size = self._rsizes[self._pos[self._known(job_id, "num_remaining")]]
+        rest = self._rest.get(job_id)
+        return size + len(rest) if rest is not None else size
 
     def needs(self, job_id: str, item: int) -> bool:
-        return item in self._remaining[self._known(job_id, "needs")]
+        rest = self._rest.get(job_id)
+        return item in self._remaining[self._known(job_id, "needs")] or (rest is not None and item in rest)
 
     def tree(self) -> list[ChainNode]:
         """A frozen snapshot of the chain, root first (for tests, status pages, debugging)."""
@@ -157,6 +188,8 @@ class DependentSampler(Sampler):
         _, first = self._register(job_id, dataset, remaining, rng)
         self._remaining[job_id] = first
         self._job_rngs[job_id] = rng if rng is not None else self._rng
+        if remaining is None:
+            self._whole_start.add(job_id)
         self._rebuild()
 
     def remove_job(self, job_id: str) -> None:
@@ -164,13 +197,57 @@ class DependentSampler(Sampler):
         self._unregister(job_id)
         del self._remaining[job_id]
         del self._job_rngs[job_id]
+        self._rest.pop(job_id, None)
+        self._whole_start.discard(job_id)
         self._rebuild()
 
     def reset_epoch(
         self, job_id: str, remaining: AbstractBitMap | Iterable[int] | None = None
     ) -> None:
         self._remaining[job_id] = self._reset(job_id, remaining)
+        self._rest.pop(job_id, None)
+        self._whole_start.discard(job_id)  # a resumed or abandoned epoch is not aligned
         self._rebuild()
+
+    def _aligned_phase(self, job_id: str) -> BitMap | None:
+        """The first phase of `job_id`'s new whole epoch under `align` (module docstring): the
+        epoch remaining of another job on the same dataset that is mid-epoch and not starting
+        now, the largest such (ties: chain order); None if there is none."""
+        dataset = self._datasets[job_id]
+        size = len(dataset)
+        best: BitMap | None = None
+        for other in self._order:
+            if other == job_id or other in self._pending_start or self._datasets[other] != dataset:
+                continue
+            rest = self._rest.get(other)
+            left = self._remaining[other] | rest if rest is not None else self._remaining[other]
+            if 0 < len(left) < size and (best is None or len(left) > len(best)):
+                best = left
+        return BitMap(best) if best is not None else None
+
+    def _start_aligned(self, job_id: str) -> bool:
+        """Starts `job_id`'s whole epoch in two phases if `_aligned_phase` finds one."""
+        phase = self._aligned_phase(job_id)
+        if phase is None:
+            return False
+        self._remaining[job_id] = phase
+        self._rest[job_id] = BitMap(self._datasets[job_id]) - phase
+        logger.debug("job %s: epoch aligned, %d items first, then %d", job_id, len(phase),
+                     len(self._rest[job_id]))
+        return True
+
+    def _start_pending(self, job_ids: Sequence[str]) -> None:
+        """Count the epochs that start with this round; align a whole first epoch (`align`)."""
+        if self._align != "off":
+            starting = [j for j in job_ids if j in self._pending_start and j in self._whole_start]
+            if starting:
+                aligned = False
+                for job_id in starting:
+                    self._whole_start.discard(job_id)
+                    aligned |= self._start_aligned(job_id)
+                if aligned:
+                    self._rebuild()
+        super()._start_pending(job_ids)
 
     def _rebuild(self) -> None:
         remaining = self._remaining
@@ -186,12 +263,22 @@ class DependentSampler(Sampler):
         self._rands = [job_rngs[job_id].random for job_id in order]
 
     def _refill(self, positions: list[int]) -> None:
-        """Start a new epoch (R = D) for the jobs at these chain positions, then rebuild."""
+        """Start a new epoch (R = D) for the jobs at these chain positions, or the second phase
+        of an aligned epoch (`align`), then rebuild."""
+        starting = []
         for p in positions:
             job_id = self._order[p]
+            rest = self._rest.pop(job_id, None)
+            if rest is not None:
+                self._remaining[job_id] = rest
+                continue
             self._remaining[job_id] = copy_bitmap(self._datasets[job_id])
             self._epochs[job_id] += 1
+            starting.append(job_id)
             logger.debug("job %s: epoch %d starts", job_id, self._epochs[job_id])
+        if self._align == "always":
+            for job_id in starting:
+                self._start_aligned(job_id)
         self._rebuild()
 
     # ----------------------------------------------------------------------------- a round

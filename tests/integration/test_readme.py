@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.integration.conftest import NUM_DEMO_ITEMS
 from tests.integration.processes import Clients, free_port
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -33,7 +34,9 @@ def test_the_readme_marks_its_framework_examples() -> None:
 @pytest.mark.parametrize("name", ["lightning", "accelerate", "torchrun"])
 def test_a_readme_example_runs_as_written(name: str, demo_root: Path, start_joaderd: Any,
                                           tmp_path: Path) -> None:
-    server = start_joaderd({"demo": demo_root}, cache_items=64)
+    # A cache of whole batches for every queue (batch 32, 2 ranks): with less, replies come
+    # short and the ranks may count their batches differently (joaderd warns).
+    server = start_joaderd({"demo": demo_root}, cache_items=NUM_DEMO_ITEMS)
     script = tmp_path / "train.py"
     script.write_text(_blocks()[name])
     runner = Clients(tmp_path)
