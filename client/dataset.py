@@ -260,7 +260,9 @@ class JoaderDataset(IterableDataset):
             # it trains on now, the job once iteration starts (`_settle`).
             self.rank: int | None = None
             self.world_size: int = int(os.environ.get("WORLD_SIZE", "1"))
-            self._describe(_start_keeper(dict(self._registration, describe=True), timeout_s=60.0)[1])
+            describer, info = _start_keeper(dict(self._registration, describe=True), timeout_s=60.0)
+            _stop_keeper(describer, os.getpid())  # it answered and exits: reap it, close its pipes
+            self._describe(info)
         else:
             self._attach(found, self._default_name(found))
 

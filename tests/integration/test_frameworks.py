@@ -199,3 +199,44 @@ def test_len_loader_is_the_batches_received_in_every_mode(demo_root: Path, start
         batches = NUM_DEMO_ITEMS // 7 if drop else math.ceil(NUM_DEMO_ITEMS / 7)
         assert result["len_loader"] == result["batches"] == batches, result
         assert result["items"] == (batches * 7 if drop else NUM_DEMO_ITEMS), result
+
+
+_UNSETTLED = r"""
+import sys
+from joader import JoaderDataset
+from joader.errors import InvalidArgumentError
+ds = JoaderDataset("demo", address=sys.argv[1])
+print("len", len(ds), "classes", len(ds.classes), "targets", len(ds.targets), flush=True)
+sys.stdin.readline()  # the test looks at joaderd's jobs meanwhile
+try:
+    next(iter(ds))
+except InvalidArgumentError as error:
+    print("refused:", error, flush=True)
+"""
+
+
+def test_a_rank_without_its_rank_knows_its_data_and_reads_only_once_placed(
+        demo_root: Path, start_joaderd: Any, tmp_path: Path) -> None:
+    """WORLD_SIZE=2 and LOCAL_RANK=1 but no RANK and no process group (a Lightning rank at the
+    top of its script): classes, labels and len() at once, no job registered (never a guessed
+    rank 0), and reading before its rank is known names the fix."""
+    import os
+    import subprocess
+
+    server = start_joaderd({"demo": demo_root}, cache_items=64)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(WORLD_SIZE="2", LOCAL_RANK="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    proc = subprocess.Popen([sys.executable, "-c", _UNSETTLED, server.address], env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        first = proc.stdout.readline()
+        assert first.split() == ["len", str(NUM_DEMO_ITEMS // 2), "classes", "4", "targets", str(NUM_DEMO_ITEMS)], first
+        assert server.status()["jobs"] == [], "a rank whose place is unknown registers nothing"
+        out, err = proc.communicate("go\n", timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "refused:" in out and "RANK is not set" in out and "pass rank= and world_size=" in out, out
