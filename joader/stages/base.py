@@ -109,7 +109,14 @@ class ItemSpec:
 
 @runtime_checkable
 class Stage(Protocol):
-    """The shared stage: bytes of one item -> a C-contiguous array, the same for every job."""
+    """The shared stage: bytes of one item -> a C-contiguous array, the same for every job.
+
+    Optional (not part of the protocol, looked up with getattr): `item_nbytes(data: bytes) ->
+    int | None`, the exact bytes `prepare(data, ...)` will return, read cheaply (from a file
+    header, without decoding), or None. joaderd reads it ahead of an item's first decode (the
+    built-in image stages have it); without it, an item is placed once prepared (size first),
+    one round trip later (`joader.server.item_cache`, "Exact sizes").
+    """
 
     name: str  # e.g. "center-crop:256", "resize:256/L/turbo"
     spec: ItemSpec

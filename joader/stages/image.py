@@ -116,6 +116,30 @@ class ImageStage:
             return lambda w, h: plan_resize(w, h, size, upscale)
         return lambda w, h: plan_max_side(w, h, size)
 
+    def item_nbytes(self, data: bytes) -> int | None:
+        """The exact bytes `prepare(data)` returns, read from the image's header, or None.
+
+        The output's shape follows from the image's width and height alone (`geometry`: the
+        same plan both decoders carry out), and every image format states those in its header:
+        simplejpeg reads a JPEG's in about 1 us, Pillow's lazy `Image.open` any other format's
+        in about 30 us, neither decoding a pixel. joaderd's decode workers call this ahead of
+        the decode (a *probe*, `joader.server.decode_worker`) so that the cache can give the
+        decode exactly its bytes instead of the stage's bound (3 x S x 8S for resize), whose
+        freed tails were holes too small for the next bound (`joader.server.item_cache`).
+
+        None when the header cannot be read (a corrupt or truncated file, not an image, a
+        decompression bomb): the decode then goes size first (placed once prepared), and fails
+        with its message if the file is bad. A header that disagrees with the decode (the file
+        changed since) is handled by the cache too: a smaller item is shrunk, a larger one
+        placed again.
+        """
+        try:
+            width, height = _header_size(data)
+            out_w, out_h = self._plan(width, height).out_size(width, height)
+        except Exception:
+            return None
+        return max(1, out_w * out_h * self.channels)
+
     def prepare(self, data: bytes, path: str) -> np.ndarray:
         """The prepared image of `data`: uint8 (C, H, W), C-contiguous. DecodeError on bad data."""
         try:
@@ -197,6 +221,23 @@ class ImageStage:
         except Exception:
             return None  # truncated, corrupt, or a libjpeg warning Pillow tolerates
         return arr, plan
+
+
+def _header_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from an image's header, as the decoders will see it; raises if unreadable.
+
+    A JPEG's from simplejpeg (what decoder turbo reads; Pillow reads the same frame header),
+    any other's from Pillow's `Image.open`, which parses the header only."""
+    if data[:3] == _JPEG_MAGIC:
+        import simplejpeg
+
+        try:
+            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+            return width, height
+        except Exception:
+            pass  # Pillow decides
+    with Image.open(io.BytesIO(data)) as img:
+        return img.width, img.height
 
 
 def _convert(img: Image.Image, mode: str) -> Image.Image:

@@ -5,6 +5,13 @@ Without a spec the items are variable: dtype and ndim are known per item, and ea
 have at most options["max_item_bytes"] bytes (64 MiB by default). Every item is checked
 against the spec; a stage that breaks it, or raises, fails that item with a `DecodeError` that
 names the stage, the item and the fix, so a faulty stage cannot take joaderd down.
+
+A user stage cannot say an item's size before preparing it (the built-in image stages read it
+from the file's header, `ImageStage.item_nbytes`), and need not: joaderd sends the first decode
+of each item with no room in the cache (size first), the decode worker keeps what prepare()
+returned and says its size, and joaderd places it in exactly that many bytes; it remembers the
+size, so every later decode of the item is placed exactly at once (`joader.server.item_cache`,
+"Exact sizes"). max_item_bytes stays the bound every item is checked against.
 """
 
 from __future__ import annotations
