@@ -8,6 +8,23 @@ Three process kinds, each in a module of its own:
   once gRPC runs;
 - **the workers** (`joader.server.decode_worker`) run the shared stage and write into the arena.
 
+Exact sizes (`joader.server.item_cache`, "Exact sizes"). A task of capacity 0 (*size first*) has
+no range yet: its worker prepares the item, keeps the array and answers with its size (a result
+that did not fit: ok False, nbytes > 0, `joader.server.decode_worker`); the cache then allocates
+exactly that and submits the item again. The pool sends that second task straight to the worker
+that keeps the array (`_staged`), past its queue limit (it is a copy of a few microseconds once
+it comes up), so the item is prepared once. If that worker has died or retired meanwhile, the
+task goes to any worker, which prepares it from scratch.
+
+Probes (`probe`, `take_sizes`): besides decodes, the cache asks for the exact sizes of items
+it will decode soon; a worker reads their files' headers (`run_probe`, no pixel decoded) and
+the sizes wait in the pool until the cache takes them (under the registry's lock, when it next
+dispatches), so that each decode can be given exactly its bytes. Probes go to the workers before
+queued decodes (a probe of 16 files costs well under a millisecond, and the decodes behind it
+wait for its answer), are never counted in `in_flight` (the registry's limit on decodes), and
+never fail: a probe whose worker dies or times out, or that the pool cannot send any more,
+reports its items' sizes as 0 (unknown), and their decodes get the stage's bound as before.
+
 Faults, handled in `get_result` (the one consumer thread):
 
 - a worker that dies (EOF on its socket: an OOM kill, a crash in a native decoder) is replaced,
@@ -66,14 +83,14 @@ import signal
 import socket
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import count
 from typing import Any, Self
 
 from joader.errors import InvalidArgumentError, JoaderError
-from joader.server.decode_worker import MAX_MESSAGE, WorkerContext
+from joader.server.decode_worker import MAX_MESSAGE, PROBE, SIZES, WorkerContext
 from joader.server.forker import forker_main, log_exit
 from joader.server.replacement import ReplacementPolicy
 from joader.sources.safe_open import display_path
@@ -85,6 +102,8 @@ logger = logging.getLogger(__name__)
 _SLICE_S = 0.1  # how often get_result looks at timeouts while it waits
 _CLOSE_TIMEOUT_S = 5.0
 _RESIZE_LOG = 20  # entries of the resize log kept for `stats()`
+_STAGED_KEYS = 4096  # items remembered as kept by a worker (far more than workers keep)
+PROBE_BATCH = 16  # items per probe message: small, so that the first sizes come back soon
 
 
 @dataclass(frozen=True)
@@ -105,6 +124,8 @@ class DecodeResult:
     decode_s: float
     shape: tuple[int, ...] = ()  # of the prepared item, when ok
     dtype: str = ""
+    # its bytes, when ok; when not ok and > 0: the item did not fit the exact range it was given
+    # (its file changed since its size was read), nothing was written, and it needs this many
     nbytes: int = 0
     checksum: int = 0  # zlib.crc32 of the bytes written into the arena (clients may verify)
 
@@ -152,6 +173,20 @@ class _Task:
         return pickle.dumps((self.task_id, self.source_index, self.item_id, self.offset, self.capacity))
 
 
+class _Probe:
+    """Up to `PROBE_BATCH` items of one source whose exact sizes the cache asked for."""
+
+    __slots__ = ("item_ids", "probe_id", "source_index")
+
+    def __init__(self, probe_id: int, source_index: int, item_ids: tuple[int, ...]) -> None:
+        self.probe_id = probe_id
+        self.source_index = source_index
+        self.item_ids = item_ids
+
+    def message(self) -> bytes:
+        return pickle.dumps((PROBE, self.probe_id, self.source_index, self.item_ids))
+
+
 class _Worker:
     __slots__ = ("born", "index", "pid", "retiring", "sock", "started_s", "tasks")
 
@@ -160,13 +195,15 @@ class _Worker:
         self.pid = pid
         self.sock = sock
         self.born = born  # the pool's count of workers started before this one: larger is newer
-        self.tasks: deque[_Task] = deque()  # sent, unfinished; the head is the one running
+        self.tasks: deque[_Task | _Probe] = deque()  # sent, unfinished; the head is the one running
         self.started_s = 0.0  # when the head task started
         self.retiring = False  # gets no new task; stopped once `tasks` is empty
 
 
 class DecodePool:
     """Worker processes preparing items into the arena; see the module docstring."""
+
+    sizes_first = True  # `submit` takes capacity 0: prepare, keep, answer with the size
 
     def __init__(self, config: PoolConfig, arena_path: str, sources: Sequence[SourceSpec]) -> None:
         if config.num_workers <= 0:
@@ -184,6 +221,11 @@ class DecodePool:
         self._lock = threading.RLock()
         self._tasks: dict[int, _Task] = {}  # submitted, no final result taken yet
         self._pending: deque[_Task] = deque()  # not sent to a worker yet
+        self._probes: deque[_Probe] = deque()  # not sent to a worker yet (sent before `_pending`)
+        self._probe_ids = count()
+        self._sizes: list[tuple[int, int, int]] = []  # (source index, item id, bytes or 0), not taken yet
+        # (source index, item id) -> index of the worker keeping its prepared array (did not fit)
+        self._staged: OrderedDict[tuple[int, int], int] = OrderedDict()
         self._ready: deque[DecodeResult] = deque()
         self._workers: dict[int, _Worker] = {}  # by worker index; retiring ones too, until stopped
         self._born = 0  # workers started so far
@@ -223,13 +265,16 @@ class DecodePool:
         return len(self._tasks)
 
     def submit(self, task_id: int, source_index: int, item_id: int, offset: int, capacity: int) -> None:
-        """Queue one item for preparation into `capacity` bytes at `offset`; never blocks."""
+        """Queue one item for preparation into `capacity` bytes at `offset`; never blocks.
+
+        Capacity 0: size first (the module docstring): the result says how many bytes it needs.
+        """
         if not 0 <= source_index < len(self._sources):
             raise InvalidArgumentError(f"decode pool: no source with index {source_index}")
         num_items = len(self._sources[source_index].source.paths)
         if not 0 <= item_id < num_items:
             raise InvalidArgumentError(f"decode pool: item id {item_id} out of range 0..{num_items - 1}")
-        if offset < 0 or capacity <= 0 or offset + capacity > self.arena_bytes:
+        if offset < 0 or capacity < 0 or offset + capacity > self.arena_bytes:
             raise InvalidArgumentError(
                 f"decode pool: {capacity} bytes at {offset} are outside the arena ({self.arena_bytes} bytes)")
         with self._lock:
@@ -239,8 +284,32 @@ class DecodePool:
                 raise InvalidArgumentError(f"decode pool: task id {task_id} is already in flight")
             task = _Task(task_id, source_index, item_id, offset, capacity)
             self._tasks[task_id] = task
-            self._pending.append(task)
+            keeper = self._workers.get(self._staged.pop((source_index, item_id), -1))
+            if keeper is None or keeper.retiring or not self._send(keeper, task):
+                self._pending.append(task)
             self._dispatch()
+
+    def probe(self, source_index: int, item_ids: Sequence[int]) -> None:
+        """Asks for the exact sizes of `item_ids` (read from their files' headers by a worker);
+        they come back through `take_sizes`, 0 where not known. Never blocks; ignored once closed."""
+        if not 0 <= source_index < len(self._sources):
+            raise InvalidArgumentError(f"decode pool: no source with index {source_index}")
+        num_items = len(self._sources[source_index].source.paths)
+        ids = tuple(int(i) for i in item_ids)
+        if any(not 0 <= i < num_items for i in ids):
+            raise InvalidArgumentError(f"decode pool: a probed item id is out of range 0..{num_items - 1}")
+        with self._lock:
+            if self._closed:
+                return
+            for start in range(0, len(ids), PROBE_BATCH):
+                self._probes.append(_Probe(next(self._probe_ids), source_index, ids[start:start + PROBE_BATCH]))
+            self._dispatch()
+
+    def take_sizes(self) -> list[tuple[int, int, int]]:
+        """The probes' answers since the last call: (source index, item id, exact bytes or 0)."""
+        with self._lock:
+            sizes, self._sizes = self._sizes, []
+            return sizes
 
     def resize(self, n: int, reason: str = "") -> None:
         """Sets the number of workers to `n` (at least 1), while the pool serves.
@@ -359,36 +428,60 @@ class DecodePool:
         self._tasks.pop(result.task_id, None)
         return result
 
-    def _path(self, task: _Task) -> str:
+    def _path(self, task: _Task | _Probe) -> str:
+        if isinstance(task, _Probe):
+            return str(self._sources[task.source_index].source.paths[task.item_ids[0]])
         return str(self._sources[task.source_index].source.paths[task.item_id])
+
+    def _describe(self, task: _Task | _Probe) -> str:
+        path = display_path(self._path(task))
+        if isinstance(task, _Probe):
+            return f"the headers of {len(task.item_ids)} files from {path} on"
+        return path
+
+    def _drop_probe(self, probe: _Probe) -> None:
+        """Its items' sizes are not known (0): their decodes get the stage's bound."""
+        self._sizes.extend((probe.source_index, item_id, 0) for item_id in probe.item_ids)
 
     def _members(self) -> list[_Worker]:
         """The live workers that are not retiring: the ones that get tasks."""
         return [w for w in self._workers.values() if not w.retiring]
 
     def _dispatch(self) -> None:
-        """Send pending tasks to the least loaded live workers (never to a retiring one)."""
+        """Send pending probes, then pending tasks, to the least loaded live workers (never to a
+        retiring one)."""
         limit = self.config.tasks_per_worker
-        while self._pending:
+        while self._probes or self._pending:
             members = self._members()
             if not members:
                 break
             worker = min(members, key=lambda w: len(w.tasks))
             if len(worker.tasks) >= limit:
                 return
-            task = self._pending.popleft()
-            try:
-                worker.sock.send(task.message())
-            except OSError:
-                self._pending.appendleft(task)
+            queue: deque[Any] = self._probes if self._probes else self._pending
+            task = queue.popleft()
+            if not self._send(worker, task):
+                queue.appendleft(task)
                 self._worker_died(worker, "its socket closed")
-                continue
-            if not worker.tasks:
-                worker.started_s = time.monotonic()
-            worker.tasks.append(task)
-        if self._pending and not self._members() and self._forker_gone:
+        if (self._probes or self._pending) and not self._members() and self._forker_gone:
             self._fail_all("no decode worker is left and none can be started: the decode pool's forker "
                            "process is gone (see joaderd's log); restart joaderd")
+
+    def _forget_staged(self, worker: _Worker) -> None:
+        """What a worker that is gone kept is gone too (and a new worker may get its index)."""
+        for key in [key for key, index in self._staged.items() if index == worker.index]:
+            del self._staged[key]
+
+    def _send(self, worker: _Worker, task: _Task | _Probe) -> bool:
+        """Sends `task` to `worker`; False if its socket is closed (the caller handles the death)."""
+        try:
+            worker.sock.send(task.message())
+        except OSError:
+            return False
+        if not worker.tasks:
+            worker.started_s = time.monotonic()
+        worker.tasks.append(task)
+        return True
 
     def _read_worker(self, worker: _Worker) -> None:
         if self._workers.get(worker.index) is not worker:
@@ -399,11 +492,24 @@ class DecodePool:
         if not data:
             self._worker_died(worker, "its connection closed")
             return
-        result = DecodeResult(*pickle.loads(data))
-        if worker.tasks and worker.tasks[0].task_id == result.task_id:
-            worker.tasks.popleft()
+        message = pickle.loads(data)
+        head = worker.tasks[0] if worker.tasks else None
+        if message[0] == SIZES:
+            _, probe_id, sizes = message
+            if isinstance(head, _Probe) and head.probe_id == probe_id:
+                worker.tasks.popleft()
+                self._sizes.extend((head.source_index, item_id, nbytes) for item_id, nbytes in sizes)
+        else:
+            result = DecodeResult(*message)
+            if isinstance(head, _Task) and head.task_id == result.task_id:
+                worker.tasks.popleft()
+                if not result.ok and result.nbytes > head.capacity:  # did not fit: the worker keeps it
+                    self._staged[(head.source_index, head.item_id)] = worker.index
+                    self._staged.move_to_end((head.source_index, head.item_id))
+                    while len(self._staged) > _STAGED_KEYS:
+                        self._staged.popitem(last=False)
+            self._ready.append(result)
         worker.started_s = time.monotonic()  # the next queued task starts now
-        self._ready.append(result)
         if worker.retiring and not worker.tasks:
             self._stop(worker)
         self._dispatch()
@@ -429,7 +535,7 @@ class DecodePool:
                 logger.error(
                     "decode pool: %sworker pid %d spent more than %g s (--decode-timeout-s) on %s; "
                     "killing it", "retiring " if worker.retiring else "", worker.pid, limit,
-                    display_path(self._path(task)),
+                    self._describe(task),
                 )
                 try:
                     os.kill(worker.pid, signal.SIGKILL)
@@ -455,9 +561,15 @@ class DecodePool:
         if failure is None:
             logger.error("decode pool: %sworker pid %d died (%s)",
                          "retiring " if worker.retiring else "", worker.pid, how)
-        tasks = list(worker.tasks)
-        if tasks:
-            running = tasks[0]
+        self._forget_staged(worker)
+        queued = list(worker.tasks)
+        running = queued.pop(0) if queued else None
+        if isinstance(running, _Probe):
+            self._drop_probe(running)  # not retried: the decodes will read those files themselves
+        # the rest was never started: first in line again, in their order
+        self._probes.extendleft(reversed([t for t in queued if isinstance(t, _Probe)]))
+        tasks = [t for t in queued if isinstance(t, _Task)]
+        if isinstance(running, _Task):
             running.attempts += 1
             running.reason = failure or (
                 f"the decode worker died {self.config.max_attempts} times while preparing "
@@ -465,10 +577,10 @@ class DecodePool:
             )
             if running.attempts >= self.config.max_attempts:
                 self._fail(running, running.reason)
-                tasks = tasks[1:]
             else:
                 self._retried += 1
-            self._pending.extendleft(reversed(tasks))  # first in line, in their order
+                tasks.insert(0, running)
+        self._pending.extendleft(reversed(tasks))
         if not self._closed:
             self._fill(replacing=True)  # a no-op if it was retiring: the pool is at its target
         self._dispatch()
@@ -539,6 +651,7 @@ class DecodePool:
     def _stop(self, worker: _Worker) -> None:
         """Stops a retiring worker that has no task left; the forker reaps it."""
         del self._workers[worker.index]
+        self._forget_staged(worker)
         try:
             self._selector.unregister(worker.sock)
         except (KeyError, ValueError):
@@ -577,6 +690,8 @@ class DecodePool:
         self._ready.append(DecodeResult(task.task_id, False, reason, self._path(task), 0.0))
 
     def _fail_all(self, reason: str) -> None:
+        while self._probes:
+            self._drop_probe(self._probes.popleft())
         while self._pending:
             task = self._pending.popleft()
             self._fail(task, f"cannot decode {display_path(self._path(task))}: {reason}")

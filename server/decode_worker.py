@@ -1,9 +1,25 @@
 """A decode worker: the shared stage, run in a process of its own, writing into the arena.
 
 Each worker reads an item's bytes from its source (`ItemSource.read`), runs the source's stage
-(`Stage.prepare`), and writes the result into the byte range joaderd allocated for it (the
-stage's upper bound; joaderd shrinks it to the real size when the result arrives), with the
-crc32 of what it wrote (a client may check its copy against it). Each worker maps the arena file
+(`Stage.prepare`), and writes the result into the byte range joaderd allocated for it, with the
+crc32 of what it wrote (a client may check its copy against it). The range is the item's exact
+size whenever joaderd knows it (`joader.server.item_cache`, "Exact sizes"). When it does not,
+the task comes with no range at all (capacity 0, *size first*), or with the stage's upper bound
+(shrunk by joaderd when the result arrives) from a pool that cannot do size first.
+
+An item that does not fit its range (size first; or a size read before, and the file changed
+since) is not written: the result says how many bytes it needs (ok False, nbytes > 0), and the
+worker keeps the prepared array (`Staging`, a few items). joaderd allocates exactly that and
+sends the task again, to this worker (`DecodePool`), which then only copies the kept array into
+the arena: one extra round trip over the socket, no second decode. A kept array is dropped after
+its copy, or when newer ones push it out; a task that finds none decodes from scratch.
+
+Besides decodes a worker runs *probes* (`run_probe`): for a batch of items it reads each file
+and asks the stage for the item's exact size from the file's header (`item_nbytes`, e.g.
+`ImageStage.item_nbytes`: no pixel is decoded), so that most decodes get an exact range in the
+first place.
+
+Each worker maps the arena file
 read-write itself: only small task and result tuples cross its socket, never pixels. It talks to
 joaderd over that socket alone (`AF_UNIX`, `SOCK_SEQPACKET`: one message per task or result,
 atomic, no framing); there is no shared task queue, because a process killed while it waits on a
@@ -27,6 +43,7 @@ import signal
 import socket
 import time
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +53,18 @@ from joader.errors import DecodeError
 from joader.proto import DTYPE_CODES
 from joader.sources.safe_open import display_path
 
-__all__ = ["MAX_MESSAGE", "WorkerContext", "close_inherited", "die_with_parent", "run_task", "worker_main"]
+__all__ = ["MAX_MESSAGE", "PROBE", "SIZES", "Staging", "WorkerContext", "close_inherited", "die_with_parent",
+           "run_probe", "run_task", "worker_main"]
 
 MAX_MESSAGE = 1 << 16
 ERROR_LIMIT = 2000  # characters of an error text; results must stay small messages
 _PR_SET_PDEATHSIG = 1
+PROBE = "probe"  # a probe task: (PROBE, probe id, source index, item ids)
+SIZES = "sizes"  # its result: (SIZES, probe id, ((item id, exact bytes or 0 if unknown), ...))
+STAGED_ITEMS = 8  # prepared arrays a worker keeps for the copy joaderd asks for next
+STAGED_BYTES = 256 << 20  # ... and their bytes at most (the newest is kept whatever its size)
+STAGED_S = 10.0  # ... for this long at most: a placement comes within milliseconds, unless the
+# cache is all pinned; a later decode of the item must read its file again (it may have changed)
 
 
 @dataclass(frozen=True)
@@ -61,6 +85,7 @@ def worker_main(sock: socket.socket, ctx: WorkerContext, keep: set[int]) -> None
         arena = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)  # the mapping stays; no descriptor (and no lock) is kept
+    staging = Staging()
     while True:
         try:
             data = sock.recv(MAX_MESSAGE)
@@ -71,26 +96,75 @@ def worker_main(sock: socket.socket, ctx: WorkerContext, keep: set[int]) -> None
         task = pickle.loads(data)
         if task is None:
             return
-        result = run_task(task, arena, ctx.sources)
+        if task[0] == PROBE:
+            result = run_probe(task, ctx.sources)
+        else:
+            result = run_task(task, arena, ctx.sources, staging)
         try:
             sock.send(pickle.dumps(result))
         except OSError:
             return  # joaderd is gone
 
 
+class Staging:
+    """Prepared arrays that did not fit their range, kept for the copy joaderd asks for next
+    (by source index and item id): at most `STAGED_ITEMS`, `STAGED_BYTES` (oldest out first),
+    each for `STAGED_S` at most."""
+
+    def __init__(self, max_items: int = STAGED_ITEMS, max_bytes: int = STAGED_BYTES, max_age_s: float = STAGED_S,
+                 clock: Any = time.monotonic) -> None:
+        self.max_items = max_items
+        self.max_bytes = max_bytes
+        self.max_age_s = max_age_s
+        self._clock = clock
+        self._arrays: OrderedDict[tuple[int, int], tuple[np.ndarray, float]] = OrderedDict()
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+    def put(self, key: tuple[int, int], array: np.ndarray) -> None:
+        self.take(key)
+        self._arrays[key] = (array, self._clock())
+        self._bytes += array.nbytes
+        while len(self._arrays) > 1 and (len(self._arrays) > self.max_items or self._bytes > self.max_bytes):
+            _, (old, _) = self._arrays.popitem(last=False)
+            self._bytes -= old.nbytes
+
+    def take(self, key: tuple[int, int]) -> np.ndarray | None:
+        """The array kept for `key` (now no longer kept), or None (none, or too old)."""
+        kept = self._arrays.pop(key, None)
+        if kept is None:
+            return None
+        array, since = kept
+        self._bytes -= array.nbytes
+        return array if self._clock() - since <= self.max_age_s else None
+
+
 def run_task(
     task: tuple[int, int, int, int, int],
     arena: mmap.mmap,
     sources: tuple[Any, ...],
+    staging: Staging | None = None,
 ) -> tuple[Any, ...]:
-    """Reads, prepares and writes one item; returns a `DecodeResult`'s fields."""
+    """Reads, prepares and writes one item (or copies the array `staging` kept of it); returns
+    a `DecodeResult`'s fields. Capacity 0 (size first) or too small: nothing is written, the
+    array is kept in `staging`, and the result says how many bytes the item needs."""
     task_id, source_index, item_id, offset, capacity = task
     spec = sources[source_index]
     path = str(spec.source.paths[item_id])
     start = time.perf_counter()
     try:
-        array = np.ascontiguousarray(spec.stage.prepare(spec.source.read(item_id), path))
+        array = staging.take((source_index, item_id)) if staging is not None else None
+        if array is None:
+            array = np.ascontiguousarray(spec.stage.prepare(spec.source.read(item_id), path))
         problem = check_output(array, spec.stage, capacity)
+        if problem == _DID_NOT_FIT or (problem is None and capacity == 0):
+            # nothing written: joaderd allocates what it needs (an empty item: one unit) and asks again
+            if staging is not None:
+                staging.put((source_index, item_id), array)
+            return (task_id, False, f"{display_path(path)}: {array.nbytes} bytes, {capacity} allocated",
+                    path, time.perf_counter() - start, tuple(array.shape), array.dtype.name, max(array.nbytes, 1), 0)
         if problem:
             raise DecodeError(f"cannot prepare {path}: {problem}")
         written = array.reshape(-1).view(np.uint8)
@@ -106,17 +180,47 @@ def run_task(
             checksum)
 
 
+_DID_NOT_FIT = "did not fit"
+
+
 def check_output(array: np.ndarray, stage: Any, capacity: int) -> str | None:
-    """Why a stage's output cannot be cached, or None."""
+    """Why a stage's output cannot be cached, or None; `_DID_NOT_FIT` when it is within the
+    stage's bound but larger than `capacity` (an exact range, from a size read before)."""
     if array.dtype.name not in DTYPE_CODES:
         return f"stage {stage.name} returned dtype {array.dtype}; use one of {', '.join(DTYPE_CODES)}"
     fixed = stage.spec.shape
     if fixed is not None and tuple(array.shape) != tuple(fixed):
         return f"stage {stage.name} returned shape {tuple(array.shape)}, not its declared {tuple(fixed)}"
-    if array.nbytes > capacity:
+    bound = stage.spec.max_nbytes
+    if array.nbytes > bound:
         return (f"stage {stage.name} returned {array.nbytes} bytes, more than its declared bound "
-                f"({capacity}); raise the stage's max_item_bytes")
+                f"({bound}); raise the stage's max_item_bytes")
+    if array.nbytes > capacity:
+        return _DID_NOT_FIT
     return None
+
+
+def run_probe(task: tuple[Any, ...], sources: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The exact sizes of a batch of items, from their files' headers (0: not known).
+
+    A probe never fails: a file that cannot be read, or whose header the stage cannot read, is
+    0 (its decode gets the stage's bound, and reports the file's fault itself). Reading the
+    whole file (`ItemSource.read`) costs tens of microseconds from the page cache, where the
+    decode finds it again shortly after.
+    """
+    _, probe_id, source_index, item_ids = task
+    spec = sources[source_index]
+    read_size = getattr(spec.stage, "item_nbytes", None)
+    sizes = []
+    for item_id in item_ids:
+        nbytes = 0
+        if read_size is not None:
+            try:
+                nbytes = int(read_size(spec.source.read(item_id)) or 0)
+            except Exception:
+                nbytes = 0
+        sizes.append((item_id, nbytes))
+    return (SIZES, probe_id, tuple(sizes))
 
 
 def close_inherited(keep: set[int]) -> None:
