@@ -23,7 +23,7 @@ dispatches), so that each decode can be given exactly its bytes. Probes go to th
 queued decodes (a probe of 16 files costs well under a millisecond, and the decodes behind it
 wait for its answer), are never counted in `in_flight` (the registry's limit on decodes), and
 never fail: a probe whose worker dies or times out, or that the pool cannot send any more,
-reports its items' sizes as 0 (unknown), and their decodes get the stage's bound as before.
+reports its items' sizes as 0 (unknown), and their decodes go size first.
 
 Faults, handled in `get_result` (the one consumer thread):
 
@@ -124,8 +124,9 @@ class DecodeResult:
     decode_s: float
     shape: tuple[int, ...] = ()  # of the prepared item, when ok
     dtype: str = ""
-    # its bytes, when ok; when not ok and > 0: the item did not fit the exact range it was given
-    # (its file changed since its size was read), nothing was written, and it needs this many
+    # its bytes, when ok; when not ok and > 0: the item did not fit the range it was given (size
+    # first: none; or its file changed since its size was read), nothing was written, the worker
+    # keeps the prepared array, and the item needs this many
     nbytes: int = 0
     checksum: int = 0  # zlib.crc32 of the bytes written into the arena (clients may verify)
 

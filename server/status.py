@@ -88,6 +88,15 @@ def snapshot(registry: Registry, now: float) -> dict[str, Any]:
             "cancelled": cache.decodes_cancelled,  # every job that wanted it left first
             "in_flight": cache.decodes_in_flight(),
             "retried": cache.items_retried,  # requests for an item that had failed
+            # how each decode's range was chosen (server/item_cache.py, "Exact sizes"): exactly
+            # its item's bytes, known from a probe or an earlier decode (or a fixed-size stage);
+            # size first (no range: the worker kept the item and said its size, then it was
+            # placed); its stage's bound (shrunk when it landed). Refitted: outgrew an exact
+            # size (the file changed since) and was placed again.
+            "exact": cache.decodes_exact,
+            "sized_first": cache.decodes_sized_first,
+            "at_bound": cache.decodes_at_bound,
+            "refitted": cache.decodes_refitted,
             "decode_s": round(cache.decode_s, 3),  # decode workers' busy seconds
         },
         "items_decoded": decoded,
