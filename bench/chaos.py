@@ -62,6 +62,7 @@ class Mode:
     options: tuple[str, ...]
     sleep_s: float
     killable: bool = False  # saves checkpoints (num_workers=0): may be killed -9 and resumed
+    source: str = "demo"  # "sized": the same images through resize:S (exactly sized decodes)
 
 
 def modes(num_items: int) -> list[Mode]:
@@ -71,7 +72,10 @@ def modes(num_items: int) -> list[Mode]:
         # The plain slot's subset: each new job of one slot starts while the other is
         # mid-epoch, so its first epoch is aligned (joaderd's default --epoch-align first).
         Mode("batched", f"0:{n * 2 // 3}", ("--batched",), 0.05, killable=True),
-        Mode("transform", f"0:{n}:2", ("--transform",), 0.0, killable=True),
+        # resize:S: each decode placed in exactly its bytes, known from the file's header
+        # (a probe) or prepared first and placed after (joader.server.item_cache).
+        Mode("transform", f"0:{n}:2", ("--transform", "--source", "sized"), 0.0, killable=True,
+             source="sized"),
         Mode("workers", f"{n // 6}:{n * 5 // 6}", ("--workers", "2", "--follow-loader"), 0.03),
         Mode("workers-transform", f"0:{n}:3", ("--workers", "2", "--transform"), 0.0),
         Mode("handoff", f"0:{n // 2}", ("--workers", "2", "--batched"), 0.04),
@@ -137,9 +141,11 @@ class Soak:
         make_demo_data(data, args.items, num_classes=5, seed=args.seed, progress=False)
         self.data = data
         print(f"chaos: decoding the reference of {args.items} items outside joaderd ...", flush=True)
-        self.expected = reference(data, args.image_size)
+        self.expected = {"demo": reference(data, args.image_size),
+                         "sized": reference(data, args.image_size, stage="resize")}
         self.modes = modes(args.items)
-        item_nbytes = 3 * args.image_size * args.image_size
+        # resize:S keeps the demo's 4:3 aspect: its items are a third larger than center-crop's
+        item_nbytes = 3 * args.image_size * (args.image_size * 4 // 3 + 1)
         self.cache_bytes = len(self.modes) * args.cache_batches * BATCH * item_nbytes
         self.address = f"unix:{work / 'joaderd.sock'}"
         self.server: JoaderdProcess | None = None
@@ -152,7 +158,8 @@ class Soak:
     def start_server(self) -> None:
         log = self.work / f"joaderd-{self.summary.joaderd_restarts}.log"
         args = ["--listen", self.address, "--cache-size", str(self.cache_bytes), "--image-size",
-                str(self.args.image_size), "--workers", "2", "--lease-s", "3", "--source", f"demo={self.data}"]
+                str(self.args.image_size), "--workers", "2", "--lease-s", "3", "--source", f"demo={self.data}",
+                "--source", f"sized={self.data}", "--stage", "sized=resize"]
         self.server = JoaderdProcess.start(args, stdout=log, ready_timeout_s=120, env=self.env)
 
     def kill_server(self) -> None:
@@ -209,7 +216,7 @@ class Soak:
     def check(self, run: Run) -> None:
         summary = self.summary
         subset = set(range(*map(int, run.mode.indices.split(":"))))
-        findings = check_records(read_records(run.records), self.expected, subset,
+        findings = check_records(read_records(run.records), self.expected[run.mode.source], subset,
                                  self.args.epochs if not run.failed else 0, f"{run.mode.name}-{run.number}", Findings())
         summary.samples_checked += findings.checked
         summary.wrong_pixels += findings.wrong_pixels
