@@ -130,8 +130,12 @@ def job_name(placement: Placement, *, ordinal: str, env: Mapping[str, str] | Non
     store = _store(distributed)
     if store is not None:
         candidate = f"{script}-{uuid.uuid4().hex[:12]}"
-        agreed = store.compare_set(f"joader/job-name/{ordinal}", "", candidate)
-        return agreed.decode() if isinstance(agreed, bytes) else str(agreed)
+        try:
+            agreed = store.compare_set(f"joader/job-name/{ordinal}", "", candidate)
+        except (RuntimeError, NotImplementedError, AttributeError):
+            agreed = None  # a store without compare_set: the environment's name below
+        if agreed:
+            return agreed.decode() if isinstance(agreed, bytes) else str(agreed)
     run = env.get("TORCHELASTIC_RUN_ID", "")
     if run not in ("", "none"):
         return f"{script}-{run}"
