@@ -64,17 +64,16 @@ class Records:
 
 def _kill_everything() -> None:
     """SIGKILL to every process of the run, this one last: the test tags each run's processes
-    with JOADER_TEST_TAG in their environment (torchrun's ranks each have a session of their
-    own, so a process group is not the run)."""
-    needle = f"JOADER_TEST_TAG={os.environ['JOADER_TEST_TAG']}".encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                os.kill(int(entry.name), signal.SIGKILL)
-        except OSError:
-            continue
+    in their environment (torchrun's ranks each have a session of their own, so a process
+    group is not the run)."""
+    from tests.integration.processes import TAG_VAR, tagged_pids
+
+    for pid in tagged_pids(os.environ[TAG_VAR]):
+        if pid != os.getpid():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
     os.kill(os.getpid(), signal.SIGKILL)
 
 

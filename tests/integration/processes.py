@@ -30,7 +30,7 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _tagged_pids(tag: str) -> dict[int, str]:
+def tagged_pids(tag: str) -> dict[int, str]:
     """Processes (pid -> command line) whose environment carries `tag`."""
     needle = f"{TAG_VAR}={tag}".encode()
     found = {}
@@ -143,7 +143,7 @@ class Clients:
             except ProcessLookupError:
                 pass
         client.proc.wait()
-        for pid in _tagged_pids(self.tag):  # torchrun's ranks run in sessions of their own
+        for pid in tagged_pids(self.tag):  # torchrun's ranks run in sessions of their own
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -155,10 +155,10 @@ class Clients:
             if client.proc.poll() is None:
                 self._kill(client)
         deadline = time.monotonic() + 15
-        left = _tagged_pids(self.tag)
+        left = tagged_pids(self.tag)
         while left and time.monotonic() < deadline:
             time.sleep(0.2)
-            left = _tagged_pids(self.tag)
+            left = tagged_pids(self.tag)
         for pid in left:
             try:
                 os.kill(pid, signal.SIGKILL)
