@@ -359,7 +359,10 @@ class StallBook:
 
     @property
     def latest(self) -> int:
-        return max(self.epochs, default=0)
+        """The newest epoch with a measured second: an epoch just begun reports zeros with its
+        first request, and its stall is not known yet (status showed none, between epochs)."""
+        measured = [e for e in self.epochs if sum(self.epoch(e)[:2]) > 0]
+        return max(measured, default=max(self.epochs, default=0))
 
 
 def _add(a: tuple[float, float, int], b: tuple[float, float, int]) -> tuple[float, float, int]:
