@@ -18,6 +18,7 @@ with the mixes. Reported per schedule (medians over `--reps`), from joaderd's st
 (docs/status.md) after the jobs have gone:
 - jobs served per decode = items_delivered / items_decoded; ideal sum|D_j| / |union D_j|
   (K for identical datasets): every item decoded once per epoch;
+  "in-step bound" (`schedule_bound`) is what perfect sharing gives with the schedule's arrivals;
 - decodes per item-epoch = items_decoded / (|union D_j| x epochs); ideal 1.0, independent
   loaders sum|D_j| / |union D_j|. Both include the next epoch's lookahead that joaderd prepares
   before a job's last epoch ends (decoded, never delivered);
@@ -396,6 +397,17 @@ def lockstep_arrivals(schedule: str, specs: list[JobSpec]) -> list[int]:
     return arrivals
 
 
+def schedule_bound(specs: list[JobSpec], arrivals: list[int], epochs: int) -> float:
+    """Jobs served per decode if every job present read the same item in every round and nothing
+    were reused across rounds (one item per job per round, equal speeds): deliveries over the
+    rounds in which some job reads. Staggered arrivals lower it below sum|D_j| / |union D_j|: the
+    first job reads alone before the others arrive and the last one alone after they leave
+    (3 identical jobs half an epoch apart: 9/4 over 3 epochs, 15/6 over 5). A cache can beat it
+    by keeping items across rounds (an epoch's last items are the next epoch's first hits)."""
+    ends = [a + s.stop * epochs for a, s in zip(arrivals, specs, strict=True)]
+    return round(sum(s.stop for s in specs) * epochs / (max(ends) - min(arrivals)), 4)
+
+
 def schedule_specs(schedule: str, args: argparse.Namespace, n: int) -> list[JobSpec]:
     sub = max(1, round(n * args.subset))
     stops = [n] * (args.jobs - 1) + [sub]
@@ -434,6 +446,7 @@ def run_bench(root: Path, n: int, args: argparse.Namespace, log: Clock) -> dict[
             "jobs": [{"items": s.stop, "step_s": s.step_s, "cpu": s.cpu} for s in schedule_specs(schedule, args, n)],
             "served_per_decode": median([r["served_per_decode"] for r in reps]),
             "ideal_served_per_decode": reps[0]["ideal_served_per_decode"],
+            "schedule_bound": schedule_bound(specs, lockstep_arrivals(schedule, specs), args.epochs),
             "decodes_per_item_epoch": median([r["decodes_per_item_epoch"] for r in reps]),
             "independent_decodes_per_item_epoch": reps[0]["independent_decodes_per_item_epoch"],
             "items_decoded": median([r["items_decoded"] for r in reps]),
@@ -453,7 +466,8 @@ def run_bench(root: Path, n: int, args: argparse.Namespace, log: Clock) -> dict[
 
 
 def run_fast_job(root: Path, n: int, args: argparse.Namespace, log: Clock) -> dict[str, Any]:
-    specs = [JobSpec(n, step_s=s) for s in FAST_STEPS]
+    steps = [float(s) for s in args.fast_steps.split(",")]
+    specs = [JobSpec(n, step_s=s) for s in steps]
     reps = []
     for rep in range(args.reps):
         alone = run_mix(root, n, [specs[0]], args)["samples_per_s"][0]
@@ -465,7 +479,7 @@ def run_fast_job(root: Path, n: int, args: argparse.Namespace, log: Clock) -> di
             f"ratio {mix['fastest_ratio']}, served/decode {mix['served_per_decode']}, "
             f"workers {mix['workers']['configured']}, run {mix['run_s']} s")
     return {
-        "steps_s": list(FAST_STEPS),
+        "steps_s": steps,
         "samples_per_s": [median([r["samples_per_s"][i] for r in reps]) for i in range(len(specs))],
         "alone_fastest": median([r["alone_fastest"] for r in reps]),
         "fastest_ratio": median([r["fastest_ratio"] for r in reps]),
@@ -481,9 +495,10 @@ def print_results(data: dict[str, Any]) -> None:
     if schedules:
         print(f"\n{data['jobs']} jobs, {data['num_items']} images (last job: first {data['subset_items']}), "
               f"{data['epochs']} epochs, batch {data['batch_size']}, quarter cache; medians of {data['reps']}:")
-        print_table(["schedule", "served/decode", "ideal", "decodes/item-epoch", "independent", "decodes",
+        print_table(["schedule", "served/decode", "ideal", "in-step bound", "decodes/item-epoch", "independent", "decodes",
                      "deliveries", "within-epoch"],
-                    [[name, s["served_per_decode"], s["ideal_served_per_decode"], s["decodes_per_item_epoch"],
+                    [[name, s["served_per_decode"], s["ideal_served_per_decode"], s.get("schedule_bound", "-"),
+                      s["decodes_per_item_epoch"],
                       s["independent_decodes_per_item_epoch"], int(s["items_decoded"]), int(s["items_delivered"]),
                       s["sharing_within_epoch"]] for name, s in schedules.items()])
         print()
@@ -497,7 +512,7 @@ def print_results(data: dict[str, Any]) -> None:
                       s["ratio_to_alone"][i]] for name, s in schedules.items() for i, job in enumerate(s["jobs"])])
     fast = data.get("fast_job")
     if fast:
-        print(f"\nfast job: five jobs at steps {fast['steps_s']} s, quarter cache, medians of {data['reps']}:")
+        print(f"\nfast job: {len(fast['steps_s'])} jobs at steps {fast['steps_s']} s, quarter cache, medians of {data['reps']}:")
         print_table(["step s", "together samples/s"], [[s, r] for s, r in zip(fast["steps_s"], fast["samples_per_s"],
                                                                                strict=True)])
         print(f"fastest job: {fast['samples_per_s'][0]} samples/s beside the others, {fast['alone_fastest']} alone: "
@@ -529,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedules", default=",".join(SCHEDULES),
                         help=f"comma-separated, of {', '.join(SCHEDULES)} ('' for none)")
     parser.add_argument("--fast-job", action="store_true", help="also issue 19 item 5: five jobs at different speeds")
+    parser.add_argument("--fast-steps", default=",".join(map(str, FAST_STEPS)),
+                        help="the --fast-job jobs' steps in s, fastest first (default: the first is data-bound)")
     parser.add_argument("--job-timeout-s", type=float, default=300)
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                         help="an extra joaderd argument (repeatable; e.g. --server-arg=--pacing=rounds)")
