@@ -56,6 +56,9 @@ class Identity:
     generation: int = 0
     keeper_pid: int | None = None  # the lease keeper holds `arena_fd` open (see ArenaReader)
     arena_fd: int | None = None
+    # This process's rank in the job on this joaderd: its global rank, or its place among its
+    # host's ranks when the job spans hosts (`joader.sampling.hosts`).
+    rank: int = 0
 
     @property
     def arena(self) -> str:
@@ -68,7 +71,7 @@ class Identity:
             job_id=info["job_id"], secret=base64.b64decode(info["job_secret"]),
             arena_path=info["arena_path"], server_uid=info.get("server_uid"),
             fingerprint=info.get("fingerprint", ""), generation=generation,
-            keeper_pid=info.get("keeper_pid"), arena_fd=info.get("arena_fd"),
+            keeper_pid=info.get("keeper_pid"), arena_fd=info.get("arena_fd"), rank=int(info.get("rank", 0)),
         )
 
 

@@ -43,6 +43,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from joader.address import resolve_address
 from joader.client import frameworks, placement
+from joader.sampling import hosts
 from joader.client.batchpool import BatchPool
 from joader.client.board import MAX_EPOCH, Board
 from joader.client.connection import BATCHES_PER_REQUEST, Connection, Identity
@@ -243,6 +244,8 @@ class JoaderDataset(IterableDataset):
             verify = os.environ.get("JOADER_VERIFY", "") not in ("", "0")
         self._verify = bool(verify)
         self._placement: placement.Placement | None = None  # where the job is attached; None: not yet
+        self.hosts: hosts.HostLayout | None = None  # this rank's host, when the job spans hosts
+        self._all_items: BitMap | None = bitmap
         self._dispatched = False  # accelerate's DataLoaderDispatcher: rank 0 reads the whole job
         self._keeper: subprocess.Popen[str] | None = None
         self._finalizer: Callable[[], Any] | None = None
@@ -295,10 +298,24 @@ class JoaderDataset(IterableDataset):
         self.targets: list[int] = np.frombuffer(base64.b64decode(info["targets"]), dtype="<i4").tolist()
 
     def _attach(self, found: placement.Placement, name: str) -> None:
-        """Registers this process as rank `found.rank` of job `name`, through a new lease keeper."""
+        """Registers this process as rank `found.rank` of job `name`, through a new lease keeper.
+
+        A job whose ranks span hosts (torchrun's LOCAL_WORLD_SIZE < WORLD_SIZE) is, on this
+        host's joaderd, the job `name@ranksA-BofW` of this host's ranks over this host's part of
+        the items (`joader.sampling.hosts`)."""
+        layout = hosts.layout_from_env(found.rank, found.world_size, os.environ)
+        registration = dict(self._registration, name=name, rank=found.rank, world_size=found.world_size)
+        if layout is not None:
+            part = hosts.host_part(self._items(), hosts.source_salt(self.source), layout, drop_last=self.drop_last)
+            registration.update(name=f"{name}@{layout.label}", rank=layout.local_rank,
+                                world_size=layout.local_ranks,
+                                indices=base64.b64encode(part.serialize()).decode())
+            logger.info("joader: rank %d of %d reads %d items of %s through this host's joaderd "
+                        "(its ranks %d-%d)", found.rank, found.world_size, len(part), self.source,
+                        layout.first_rank, layout.first_rank + layout.local_ranks - 1)
+        self.hosts = layout
         board = Board.create()
-        registration = dict(self._registration, name=name, rank=found.rank,
-                            world_size=found.world_size, board_fd=board.fd)
+        registration["board_fd"] = board.fd
         try:
             keeper, info = _start_keeper(registration, timeout_s=60.0, pass_fds=(board.fd,))
         except BaseException:
@@ -318,6 +335,18 @@ class JoaderDataset(IterableDataset):
                                       timeout_s=self.timeout_s, verify=self._verify,
                                       keeper_note=self._keeper_note)
         self._passes = 0
+
+    def _items(self) -> BitMap:
+        """The job's items (all the source's when no indices were given: asked of joaderd)."""
+        if self._all_items is None:
+            encoded = self._registration["indices"]
+            if encoded:
+                self._all_items = BitMap.deserialize(base64.b64decode(encoded))
+            else:
+                describer, info = _start_keeper(dict(self._registration, describe=True), timeout_s=60.0)
+                _stop_keeper(describer, os.getpid())
+                self._all_items = BitMap(range(int(info["num_source_items"])))
+        return self._all_items
 
     def _detach(self) -> None:
         """Ends this process's part of the job (its other ranks go on)."""
@@ -490,6 +519,7 @@ class JoaderDataset(IterableDataset):
             "rank": self.rank,
             "world_size": self.world_size,
             "parts": parts,
+            "hosts": self.hosts.as_dict() if self.hosts is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -508,6 +538,13 @@ class JoaderDataset(IterableDataset):
                 f"load_state_dict: the state is of rank {state.get('rank')} of {state.get('world_size')}, "
                 f"this dataset is rank {self.rank} of {self.world_size}; load each rank's own state")
         _check_same_job(state, self)
+        layout = self.hosts.as_dict() if self.hosts is not None else None
+        if state.get("hosts") != layout:
+            raise InvalidArgumentError(
+                f"load_state_dict: the state was saved with its ranks on hosts {state.get('hosts')}, this "
+                f"rank's host is {layout} (each host's joaderd serves its part of the items, cut by "
+                "the layout); resume with the same ranks per host (torchrun's --nnodes and "
+                "--nproc-per-node), or start the epoch afresh")
         epoch = state.get("epoch")
         if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < MAX_EPOCH:
             raise InvalidArgumentError(

@@ -113,6 +113,7 @@ def _identity(first: joader_pb2.AttachResponse, server_uid: int | None) -> dict[
         "fingerprint": first.fingerprint,
         "keeper_pid": os.getpid(),
         "arena_fd": _hold_arena(first.arena_path),
+        "rank": first.rank,  # in the job on this joaderd (a host's ranks count from 0)
     }
 
 

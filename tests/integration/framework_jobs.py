@@ -79,7 +79,8 @@ def _kill_everything() -> None:
 
 def _dataset(args: argparse.Namespace) -> JoaderDataset:
     return JoaderDataset(args.source, address=args.address, return_index=True, timeout_s=60.0,
-                         **({"seed": args.seed} if args.seed is not None else {}))
+                         **({"seed": args.seed} if args.seed is not None else {}),
+                         **({"indices": range(args.items)} if args.items else {}))
 
 
 def _model(ds: JoaderDataset) -> torch.nn.Module:
@@ -229,7 +230,9 @@ def stateful(args: argparse.Namespace) -> None:
                     os.replace(f"{checkpoint_path}.tmp", checkpoint_path)
                 dist.barrier()
         counts.append(batches)
-    Path(args.out, f"done-{rank}.json").write_text(json.dumps({"len_loader": len(loader), "batches": counts}))
+    Path(args.out, f"done-{rank}.json").write_text(json.dumps({
+        "len_loader": len(loader), "batches": counts, "job_id": ds.job_id,
+        "hosts": ds.hosts.as_dict() if ds.hosts is not None else None}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -278,6 +281,7 @@ def main() -> None:
     parser.add_argument("--loader", choices=["joader", "plain"], default="joader")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--seed", type=int)
+    parser.add_argument("--items", type=int, default=0, help="indices=range(N) (0: the whole source)")
     parser.add_argument("--every", type=int, default=0, help="checkpoint every N steps")
     parser.add_argument("--kill-at", default="", help="E:S: kill the run at epoch E (0-based), step S")
     parser.add_argument("--resume", help="Lightning: a checkpoint to resume; stateful: any value resumes")
