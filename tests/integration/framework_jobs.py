@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -218,6 +219,8 @@ def stateful(args: argparse.Namespace) -> None:
             if epoch == kill_epoch and batch_idx == kill_step and rank == 0 and not args.resume:
                 _kill_everything()
             records.samples(epoch + 1, indices, images, labels)
+            if args.step_s:
+                time.sleep(args.step_s)  # an emulated GPU step
             reduced = torch.ones(1)
             dist.all_reduce(reduced)  # what DDP's gradient all-reduce does: every rank steps
             step += 1
@@ -281,6 +284,7 @@ def main() -> None:
     parser.add_argument("--loader", choices=["joader", "plain"], default="joader")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--seed", type=int)
+    parser.add_argument("--step-s", type=float, default=0.0, help="stateful: sleep per step")
     parser.add_argument("--items", type=int, default=0, help="indices=range(N) (0: the whole source)")
     parser.add_argument("--every", type=int, default=0, help="checkpoint every N steps")
     parser.add_argument("--kill-at", default="", help="E:S: kill the run at epoch E (0-based), step S")
