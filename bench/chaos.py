@@ -7,7 +7,8 @@ batches per job; jobs run as separate processes (`tests/integration/integrity_jo
 torch DataLoader over JoaderDataset) in every mode: num_workers 0 and 2, plain and
 `batched=True`, with and without a transform, the dataset asking in the loader's batch size or
 its own, hand-off workers (workers, batched, no transform),
-DataLoaders re-seeded before each epoch, overlapping subsets (two slots on the same one, so that
+DataLoaders re-seeded before each epoch, one rank of a job whose other ranks are on other
+hosts (it reads its host's part), overlapping subsets (two slots on the same one, so that
 new jobs start aligned epochs: --epoch-align first), different speeds. Each job slot
 runs job after job (each a few epochs) for the whole soak. Meanwhile, at random times from a
 seeded RNG:
@@ -63,6 +64,22 @@ class Mode:
     sleep_s: float
     killable: bool = False  # saves checkpoints (num_workers=0): may be killed -9 and resumed
     source: str = "demo"  # "sized": the same images through resize:S (exactly sized decodes)
+    env: tuple[tuple[str, str], ...] = ()  # torchrun's variables: a rank of a job across hosts
+
+    def subset(self) -> set[int]:
+        """The items this slot's job reads each epoch: its indices, or under `env` (a rank of a
+        job across hosts) its host's part of them, cut as the client cuts it."""
+        items = set(range(*map(int, self.indices.split(":"))))
+        if not self.env:
+            return items
+        from pyroaring import BitMap
+
+        from joader.sampling.hosts import host_part, layout_from_env, source_salt
+
+        env = dict(self.env)
+        layout = layout_from_env(int(env["RANK"]), int(env["WORLD_SIZE"]), env)
+        assert layout is not None
+        return set(host_part(BitMap(items), source_salt(self.source), layout, drop_last=False))
 
 
 def modes(num_items: int) -> list[Mode]:
@@ -81,6 +98,10 @@ def modes(num_items: int) -> list[Mode]:
         Mode("handoff", f"0:{n // 2}", ("--workers", "2", "--batched"), 0.04),
         Mode("handoff-transform", f"{n // 4}:{n * 3 // 4}", ("--workers", "2", "--batched", "--transform"), 0.01),
         Mode("reseeded", f"{n // 2}:{n}", ("--workers", "2", "--reseed"), 0.02),
+        # Rank 2 of a 3-rank job whose other ranks are on other hosts (their joaderds): this
+        # host's joaderd serves it its part, as rank 0 of this host's job (joader.sampling.hosts).
+        Mode("other-host", f"0:{n}", (), 0.02, killable=True,
+             env=(("RANK", "2"), ("WORLD_SIZE", "3"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"))),
     ]
 
 
@@ -186,7 +207,7 @@ class Soak:
             command += ["--state", str(run.state)]
         err = open(self.work / f"{run.mode.name}-{run.number}.err", "ab")
         run.err_at = err.tell()  # what this launch writes starts here
-        run.proc = subprocess.Popen(command, cwd=ROOT, env=self.env, stderr=err, stdout=subprocess.DEVNULL,
+        run.proc = subprocess.Popen(command, cwd=ROOT, env={**self.env, **dict(run.mode.env)}, stderr=err, stdout=subprocess.DEVNULL,
                                     start_new_session=True)
         err.close()
 
@@ -215,7 +236,7 @@ class Soak:
 
     def check(self, run: Run) -> None:
         summary = self.summary
-        subset = set(range(*map(int, run.mode.indices.split(":"))))
+        subset = run.mode.subset()
         findings = check_records(read_records(run.records), self.expected[run.mode.source], subset,
                                  self.args.epochs if not run.failed else 0, f"{run.mode.name}-{run.number}", Findings())
         summary.samples_checked += findings.checked
@@ -241,7 +262,7 @@ class Soak:
     def restart_at_epoch_end(self) -> bool:
         """Kills joaderd when a job reads the last batch of an epoch (within 20 s)."""
         run = self.rng.choice(list(self.runs.values()))
-        size = len(range(*map(int, run.mode.indices.split(":"))))
+        size = len(run.mode.subset())
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and run.proc is not None and run.proc.poll() is None:
             counts: dict[int, int] = {}
