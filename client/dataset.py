@@ -597,7 +597,7 @@ class JoaderDataset(IterableDataset):
                 "(a shared-memory copy and a file-descriptor hand-off). num_workers=0 is faster here, "
                 "or batched=True with DataLoader(batch_size=None), whose workers hand over only "
                 "where each batch is; keep workers for a heavy per-job transform.")
-        if connection.refresh() and board is not None:
+        if connection.needs_resume() and board is not None:
             # joaderd restarted since this process last read (a DataLoader worker forked from a
             # training process that never reads itself): the job's new identity, and where to resume.
             stream.resume = resume_point(board, stream)

@@ -116,6 +116,8 @@ class Reader:
                     continue
                 call = None
                 response = reply.response
+                if response.epoch:
+                    conn.note_served(reply.identity.generation)
                 if not stream.epoch:
                     ds._progress.start_epoch(stream, response.epoch)
                 # joaderd has taken the resume (a checkpoint's, or a restart's): it must not
