@@ -41,7 +41,7 @@ def one_run(seed: int, mode: str, data: Path, expected: dict) -> tuple[bool, str
 
     def start(i: int) -> JoaderdProcess:
         return JoaderdProcess.start(
-            ["--listen", address, "--cache-size", str(3 * 8 * 3 * SIZE * SIZE * 4), "--image-size", str(SIZE),
+            ["--listen", address, "--cache-size", str(9 * 8 * 3 * SIZE * (SIZE * 4 // 3 + 12)), "--image-size", str(SIZE),
              "--workers", "2", "--lease-s", "3", "--source", f"demo={data}"],
             stdout=work / f"joaderd-{i}.log", ready_timeout_s=60, env=env)
 
