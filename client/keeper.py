@@ -55,6 +55,8 @@ def _requests(registration: dict[str, Any], stop: threading.Event, interval: lis
         seed=int(seed) if seed is not None else 0,
         has_seed=seed is not None,
         describe=bool(registration.get("describe")),
+        resume_epoch=int(registration.get("resume_epoch", 0)),
+        resume_consumed=registration.get("resume_consumed", b""),
     )
     if registration.get("describe"):
         return  # one reply, no lease
@@ -154,6 +156,17 @@ def _first_attach(address: str, registration: dict[str, Any], stop: threading.Ev
         reset_channel(address)
 
 
+def _with_report(registration: dict[str, Any], board: Board) -> dict[str, Any]:
+    """The registration, with what this rank's readers received of their current epoch (the
+    board's): the restarted joaderd resumes the epoch once every rank's keeper reported, so a
+    reader that waits in a DDP collective for another rank (which waits for the resumed epoch)
+    need not report first. Taken at each try: the board is final once joaderd died."""
+    epoch, _token = board.current_pass()
+    if not epoch:
+        return registration
+    return dict(registration, resume_epoch=epoch, resume_consumed=board.received(epoch).serialize())
+
+
 def _reattach(address: str, registration: dict[str, Any], stop: threading.Event,
               interval: list[float], board: Board) -> Any | None:
     """joaderd went away: attach again once one answers, within the dataset's timeout."""
@@ -166,7 +179,7 @@ def _reattach(address: str, registration: dict[str, Any], stop: threading.Event,
         stop.wait(0.25)
         reset_channel(address)
         try:
-            responses, first, server_uid = _attach(address, registration, stop, interval)
+            responses, first, server_uid = _attach(address, _with_report(registration, board), stop, interval)
         except ConnectionError:
             continue
         except grpc.RpcError as error:

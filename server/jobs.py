@@ -53,6 +53,8 @@ _MAX_PASSES_PER_RANK = 8
 _MAX_RETIRED_PER_RANK = 256
 _MAX_REMOVED_REMEMBERED = 4096
 MAX_WORLD_SIZE = 4096
+# The reader id of a lease keeper's restart report (`report_restart`): no DataLoader worker's.
+KEEPER_READER = -1
 # Readers of one rank a resume may say report (`resume_parts`): DataLoader workers of one
 # process. More is no real configuration (and the client refuses such a state, too).
 MAX_RESUME_PARTS = 1024
@@ -335,6 +337,20 @@ class JobTable:
         resume = job.resume = Resume(epoch, self._clock())
         for worker_id in pass_.members:
             resume.reports[(rank.index, worker_id)] = BitMap()
+
+    def report_restart(self, job: Job, rank_index: int, epoch: int, consumed: BitMap) -> None:
+        """A lease keeper attached rank `rank_index` again after joaderd restarted, with what its
+        readers received of `epoch` (its client board): the rank's report for that resumed epoch,
+        as a reader of its own (`KEEPER_READER`). Why not wait for the readers: a DDP rank that
+        already had its next batch reports only when its training loop asks again, after a
+        collective that waits for a rank whose reader waits for this epoch: both hung until
+        timeout_s (2 runs of 3 with two ranks and an all_reduce per step). The readers' own
+        reports come later and join (the same items: nothing arrives from a dead joaderd)."""
+        if not 0 <= rank_index < job.world_size:
+            return  # Attach refuses it
+        args = NextArgs(job.job_id, b"", 0, 0, worker_id=KEEPER_READER, rank=rank_index,
+                        resume_epoch=epoch, resume_consumed=consumed, resume_parts=1)
+        self._report_resume(job, job.ranks[rank_index], args, epoch)
 
     def _report_resume(self, job: Job, rank: Rank, args: NextArgs, epoch: int) -> None:
         pending = job.resume

@@ -141,9 +141,11 @@ class Registry:
 
     def attach(self, source_name: str, indices: BitMap | None, name: str, batch_size: int, *,
                rank: int = 0, world_size: int = 1, drop_last: bool = False,
-               seed: int | None = None) -> Job:
+               seed: int | None = None, restart_report: tuple[int, BitMap] | None = None) -> Job:
         """Registers rank `rank` of a job on `source_name` over `indices` (None: the whole
-        source): a new job, or the job the other ranks of the same name already started."""
+        source): a new job, or the job the other ranks of the same name already started.
+        `restart_report` (epoch, items received): a lease keeper attaching again after a
+        restart reports for its rank (`JobTable.report_restart`)."""
         with self._cond:
             self._check_alive()
             source = self.source(source_name)
@@ -160,6 +162,8 @@ class Registry:
                 )
             job, _ = self.jobs.attach(source, dataset, name, batch_size, rank=rank,
                                       world_size=world_size, drop_last=drop_last, seed=seed)
+            if restart_report is not None:
+                self.jobs.report_restart(job, rank, *restart_report)
             if job.reading:
                 job.wake()  # the last rank came: the waiting ones may start
             self._resize_queues()

@@ -98,10 +98,13 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
                 yield self._checked_size(self._source_reply(source, indices), source)
                 return
             rank = first.rank
+            report = None
+            if first.resume_epoch:
+                report = (first.resume_epoch, _parse_indices(first.resume_consumed, source.num_items))
             job = self._registry.attach(
                 first.source, indices, first.name, first.batch_size or 64, rank=rank,
                 world_size=first.world_size or 1, drop_last=first.drop_last,
-                seed=first.seed if first.has_seed else None,
+                seed=first.seed if first.has_seed else None, restart_report=report,
             )
         except JoaderError as error:
             await _abort(context, error)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AttachRequest(_message.Message):
-    __slots__ = ("source", "indices", "name", "batch_size", "heartbeat", "rank", "world_size", "drop_last", "seed", "has_seed", "closing", "describe")
+    __slots__ = ("source", "indices", "name", "batch_size", "heartbeat", "rank", "world_size", "drop_last", "seed", "has_seed", "closing", "describe", "resume_epoch", "resume_consumed")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,8 @@ class AttachRequest(_message.Message):
     HAS_SEED_FIELD_NUMBER: _ClassVar[int]
     CLOSING_FIELD_NUMBER: _ClassVar[int]
     DESCRIBE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RESUME_CONSUMED_FIELD_NUMBER: _ClassVar[int]
     source: str
     indices: bytes
     name: str
@@ -32,7 +34,9 @@ class AttachRequest(_message.Message):
     has_seed: bool
     closing: bool
     describe: bool
-    def __init__(self, source: _Optional[str] = ..., indices: _Optional[bytes] = ..., name: _Optional[str] = ..., batch_size: _Optional[int] = ..., heartbeat: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., closing: _Optional[bool] = ..., describe: _Optional[bool] = ...) -> None: ...
+    resume_epoch: int
+    resume_consumed: bytes
+    def __init__(self, source: _Optional[str] = ..., indices: _Optional[bytes] = ..., name: _Optional[str] = ..., batch_size: _Optional[int] = ..., heartbeat: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., closing: _Optional[bool] = ..., describe: _Optional[bool] = ..., resume_epoch: _Optional[int] = ..., resume_consumed: _Optional[bytes] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("job_id", "source", "classes", "num_source_items", "num_items", "image_size", "item_nbytes", "arena_path", "lease_s", "job_secret", "server_pid", "world_size", "rank", "num_rank_items", "seed", "targets", "stage", "item_shape", "item_dtype", "fingerprint", "class_labels")

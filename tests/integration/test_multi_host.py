@@ -121,9 +121,13 @@ def test_two_jobs_across_the_same_hosts_share_on_each_host(
 
 def test_a_hosts_joaderd_killed_and_restarted_mid_epoch_its_ranks_resume_exactly(
         demo_root: Path, start_joaderd: Any, clients: Clients, expected: Any, tmp_path: Path) -> None:
-    """kill -9 of host 1's joaderd mid-epoch, a new one on its socket 1 s later: host 1's ranks
-    reconnect and finish the epoch with what they had not read; host 0's never notice. Every
-    epoch exactly once over all ranks, pixels and labels checked."""
+    """kill -9 of host 1's joaderd mid-epoch, a new one on its socket 1 s later: host 1's two
+    ranks reconnect and finish the epoch with what they had not read; host 0's never notices.
+    Every epoch exactly once over all ranks, pixels and labels checked. With two ranks on the
+    restarted host and an all_reduce every step, a rank that already had its next batch
+    reports what it consumed only after the all_reduce, which waits for the other rank, whose
+    resumed epoch waits for that report: the lease keepers report for their ranks when they
+    attach again (`JobTable.report_restart`; before, this hung 1 run in 2)."""
     servers = [start_joaderd({"demo": demo_root}, cache_items=NUM_DEMO_ITEMS) for _ in range(2)]
     out = tmp_path / "run"
     epochs = 2
@@ -132,9 +136,9 @@ def test_a_hosts_joaderd_killed_and_restarted_mid_epoch_its_ranks_resume_exactly
     records = out / "records-1.jsonl"
 
     def read_some() -> bool:
-        return records.exists() and sum(1 for _ in records.open()) >= 12
+        return records.exists() and sum(1 for _ in records.open()) >= 16
 
-    wait_for(read_some, 120, "host 1's first rank to read 12 items")
+    wait_for(read_some, 120, "host 1's first rank to read 16 items")
     servers[1].expected_exit_code = -9
     servers[1].proc.kill()
     servers[1].proc.wait()

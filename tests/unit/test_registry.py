@@ -886,3 +886,44 @@ def test_an_impossible_resume_parts_is_refused_and_a_waiting_resume_is_shown() -
     assert waiting["for"] == "resume_reports" and waiting["epoch"] == 2
     assert waiting["ranks"] == [{"rank": 0, "reports": 2, "parts": 5}]
     assert "rank 0: 2 of 5" in waiting["detail"]
+
+
+def test_lease_keepers_reports_resume_a_restarted_ddp_epoch_before_any_reader_asks() -> None:
+    """After a restart each rank's lease keeper attaches again with what the rank received of
+    its epoch (its client board). The epoch resumes on those reports: rank 0's reader is served
+    while rank 1's has not asked (a DDP rank blocked in an all_reduce that waits for rank 0),
+    and rank 1's own report, when it comes, joins without a second resume. Exactly once."""
+    registry, pool, _ = make_registry(num_slots=40)
+    items = BitMap(range(24))
+    consumed = {0: BitMap([0, 5, 7]), 1: BitMap([2, 3])}
+    jobs = [attach(registry, "demo", items, "ddp", 4, rank=r, world_size=2,
+                   restart_report=(2, consumed[r])) for r in (0, 1)]
+    job = jobs[0]
+    assert jobs[1] is job and job.resume is None and job.resumed_epoch == 2
+    got: dict[int, list[int]] = {0: [], 1: []}
+    acks: dict[int, list[int]] = {0: [], 1: []}
+    done = {0: False, 1: False}
+
+    def ask(rank: int) -> None:
+        result = nxt(registry, job.job_id, 7 + rank, 4, acks[rank], rank=rank, resume_epoch=2,
+                     resume_consumed=consumed[rank])
+        assert result.epoch == 2
+        acks[rank] = result.item_ids
+        got[rank] += result.item_ids
+        done[rank] = result.end_of_epoch
+
+    for _ in range(20):  # rank 0 alone: its next batch comes while rank 1 has not asked
+        pump(registry, pool)
+        ask(0)
+        if got[0]:
+            break
+    assert len(got[0]) == 4, "rank 0 was not served before rank 1's reader asked"
+    for _ in range(200):
+        pump(registry, pool)
+        for rank in (1, 0):
+            if not done[rank]:
+                ask(rank)
+        if all(done.values()):
+            break
+    delivered = got[0] + got[1] + list(consumed[0]) + list(consumed[1])
+    assert sorted(set(delivered)) == list(range(24)) and len(delivered) - len(set(delivered)) <= 1  # padding
