@@ -43,7 +43,6 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from joader.address import resolve_address
 from joader.client import frameworks, placement
-from joader.sampling import hosts
 from joader.client.batchpool import BatchPool
 from joader.client.board import MAX_EPOCH, Board
 from joader.client.connection import BATCHES_PER_REQUEST, Connection, Identity
@@ -51,6 +50,7 @@ from joader.client.delivery import Reader
 from joader.client.handoff import Receipts
 from joader.client.passes import Pass, Progress, resume_point
 from joader.errors import ERROR_CLASSES, InvalidArgumentError, JoaderError
+from joader.sampling import hosts
 
 logger = logging.getLogger(__name__)
 

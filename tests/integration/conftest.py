@@ -23,6 +23,8 @@ import pytest
 
 from joader.launch import JoaderdProcess, JoaderdStartError
 from joader.sources.demo import make_demo_data
+from tests.integration.integrity import reference
+from tests.integration.processes import Clients
 
 NUM_DEMO_ITEMS = 160
 SIMJOB = Path(__file__).resolve().parents[2] / "bench" / "simjob.py"  # a test and bench helper, not shipped
@@ -118,6 +120,23 @@ def demo_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("demo") / "images"
     make_demo_data(root, NUM_DEMO_ITEMS, num_classes=4, seed=1, progress=False)
     return root
+
+
+@pytest.fixture(scope="session")
+def expected(demo_root: Path) -> dict[int, Any]:
+    """Every demo item's pixels (crc32) and label, decoded here, outside joaderd: what the
+    content checks (`integrity.check_records`) compare each delivered sample with."""
+    return reference(demo_root, IMAGE_SIZE)
+
+
+@pytest.fixture
+def clients(tmp_path: Path) -> Iterator[Clients]:
+    """Client programs started by the test; none is left running after it (`Clients.close`)."""
+    runner = Clients(tmp_path)
+    try:
+        yield runner
+    finally:
+        runner.close()
 
 
 @pytest.fixture

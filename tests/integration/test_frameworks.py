@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import IMAGE_SIZE, NUM_DEMO_ITEMS
-from tests.integration.integrity import check_records, read_records, reference
+from tests.integration.conftest import NUM_DEMO_ITEMS
+from tests.integration.integrity import check_records, read_records
 from tests.integration.processes import Client, Clients, free_port
 
 pytestmark = pytest.mark.slow
@@ -30,18 +30,6 @@ JOB = "tests.integration.framework_jobs"
 RANKS = 2
 
 
-@pytest.fixture(scope="module")
-def expected(demo_root: Path) -> Any:
-    return reference(demo_root, IMAGE_SIZE)
-
-
-@pytest.fixture
-def clients(tmp_path: Path) -> Any:
-    runner = Clients(tmp_path)
-    try:
-        yield runner
-    finally:
-        runner.close()
 
 
 def _python(clients: Clients, name: str, *args: str) -> Client:

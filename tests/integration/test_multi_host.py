@@ -19,26 +19,14 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import IMAGE_SIZE, NUM_DEMO_ITEMS, wait_for
-from tests.integration.integrity import check_records, read_records, reference
+from tests.integration.conftest import NUM_DEMO_ITEMS, wait_for
+from tests.integration.integrity import check_records, read_records
 from tests.integration.processes import Client, Clients, free_port
 
 pytestmark = pytest.mark.slow
 JOB = "tests.integration.framework_jobs"
 
 
-@pytest.fixture(scope="module")
-def expected(demo_root: Path) -> Any:
-    return reference(demo_root, IMAGE_SIZE)
-
-
-@pytest.fixture
-def clients(tmp_path: Path) -> Any:
-    runner = Clients(tmp_path)
-    try:
-        yield runner
-    finally:
-        runner.close()
 
 
 def _nodes(clients: Clients, name: str, servers: list[Any], local_ranks: list[int], *args: str) -> list[Client]:

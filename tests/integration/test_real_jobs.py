@@ -17,7 +17,6 @@ import re
 import signal
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,14 +63,6 @@ def _descendants(pid: int) -> dict[int, str | None]:
                     todo.append(child)
     return found
 
-
-@pytest.fixture
-def clients(tmp_path: Path) -> Iterator[Clients]:
-    runner = Clients(tmp_path)
-    try:
-        yield runner
-    finally:
-        runner.close()
 
 
 def _check_epoch_orders(report: dict[str, Any]) -> None:

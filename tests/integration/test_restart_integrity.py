@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.integration.conftest import IMAGE_SIZE, NUM_DEMO_ITEMS, finish, wait_for
-from tests.integration.integrity import Findings, check_records, read_records, reference
+from tests.integration.integrity import Findings, check_records, read_records
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -32,10 +32,6 @@ MODES: dict[str, tuple[str, list[str]]] = {
 def _subset(spec: str) -> set[int]:
     return set(range(*map(int, spec.split(":"))))
 
-
-@pytest.fixture(scope="module")
-def expected(demo_root: Path) -> dict[int, Any]:
-    return reference(demo_root, IMAGE_SIZE)
 
 
 def _start(server: Any, name: str, indices: str, options: list[str], epochs: int, sleep: float) -> subprocess.Popen[bytes]:
