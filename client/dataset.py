@@ -263,9 +263,7 @@ class JoaderDataset(IterableDataset):
             # it trains on now, the job once iteration starts (`_settle`).
             self.rank: int | None = None
             self.world_size: int = int(os.environ.get("WORLD_SIZE", "1"))
-            describer, info = _start_keeper(dict(self._registration, describe=True), timeout_s=60.0)
-            _stop_keeper(describer, os.getpid())  # it answered and exits: reap it, close its pipes
-            self._describe(info)
+            self._describe(self._ask_description())
         else:
             self._attach(found, self._default_name(found))
 
@@ -343,10 +341,14 @@ class JoaderDataset(IterableDataset):
             if encoded:
                 self._all_items = BitMap.deserialize(base64.b64decode(encoded))
             else:
-                describer, info = _start_keeper(dict(self._registration, describe=True), timeout_s=60.0)
-                _stop_keeper(describer, os.getpid())
-                self._all_items = BitMap(range(int(info["num_source_items"])))
+                self._all_items = BitMap(range(int(self._ask_description()["num_source_items"])))
         return self._all_items
+
+    def _ask_description(self) -> dict[str, Any]:
+        """joaderd's description of the source and dataset (an `Attach` that registers nothing)."""
+        describer, info = _start_keeper(dict(self._registration, describe=True), timeout_s=60.0)
+        _stop_keeper(describer, os.getpid())  # it answered and exits: reap it, close its pipes
+        return info
 
     def _detach(self) -> None:
         """Ends this process's part of the job (its other ranks go on)."""
