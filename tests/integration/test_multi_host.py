@@ -115,7 +115,7 @@ def test_a_hosts_joaderd_killed_and_restarted_mid_epoch_its_ranks_resume_exactly
     restarted host and an all_reduce every step, a rank that already had its next batch
     reports what it consumed only after the all_reduce, which waits for the other rank, whose
     resumed epoch waits for that report: the lease keepers report for their ranks when they
-    attach again (`JobTable.report_restart`; before, this hung 1 run in 2)."""
+    attach again (`JobTable.report_restart`; before, this hung 1 of its 3 runs)."""
     servers = [start_joaderd({"demo": demo_root}, cache_items=NUM_DEMO_ITEMS) for _ in range(2)]
     out = tmp_path / "run"
     epochs = 2
