@@ -187,6 +187,10 @@ def accelerate_job(args: argparse.Namespace) -> None:
     Path(args.out, f"done-{accelerator.process_index}.json").write_text(json.dumps({
         "len_loader": len(loader), "batches": counts}))
     accelerator.wait_for_everyone()
+    # What accelerate's docs end a script with: it destroys the process group. Without it, gloo's
+    # worker threads may still hold work at interpreter exit and abort the process (SIGABRT,
+    # "terminate called without an active exception"; pytorch/pytorch#190489), 1 run in ~30 here.
+    accelerator.end_training()
 
 
 # ------------------------------------------------------------------------------ torchrun
