@@ -63,6 +63,7 @@ class Reader:
         fields: dict[str, Any] = {
             "token": stream.token, "max_items": max_items, "worker_id": stream.worker_id,
             "rank": self.conn.identity.rank, "max_batches": BATCHES_PER_REQUEST if max_items else 0,
+            "num_workers": stream.num_workers,
         }
         if stream.measured and stream.epoch:
             fields.update(stall_epoch=stream.epoch, stall_wait_s=stream.wait_s,

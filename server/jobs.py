@@ -301,6 +301,11 @@ class JobTable:
                 "DataLoader's num_workers unchanged")
         if (args.token, args.pid) in rank.retired:
             raise PassSupersededError(self._superseded(job, rank.passes.get(args.token)))
+        pass_ = self._claim(job, rank, args)
+        pass_.num_workers = max(pass_.num_workers, args.num_workers)
+        return pass_
+
+    def _claim(self, job: Job, rank: Rank, args: NextArgs) -> Pass:
         pass_ = rank.passes.get(args.token)
         if pass_ is not None and not pass_.superseded:
             member = pass_.members.get(args.worker_id)

@@ -176,6 +176,11 @@ class Pass:
     release_at_s: float | None = None  # superseded: release unacknowledged copies then
     held: Counter[int] = field(default_factory=Counter)  # worker id -> its unacknowledged copies
     asking: Counter[int] = field(default_factory=Counter)  # worker id -> its Next calls in progress
+    # The DataLoader's turn (`Registry._out_of_turn`): how many workers read the pass, the
+    # items each was dealt, and the workers whose part of the epoch ended.
+    num_workers: int = 0
+    served: Counter[int] = field(default_factory=Counter)
+    ended: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -414,6 +419,7 @@ class NextArgs:
     resume_parts: int = 1  # how many readers of this rank report a part of the resume
     max_batches: int = 1  # whole batches of `max_items` one reply may carry, if ready at once
     stall: tuple[int, float, float, int] | None = None  # (epoch, wait s, step s, items) the reader measured
+    num_workers: int = 0  # the DataLoader workers reading the pass (0 or 1: no turns to keep)
 
 
 @dataclass

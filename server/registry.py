@@ -319,6 +319,9 @@ class Registry:
                 job.wake()  # the rank's other readers too
             left = self._left(job, rank, epoch)
             if left == 0:
+                if call.worker_id not in pass_.ended:
+                    pass_.ended.add(call.worker_id)
+                    job.wake()  # a reader waiting for this one's turn
                 return Batch(epoch, True, [], [], [], [])
             wanted = min(call.max_items, left if left is not None else call.max_items)
             # Whole batches: a reply holds `max_items` items (the rest of the epoch at its end),
@@ -334,7 +337,7 @@ class Registry:
             linger = call.linger_until_s
             lingered = partial_ok and linger is not None and now >= linger
             if ((ready >= wanted or (ready and (lingered or self._stopped)))
-                    and not self._after_another(call) and not self._must_acknowledge_first(call, wanted)):
+                    and not self._out_of_turn(call) and not self._must_acknowledge_first(call, wanted)):
                 batch = self._take_ready(job, rank, pass_, self._reply_size(call, rank, epoch, left, ready),
                                          call.worker_id)
                 assert batch is not None
@@ -372,6 +375,33 @@ class Registry:
                 return (f"rank {other.index} of {job.world_size} has not asked for items for "
                         f"{idle:.0f} s and its share is ready; this rank waits for it"), False, idle
         return "", False, 0.0
+
+    def _out_of_turn(self, call: NextCall) -> bool:
+        """Whether the call's reader must wait for another reader of its pass to be dealt first.
+
+        A DataLoader takes its workers' batches in turn (worker 0's first, worker 1's first,
+        ..., worker 0's second): batch b of worker w is the loop's batch b * W + w. A batch
+        dealt before the loop's earlier ones sits unread in a suspended worker, holding cache.
+        Beside a job that stopped reading with its copies out, the cache left to a job was one
+        batch: worker 0 was dealt its next batch while the loop waited for worker 1's, which
+        then had nowhere to decode into (the job got no item for good, 1 run in 5). So a pass
+        whose readers said how many they are (`num_workers`) is dealt in the loop's order:
+        the reader whose next batch comes first in it is served first; a reader whose part
+        ended no longer counts. Readers that did not say (older clients) are dealt by fewest
+        copies held (`_after_another`).
+        """
+        pass_ = call.pass_
+        workers = pass_.num_workers
+        if workers <= 1:
+            return self._after_another(call)
+        size = max(1, call.max_items)
+
+        def place(worker: int) -> int:
+            return (pass_.served[worker] // size) * workers + worker
+
+        mine = place(call.worker_id)
+        return any(place(worker) < mine for worker in range(workers)
+                   if worker != call.worker_id and worker not in pass_.ended)
 
     def _after_another(self, call: NextCall) -> bool:
         """Whether another reader of the call's pass, waiting now, holds fewer unacknowledged
@@ -474,11 +504,12 @@ class Registry:
         resume_parts: int = 1,
         max_batches: int = 1,
         stall: tuple[int, float, float, int] | None = None,
+        num_workers: int = 0,
     ) -> Batch:
         """`begin_next`, `poll_next` and `end_next`, blocking this thread while it waits."""
         event = threading.Event()
         args = NextArgs(job_id, secret, token, max_items, tuple(acks), worker_id, pid, rank,
-                        resume_epoch, resume_consumed, resume_parts, max_batches, stall)
+                        resume_epoch, resume_consumed, resume_parts, max_batches, stall, num_workers)
         call = self.begin_next(args, event.set)
         if isinstance(call, Batch):
             return call
@@ -579,6 +610,7 @@ class Registry:
             job.wake()
         rank.handed[epoch] += len(item_ids) + len(failed)
         pass_.held[worker_id] += len(item_ids)
+        pass_.served[worker_id] += len(item_ids) + len(failed)
         if len(pass_.asking) > 1:
             job.wake()  # a reader of the pass that deferred to this one may take what is left
         job.rate.add(self._clock(), len(item_ids) + len(failed))

@@ -927,3 +927,58 @@ def test_lease_keepers_reports_resume_a_restarted_ddp_epoch_before_any_reader_as
             break
     delivered = got[0] + got[1] + list(consumed[0]) + list(consumed[1])
     assert sorted(set(delivered)) == list(range(24)) and len(delivered) - len(set(delivered)) <= 1  # padding
+
+
+def test_a_passs_workers_are_dealt_in_the_loops_turn_beside_a_job_holding_the_cache() -> None:
+    """A DataLoader takes worker 0's batch, worker 1's, worker 0's next, ... Beside a job that
+    stopped reading with 24 of 32 slots in copies, a two-worker reader has one batch of cache.
+    Worker 0, having copied its batch, asks again (acknowledging it) before worker 1 was dealt
+    its first: dealt first come, worker 0's second batch would sit unread in a suspended worker
+    while the loop waits for worker 1's, which has nowhere to decode into (the job got no item
+    for good). In turn, worker 0 waits; worker 1 is dealt next; the pass reads its epoch through,
+    exactly once, and a worker whose part ended does not hold up the other."""
+    registry, pool, _ = make_registry(num_slots=32, lease_s=1000.0)
+    paused = attach(registry, "demo", BitMap(range(60)), "paused", 8)
+    held: list[int] = []
+    while len(held) < 24:  # its DataLoader workers' prefetch: replies it never acknowledges
+        pump(registry, pool)
+        held += nxt(registry, paused.job_id, 1, 8, [], pid=10).item_ids
+    assert len(held) == 24
+    reader = attach(registry, "demo", BitMap(range(40)), "reader", 8)
+    assert reader.cache_share == 16
+    nxt(registry, reader.job_id, 2, 8, [], worker_id=0, pid=20, num_workers=2)  # starts its rounds
+    pump(registry, pool)
+    first = nxt(registry, reader.job_id, 2, 8, [], worker_id=0, pid=20, num_workers=2)
+    assert len(first.item_ids) == 8
+    pump(registry, pool)
+    # worker 0 copied its batch out and asks for its next: the loop's third batch, not its second
+    assert nxt(registry, reader.job_id, 2, 8, first.item_ids, worker_id=0, pid=20, num_workers=2).item_ids == []
+    order = list(first.item_ids)
+    acks: dict[int, list[int]] = {0: [], 1: []}
+    done = {0: False, 1: False}
+    turns = []
+    for _ in range(40):
+        pump(registry, pool)
+        for worker in (1, 0):  # worker 1 asks first from here on: the turn, not the order of asking, decides
+            if done[worker]:
+                continue
+            reply = nxt(registry, reader.job_id, 2, 8, acks[worker], worker_id=worker, pid=20 + worker, num_workers=2)
+            acks[worker], done[worker] = reply.item_ids, reply.end_of_epoch
+            if reply.item_ids:
+                turns.append(worker)
+            order += reply.item_ids
+        if all(done.values()):
+            break
+    assert sorted(order) == list(range(40))
+    assert turns == [1, 0, 1, 0]  # batches 2..5 of the epoch, each to the worker the loop reads next
+
+
+def test_readers_that_do_not_say_their_number_are_dealt_as_before() -> None:
+    """An older client sends no num_workers: worker 0 may take a second batch before worker 1's
+    first (the copies-held rule, `_after_another`, still orders readers that are both asking)."""
+    registry, pool, _ = make_registry(num_slots=40, lease_s=1000.0)
+    job = attach(registry, "demo", BitMap(range(40)), "a", 4)
+    pump(registry, pool)
+    first = nxt(registry, job.job_id, 1, 4, [], worker_id=0, pid=10)
+    pump(registry, pool)
+    assert len(nxt(registry, job.job_id, 1, 4, first.item_ids, worker_id=0, pid=10).item_ids) == 4
