@@ -184,6 +184,13 @@ class JoaderDataset(IterableDataset):
         verify: check every item copied out of the arena against the crc32 its decode wrote
             (about 0.03 ms per 196 KB item) and raise `IntegrityError` on a mismatch. Default:
             on when the environment has JOADER_VERIFY=1.
+        prefetch: without DataLoader workers (the plain script), a thread of the training
+            process reads this many replies (batches) ahead: it waits for joaderd, copies the
+            items out and runs `transform` while the loop steps (`joader.client.prefetch`). 0:
+            all of that runs inside the loop's `next()`. The transform then draws its random
+            numbers in that thread, so augmentations do not follow torch.manual_seed exactly
+            (joader's order never did: it depends on the other jobs). DataLoader workers and
+            `batched=True` read as before.
     """
 
     def __init__(
@@ -205,11 +212,15 @@ class JoaderDataset(IterableDataset):
         seed: int | None = None,
         threads: int | str | None = "auto",
         verify: bool | None = None,
+        prefetch: int = 2,
     ) -> None:
         super().__init__()
         _set_threads(threads)
         if on_error not in ("skip", "raise"):
             raise InvalidArgumentError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise InvalidArgumentError(f"prefetch must be an int >= 0 (replies read ahead; 0: none), got {prefetch!r}")
+        self.prefetch = prefetch
         if batch_size is not None and batch_size < 1:
             raise InvalidArgumentError(f"batch_size must be >= 1, got {batch_size}")
         self.source = source

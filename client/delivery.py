@@ -31,6 +31,7 @@ from joader.client import frameworks
 from joader.client.connection import BATCHES_PER_REQUEST, Call, Connection, Reply
 from joader.client.handoff import ArenaBatch, Layout, Receipts
 from joader.client.passes import Pass, resume_point
+from joader.client.prefetch import prefetched
 from joader.errors import DecodeError, InvalidArgumentError, PassSupersededError, superseded_message
 from joader.proto import DTYPES, joader_pb2
 from joader.sources.safe_open import display_path
@@ -97,11 +98,13 @@ class Reader:
     # ----------------------------------------------------------------------------- the loop
 
     def replies(self, place: Callable[[Reply], None],
-                copied: Callable[[], list[int]] | None = None) -> Iterator[None]:
+                copied: Callable[[], list[int]] | None = None, finish: bool = True) -> Iterator[None]:
         """One epoch of replies. `place(reply)` copies the reply's items out of the arena;
         each batch is then acknowledged in the request that fetches the next one. Yields after
         each placing. `copied()`, if given, says what to acknowledge instead of the placed ids:
-        items another process copies out (`joader.client.handoff`), of the current server."""
+        items another process copies out (`joader.client.handoff`), of the current server.
+        `finish`: mark the pass's epoch finished at the end (a caller that reads ahead marks
+        it once the loop has taken the last item)."""
         ds, conn, stream = self.ds, self.conn, self.stream
         call: Call | None = self.ask()
         unreachable: list[float | None] = [None]
@@ -149,7 +152,7 @@ class Reader:
                                                   and response.waiting_s > RANK_NEVER_READ_LIMIT_S):
                         self._timed_out(response.waiting, idle_s)
                 yield
-            if ds._progress.current is stream:
+            if finish and ds._progress.current is stream:
                 ds._progress.finished = True
         finally:
             if call is not None:  # the loop broke out early with a batch on its way
@@ -217,10 +220,29 @@ class Reader:
     # ----------------------------------------------------------------------------- modes
 
     def items(self) -> Iterator[Any]:
-        """One `(image, label)` (or `(index, image, label)`) per item."""
+        """One `(image, label)` (or `(index, image, label)`) per item. In the training process
+        (no DataLoader worker) replies are read, copied out and transformed `ds.prefetch`
+        replies ahead by a thread (`joader.client.prefetch`); an item counts as yielded when
+        the loop takes it."""
+        ds, stream = self.ds, self.stream
+        self._follow_loader()
+        chunks = self._item_chunks()
+        if ds.prefetch > 0 and get_worker_info() is None:
+            chunks = prefetched(chunks, ds.prefetch, f"joader-prefetch-{self.conn.job_id}")
+        try:
+            for chunk in chunks:
+                for index, value in chunk:
+                    self._yielded([index])
+                    yield value
+        finally:
+            chunks.close()  # type: ignore[attr-defined]
+        if ds._progress.current is stream:
+            ds._progress.finished = True
+
+    def _item_chunks(self) -> Iterator[list[tuple[int, Any]]]:
+        """Per reply, its items as `(index, what the loop is given)`, transformed."""
         ds, conn = self.ds, self.conn
         placed: list[tuple[int, torch.Tensor, int]] = []
-        self._follow_loader()
 
         def place(reply: Reply) -> None:
             response = reply.response
@@ -232,13 +254,15 @@ class Reader:
             conn.check(response, arrays)
             placed.extend(zip(response.item_ids, map(torch.from_numpy, arrays), response.labels, strict=True))
 
-        for _ in self.replies(place):
+        transform, return_index = ds.transform, ds.return_index
+        for _ in self.replies(place, finish=False):
             ready, placed[:] = list(placed), []
+            chunk = []
             for index, image, label in ready:
-                if ds.transform is not None:
-                    image = ds.transform(image)
-                self._yielded([index])
-                yield (index, image, label) if ds.return_index else (image, label)
+                if transform is not None:
+                    image = transform(image)
+                chunk.append((index, (index, image, label) if return_index else (image, label)))
+            yield chunk
 
     def _follow_loader(self) -> None:
         """Asks in the batch size of the DataLoader that collates these items, when its fetch
