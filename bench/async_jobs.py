@@ -6,7 +6,8 @@
     throughput alone (the same job, alone on a fresh joaderd with the same cache); target: the
     fastest keeps >= 97%, with no more decodes than joaderd's old round-order pacing: each
     repetition runs the mix under every `--pacings` value (joaderd --pacing deadline | rounds),
-    side by side. A concurrent DataLoader baseline run is shown beside it (full mode).
+    side by side. Concurrent DataLoader baselines are shown beside it (full mode): one decoding as
+    joaderd does (turbo), one with Pillow.
 (b) staggered: four jobs at the base step arriving one after another (every `--stagger-s`).
     Throughput beside alone; total decodes beside the independent baseline (every job decoding
     its own items: the sum of the jobs' dataset sizes).
@@ -128,14 +129,15 @@ def part_speeds(root: Path, n: int, args: argparse.Namespace) -> dict[str, Any]:
             print(f"(a) whole cache, pacing {pacing}: {mix['samples_per_s']} samples/s, ratio "
                   f"{mix['fastest_ratio']}, decoded {mix['items_decoded']}", flush=True)
     baseline = None
-    if args.with_baseline:
-        start_at = time.time() + start_margin_s(len(steps))
-        reports = run_jobs([simjob_command(f"b{i}", baseline=root, batch_size=args.batch_size, step_s=s,
-                                           num_workers=args.baseline_workers, start_at=start_at)
-                            for i, s in enumerate(steps)])
-        baseline = {"workers_per_job": args.baseline_workers,
-                    "samples_per_s": [round(r["epochs"][0]["num_samples"] / r["epochs"][0]["wall_s"], 1)
-                                      for r in reports]}
+    if args.with_baseline:  # DataLoaders decoding as joaderd does (turbo), and with Pillow
+        baseline = {"workers_per_job": args.baseline_workers}
+        for decoder in ("turbo", "pil"):
+            start_at = time.time() + start_margin_s(len(steps))
+            reports = run_jobs([simjob_command(f"b{i}", baseline=root, batch_size=args.batch_size, step_s=s,
+                                               num_workers=args.baseline_workers, start_at=start_at, decoder=decoder)
+                                for i, s in enumerate(steps)])
+            key = "samples_per_s" if decoder == "turbo" else "pil_samples_per_s"
+            baseline[key] = [round(r["epochs"][0]["num_samples"] / r["epochs"][0]["wall_s"], 1) for r in reports]
     by_pacing = {}
     for pacing in args.pacings:
         mine = [r for r in reps if r["pacing"] == pacing]
@@ -296,10 +298,11 @@ def main(argv: list[str] | None = None) -> int:
                  *[s["pacings"][p]["together_samples_per_s"][k] for p in pacings],
                  *[round(s["pacings"][p]["together_samples_per_s"][k] / s["alone_samples_per_s"][k], 3)
                    for p in pacings],
-                 s["baseline_together"]["samples_per_s"][k] if s["baseline_together"] else "-"]
+                 s["baseline_together"]["samples_per_s"][k] if s["baseline_together"] else "-",
+                 s["baseline_together"].get("pil_samples_per_s", ["-"] * 5)[k] if s["baseline_together"] else "-"]
                 for k in range(5)]
         print_table(["job", "alone samp/s", *[f"{p} samp/s" for p in pacings], *[f"{p} ratio" for p in pacings],
-                     "DataLoader together"], rows)
+                     "DataLoaders (turbo) together", "DataLoaders (Pillow) together"], rows)
         for p in pacings:
             ps = s["pacings"][p]
             full = ps["full_cache"]

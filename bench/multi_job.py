@@ -25,6 +25,9 @@ the whole dataset.
 Both sides decode with joaderd's default decoder (turbo), or both with `--decoder pil`: the
 fast-by-default issue's targets (plain >= 2.0x at N = 4) were set with Pillow on both sides, where
 decoding is the bottleneck that sharing removes; with turbo the ideal ratio itself is lower.
+Beside the main baseline, the same DataLoaders run once more per N decoding with the other decoder
+(Pillow beside turbo; turbo beside `--decoder pil`; `--no-other-baseline` skips it): joader
+against DataLoaders that decode as fast is the sharing gain alone, the other the decoder's too.
 
 Usage: python bench/multi_job.py [--quick] [--items 2000] [--jobs 1,2,3,4,5,6] [--reps 3] [--decoder pil]
 Writes bench/results/multi_job[-quick].json and .png and prints a table.
@@ -98,16 +101,19 @@ def decoder_args(args: argparse.Namespace) -> list[str]:
     return ["--decoder", args.decoder] if args.decoder else []
 
 
-def baseline_trial(root: Path, num_jobs: int, workers: int, args: argparse.Namespace) -> dict[str, Any]:
+def baseline_trial(root: Path, num_jobs: int, workers: int, args: argparse.Namespace,
+                   decoder: str | None = None, side: str = "baseline") -> dict[str, Any]:
     cpu_before = children_cpu_s()
     start_at = time.time() + start_margin_s(num_jobs)
+    decoder = decoder or args.decoder
     reports = run_jobs([simjob_command(f"b{i}", baseline=root, batch_size=args.batch_size, step_s=args.step_s,
-                                       num_workers=workers, start_at=start_at, decoder=args.decoder,
+                                       num_workers=workers, start_at=start_at, decoder=decoder,
                                        augment=args.augment)
                         for i in range(num_jobs)])
     out = summarize_jobs(reports)
     out.update({
-        "side": "baseline", "num_jobs": num_jobs, "workers_per_job": workers, "cpu_s": out["jobs_cpu_s"],
+        "side": side, "decoder": decoder or "turbo", "num_jobs": num_jobs, "workers_per_job": workers,
+        "cpu_s": out["jobs_cpu_s"],
         "items_decoded": out["samples"], "items_delivered": out["samples"],
         "total_cpu_s": round(children_cpu_s() - cpu_before, 3),
     })
@@ -141,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decoder", choices=("pil", "turbo"),
                         help="the decoder of BOTH sides (joaderd's --decoder and the baseline's stage); "
                              "default: joaderd's default (turbo). The issue's targets were set with pil")
+    parser.add_argument("--no-other-baseline", dest="other_baseline", action="store_false",
+                        help="skip the second DataLoader baseline, which decodes with the other decoder "
+                             "(Pillow beside turbo, or turbo beside --decoder pil), at the main baseline's "
+                             "worker count: it shows the sharing gain apart from the decoder gain")
     parser.add_argument("--variants", default="plain,readme,tuned",
                         help="joader variants, side by side: plain, readme, tuned (the main table is tuned)")
     args = parser.parse_args(argv)
@@ -153,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     reps = args.reps or (1 if args.quick else 3)
     search = [int(w) for w in (args.baseline_workers or ("1,2" if args.quick else "0,1,2")).split(",")]
     name = ("multi_job-quick" if args.quick else "multi_job") + (f"-{args.decoder}" if args.decoder else "")
+    other_decoder = "turbo" if args.decoder == "pil" else "pil"
 
     root = demo_data(num_items)
     info = machine()
@@ -182,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"{b['aggregate_samples_per_s']:.0f}/s, cpu/sample {b['cpu_per_sample_ms']:.2f} ms", flush=True)
             if n not in best_workers:
                 best_workers[n] = max(results, key=lambda r: r["aggregate_samples_per_s"])["workers_per_job"]
+            if args.other_baseline:
+                o = baseline_trial(root, n, best_workers[n], args, decoder=other_decoder, side="other")
+                o["rep"] = rep
+                trials.append(o)
+                print(f"rep {rep} N={n} baseline {other_decoder} w={best_workers[n]}: epoch {max(o['epoch_s']):.2f} s, "
+                      f"{o['aggregate_samples_per_s']:.0f}/s", flush=True)
         f = joader_trial(root, num_items, args.full_cache_jobs, args, full_cache_bytes(num_items))
         f["rep"] = rep
         full_cache.append(f)
@@ -220,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
             "ideal_baseline_samples_per_s": round(min(n * rate, decode_per_s), 1),
         }
         row["ideal_speedup"] = round(row["ideal_joader_samples_per_s"] / row["ideal_baseline_samples_per_s"], 3)
+        o = [t for t in trials if t["side"] == "other" and t["num_jobs"] == n]
+        if o:
+            row["other_decoder"] = other_decoder
+            row["other_samples_per_s"] = median([t["aggregate_samples_per_s"] for t in o])
+            row["speedup_vs_other"] = median([tj["aggregate_samples_per_s"] / to["aggregate_samples_per_s"]
+                                              for tj in j for to in o if to["rep"] == tj["rep"]])
         for variant in variants:  # each variant's aggregate and its ratio to the best baseline, per rep
             vt = [t for t in trials if t["side"] == "joader" and t["num_jobs"] == n and t["variant"] == variant]
             row[f"{variant}_samples_per_s"] = median([t["aggregate_samples_per_s"] for t in vt])
@@ -255,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
                 [[r["num_jobs"], r["baseline_samples_per_s"], *[r[f"{v}_samples_per_s"] for v in variants],
                   *[round(r[f"{v}_speedup"], 3) for v in variants],
                   *[round(r[f"{v}_vs_tuned"], 3) for v in variants if v != "tuned"]] for r in table])
+    if args.other_baseline:
+        print(f"\nthe same DataLoaders decoding with {other_decoder} (same worker count), same run:")
+        print_table(["N", f"base ({args.decoder or 'turbo'}) samp/s", f"base ({other_decoder}) samp/s",
+                     f"jd x {args.decoder or 'turbo'}", f"jd x {other_decoder}"],
+                    [[r["num_jobs"], r["baseline_samples_per_s"], r["other_samples_per_s"], round(r["speedup"], 3),
+                      round(r["speedup_vs_other"], 3)] for r in table])
     print(f"whole-dataset cache, N={full['num_jobs']}: epoch {full['epoch_max_s']:.2f} s, "
           f"{full['samples_per_s']:.0f}/s, cpu {full['cpu_ms_per_sample']:.2f} ms/sample, "
           f"decoded {full['items_decoded']:.0f}")
