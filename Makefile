@@ -40,6 +40,7 @@ bench: venv
 	$(PY) bench/identical_jobs.py --reps 1
 	$(PY) bench/analyze.py --quick
 	$(PY) bench/autoscale.py --quick
+	$(PY) bench/four_jobs.py --reps 1 --name four_jobs-quick
 
 bench-full: venv
 	$(PY) bench/sampler.py
@@ -49,6 +50,7 @@ bench-full: venv
 	$(PY) bench/identical_jobs.py
 	$(PY) bench/analyze.py
 	$(PY) bench/autoscale.py
+	$(PY) bench/four_jobs.py
 
 lint: venv
 	$(VENV)/bin/ruff check joader server client tests bench
