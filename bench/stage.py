@@ -13,6 +13,11 @@
     500x375 files from the (warm) page cache and running center-crop:256 in a loop; images/s of
     all of them together, for pil and turbo (default options). Median of several repetitions.
 
+(d) Where a 2000x1500 decode's time goes: the DCT-scaled decode both decoders make, in RGB and in
+    grayscale, the resize after it, OpenCV's reduced decode, Pillow's draft and full decodes.
+Beside joader's decoders, (a) also times a "plain Pillow" reference: what a torchvision-style
+ImageFolder does (full-size decode, bilinear resize, crop), not a joader decoder.
+
 Usage: python bench/stage.py [--quick] [--reps N] [--out PATH]. --quick (under a minute or
 two) uses fewer images, repetitions and seconds. Prints tables and writes JSON (default
 bench/results/stage.json, or stage-quick.json with --quick).
@@ -97,6 +102,79 @@ def _photo_pixels(seed: int) -> np.ndarray:
     return np.clip(img, 0, 255).astype(np.uint8)
 
 
+class PlainPillow:
+    """What a torchvision-style ImageFolder does with Pillow, for reference (not a joader
+    decoder): `Image.open(...).convert("RGB")` at full size, the shorter side resized to S
+    (bilinear, antialiased), then the center S x S crop for center-crop. No `draft`: users'
+    loaders do not scale in the DCT. Written with Pillow alone (torchvision is not installable
+    here)."""
+
+    def __init__(self, kind: str, size: int) -> None:
+        self.kind, self.size, self.name = kind, size, f"{kind}:{size}/plain-pillow"
+
+    def prepare(self, data: bytes, path: str) -> np.ndarray:
+        import io
+
+        from PIL import Image
+
+        image = Image.open(io.BytesIO(data)).convert("RGB")
+        width, height = image.size
+        if self.kind == "max-side":
+            scale = self.size / max(width, height)
+        else:
+            scale = self.size / min(width, height)
+        image = image.resize((max(1, round(width * scale)), max(1, round(height * scale))), Image.BILINEAR)
+        if self.kind == "center-crop":
+            w, h = image.size
+            left, top = (w - self.size) // 2, (h - self.size) // 2
+            image = image.crop((left, top, left + self.size, top + self.size))
+        return np.asarray(image).transpose(2, 0, 1).copy()
+
+
+def phases(blobs: list[bytes], reps: int) -> list[dict[str, Any]]:
+    """Where a 2000x1500 decode's time goes, ms per image (best of `reps`): the DCT-scaled
+    decode both joader decoders make (libjpeg-turbo's entropy decoding of the whole file is
+    most of it: a grayscale decode skips only colour conversion and upsampling), the resize
+    after it, and the alternatives."""
+    import io
+
+    import cv2
+    import simplejpeg
+    from PIL import Image
+
+    quarter = simplejpeg.decode_jpeg(blobs[0], min_height=256, min_width=341)
+
+    def pil_draft(data: bytes) -> Any:
+        image = Image.open(io.BytesIO(data))
+        image.draft("RGB", (341, 256))
+        return np.asarray(image.convert("RGB"))
+
+    steps = {
+        "simplejpeg, 1/4 scale, RGB": lambda d: simplejpeg.decode_jpeg(d, min_height=256, min_width=341),
+        "simplejpeg, 1/4 scale, grayscale": lambda d: simplejpeg.decode_jpeg(d, colorspace="Gray", min_height=256,
+                                                                             min_width=341),
+        "simplejpeg, full size": lambda d: simplejpeg.decode_jpeg(d),
+        "OpenCV IMREAD_REDUCED_COLOR_4": lambda d: cv2.imdecode(np.frombuffer(d, np.uint8),
+                                                                cv2.IMREAD_REDUCED_COLOR_4),
+        "cv2.resize 1/4-scale decode -> 341x256 (INTER_AREA)": lambda d: cv2.resize(
+            quarter, (341, 256), interpolation=cv2.INTER_AREA),
+        "Pillow draft 1/4 + convert": pil_draft,
+        "Pillow full size + convert": lambda d: np.asarray(Image.open(io.BytesIO(d)).convert("RGB")),
+    }
+    rows = []
+    for label, step in steps.items():
+        best = min(_per_image_s(step, blobs) for _ in range(reps))
+        rows.append({"step": label, "ms_per_image": round(best * 1e3, 2)})
+    return rows
+
+
+def _per_image_s(step: Any, blobs: list[bytes]) -> float:
+    start = time.perf_counter()
+    for data in blobs:
+        step(data)
+    return (time.perf_counter() - start) / len(blobs)
+
+
 def images_per_s(stage: Any, blobs: list[bytes]) -> float:
     start = time.perf_counter()
     for i, data in enumerate(blobs):
@@ -108,9 +186,11 @@ def bench_single(datasets: dict[str, list[bytes]], reps: int) -> list[dict[str, 
     rows = []
     for dataset, blobs in datasets.items():
         for kind, size in STAGES:
-            stages = {label: build_stage(kind, size=size, upscale=kind == "center-crop",
-                                         decoder=decoder, options=options)
-                      for label, decoder, options in DECODERS}  # fmt: skip
+            stages: dict[str, Any] = {label: build_stage(kind, size=size, upscale=kind == "center-crop",
+                                                         decoder=decoder, options=options)
+                                      for label, decoder, options in DECODERS}  # fmt: skip
+            if kind != "max-side" or dataset != "500x375":  # (max-side 512 would upscale those)
+                stages["plain Pillow (reference)"] = PlainPillow(kind, size)
             for stage in stages.values():
                 stage.prepare(blobs[0], "warm-up")
             rates: dict[str, list[float]] = {label: [] for label in stages}
@@ -243,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
                 [[r["decoder"], r["processes"], r["images_per_s"], r["per_process"],
                   r["vs_pil"]] for r in capacity])  # fmt: skip
 
+    print(f"\n(d) where a 2000x1500 decode's time goes, ms per image, best of {reps}")
+    steps = phases(datasets["2000x1500"], reps)
+    print_table(["step", "ms/image"], [[r["step"], r["ms_per_image"]] for r in steps])
+
     def pick(dataset: str, stage: str, decoder: str) -> dict[str, Any]:
         return next(r for r in single if (r["dataset"], r["stage"], r["decoder"]) == (dataset, stage, decoder))
 
@@ -252,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
         "capacity_gain": capacity[1]["vs_pil"],
         "per_core_speedup_center_crop_500x375": pick("500x375", "center-crop:256", TURBO_DEFAULT)["speedup_vs_pil"],
         "per_core_speedup_center_crop_2000x1500": pick("2000x1500", "center-crop:256", TURBO_DEFAULT)["speedup_vs_pil"],
+        "per_core_speedup_resize_2000x1500": pick("2000x1500", "resize:256", TURBO_DEFAULT)["speedup_vs_pil"],
+        "turbo_vs_plain_pillow_center_crop_2000x1500": round(
+            pick("2000x1500", "center-crop:256", TURBO_DEFAULT)["images_per_s"]
+            / pick("2000x1500", "center-crop:256", "plain Pillow (reference)")["images_per_s"], 3),
         "max_mean_abs_diff_turbo": max(r["mean_abs_diff"] for r in diffs if r["decoder"] == TURBO_DEFAULT),
         "turbo_default_options": TURBO_OPTIONS,
     }  # fmt: skip
@@ -265,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         "single_process": single,
         "pixel_diff_vs_pil": diffs,
         "capacity_all_workers": capacity,
+        "phases_2000x1500": steps,
     }
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=1) + "\n")
