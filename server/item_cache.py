@@ -37,8 +37,10 @@ Now a decode is given exactly its item's bytes, found in one of three ways, chea
   keeps the array and answers with its size (a result that did not fit: ok False, nbytes > 0);
   `file_result` allocates exactly that and dispatches the placement at once, which the pool
   sends to the worker that kept the array: one extra round trip, no second decode.
-A pool that has neither (the unit tests' fakes) gets the bound for an item's first decode, as
-before. A head whose probe is out waits for it only while every worker has a decode to run: a
+A stage whose bound is the size of nearly every item (`bound_is_nominal`: `center-crop`
+without upscale, S x S x C but for images smaller than S) gets neither: a first decode is given
+the bound, and the rare smaller item is shrunk when it lands. A pool that has neither (the unit
+tests' fakes) gets the bound for an item's first decode, as before. A head whose probe is out waits for it only while every worker has a decode to run: a
 result will dispatch again soon, and the wait costs nothing then.
 
 Why not a round trip in the middle of every decode (the worker reads the header, asks, waits for
@@ -283,7 +285,7 @@ class ItemCache:
                 how, nbytes, offset = "exact", known, self._allocate(known)
             elif key in self._probing and pool.in_flight >= pool.num_workers:
                 return  # its size is coming, and every worker has a decode meanwhile
-            elif getattr(pool, "sizes_first", False) and not known:
+            elif getattr(pool, "sizes_first", False) and not known and not bound_is_nominal(source):
                 how, nbytes, offset = "sized_first", 0, -1  # no range yet: the result says its size
             else:
                 how, nbytes, offset = "at_bound", bound, self._allocate(bound)
@@ -320,9 +322,11 @@ class ItemCache:
         sizes[item_id] = max(1, nbytes)  # an empty item still takes one unit of the arena
 
     def _want_size(self, item: Item) -> None:
-        """`item` waits for a decode: ask for its size if its stage can read it from a header."""
+        """`item` waits for a decode: ask for its size if its stage can read it from a header
+        (and its bound is not the size nearly every item has: `bound_is_nominal`)."""
         source = item.source
         if (source.stage.spec.shape is None and callable(getattr(source.stage, "item_nbytes", None))
+                and not bound_is_nominal(source)
                 and item.key not in self._probing and self.known_size(source, item.item_id) == _NO_SIZE):
             self._to_probe.append(item.key)
 
@@ -506,3 +510,21 @@ class ItemCache:
             actual = {key: item.pins for key, item in self.items.items() if item.pins}
             wanted = {key: n for key, n in expected_pins.items() if n}
             assert actual == wanted, f"pins differ: cache {actual}, jobs {wanted}"
+
+
+def bound_is_nominal(source: Source) -> bool:
+    """Whether the stage's bound is the size of nearly every item: its `nominal_shape` (the
+    shape items have but for images smaller than S: `center-crop` without upscale) fills the
+    bound exactly. Such an item's first decode is given the bound at once: no probe (a second
+    read of the file and a round trip per item, about 0.1 ms of a worker's 1.6 ms decode, for
+    nothing) and no size-first round trip; the rare smaller item is shrunk when it lands, and
+    its size remembered for its later decodes."""
+    nominal = getattr(source.stage, "nominal_shape", None)
+    if not nominal:
+        return False
+    spec = source.stage.spec
+    try:
+        itemsize = np.dtype(spec.dtype).itemsize
+    except TypeError:
+        return False
+    return int(np.prod(nominal)) * itemsize == spec.max_nbytes

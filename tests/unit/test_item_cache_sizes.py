@@ -193,6 +193,33 @@ def test_an_unreadable_header_and_a_user_stage_go_size_first() -> None:
     assert cache.decodes_sized_first == 5 and cache.items_decoded == 5 and cache.allocator.stats().num_holes == 1
 
 
+class CenterCropStage(Stage):
+    """`center-crop` without upscale: its bound is the size of nearly every item (S x S x C),
+    smaller only for an image smaller than S."""
+
+    name = "center-crop:8"
+    spec = ItemSpec.variable(BOUND, "uint8", 3)
+    nominal_shape = (1, 1, BOUND)
+
+
+def test_a_stage_whose_bound_is_its_items_size_is_neither_probed_nor_sized_first() -> None:
+    cache, source = make(8 * BOUND, CenterCropStage())
+    pool = Pool(num_workers=2)
+    pool.sizes = {i: BOUND for i in range(NUM_ITEMS)}
+    pool.sizes[3] = BOUND // 4  # an image smaller than S: a smaller square
+    want(cache, source, range(6))
+    dispatch(cache, pool)
+    assert pool.probed == []  # no second read of each file
+    assert [(item_id, capacity) for _, item_id, _, capacity in pool.tasks] == [(i, BOUND) for i in range(4)]
+    while pool.tasks or any(not cache.items[i].state.settled for i in range(6)):
+        pool.finish(cache)
+        dispatch(cache, pool)
+    assert cache.decodes_at_bound == 6 and cache.decodes_sized_first == 0 and cache.items_decoded == 6
+    assert cache.items[3].nbytes == BOUND // 4  # shrunk when it landed
+    assert cache.known_size(source, 3) == BOUND // 4  # and remembered: its next decode is exact
+    read_all(cache, source, range(6))
+
+
 def test_a_pool_that_can_do_neither_gets_the_bound_and_the_size_is_remembered() -> None:
     cache, source = make(3 * BOUND)
     pool = Pool(probes=False, sizes_first=False)
