@@ -15,7 +15,12 @@ measures every `period_s` and moves the pool one worker at a time:
   an idle joaderd (no jobs reading) shrinks to `min_workers`.
 
 Hysteresis: a condition must hold for `patience` periods in a row, and after a change nothing
-moves for `cooldown_s` (the jobs need time to show its effect). Bounds: `min_workers` ..
+moves for `cooldown_s` (the jobs need time to show its effect). One exception: a job that waits
+`grow_now_stall` (a third) of its time or more on workers that are all busy grows the pool at
+the first period that shows it. That is the start of every run (an empty cache, every job
+wanting its first batches): four jobs on 2 cores waited 2 s more for the second worker with
+patience, 20% of an 8 s run (`bench/four_jobs.py --server-workers auto`), while a worker
+too many costs one process until the cooldown lets it go. Bounds: `min_workers` ..
 `max_workers` (default 1 .. the CPUs joaderd may use). Every change is logged with its reason
 and shown by `joader status` / `joader top` (the pool's resize log).
 
@@ -37,6 +42,7 @@ class AutoscaleConfig:
     period_s: float = 2.0
     grow_stall: float = 0.10
     busy_to_grow: float = 0.80
+    grow_now_stall: float = 0.33  # a stall this long (and the rest of the grow rule) needs no patience
     idle_cores_to_grow: float = 0.3
     busy_to_shrink: float = 0.60
     patience: int = 2
@@ -87,12 +93,16 @@ class Autoscaler:
                           f"worker(s) would be {needed:.0%} busy")
         streak = self._streak[1] + 1 if direction and direction == self._streak[0] else (1 if direction else 0)
         self._streak = (direction, streak)
-        if not direction or streak < config.patience or now_s - self._last_change_s < config.cooldown_s:
+        patience = 1 if direction == "grow" and waiting >= config.grow_now_stall else config.patience
+        if not direction or streak < patience or now_s - self._last_change_s < config.cooldown_s:
             return None
         self._streak = ("", 0)
         self._last_change_s = now_s
         self.workers += 1 if direction == "grow" else -1
         return self.workers, reason
+
+
+_NEW_JOB: dict[str, Any] = {"items_delivered": 0, "stall_total": {"wait_s": 0.0, "step_s": 0.0}, "server_wait_s": 0.0}
 
 
 class PeriodMeter:
@@ -113,8 +123,10 @@ class PeriodMeter:
         old = {job["job_id"]: job for job in before["jobs"]}
         stalls, waits, reading = [], [], 0
         for job in status["jobs"]:
-            prior = old.get(job["job_id"])
-            if prior is None or job["items_delivered"] == prior["items_delivered"]:
+            # A job that came during the period counts from its start: its first batches are
+            # when it waits most, and skipping them delayed a needed worker by a period.
+            prior = old.get(job["job_id"]) or _NEW_JOB
+            if job["items_delivered"] == prior["items_delivered"]:
                 continue
             reading += 1
             wait = job["stall_total"]["wait_s"] - prior["stall_total"]["wait_s"]
