@@ -32,10 +32,12 @@ import os
 import secrets
 import struct
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from pyroaring import BitMap
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _HEADER = 8192
 _IDENTITY_AT = 36
@@ -93,11 +95,20 @@ class Board:
                 self._items = self._receipts = None
                 self._map.close()
             self._map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            count = (size - _HEADER) // 4
-            self._items = np.frombuffer(self._map, dtype=np.uint32, count=count, offset=_HEADER)
-            # One aligned 8-byte store per receipt (a numpy element), never two halves.
-            self._receipts = np.frombuffer(self._map, dtype=np.uint64, count=RECEIPT_SLOTS, offset=_RECEIPTS_AT)
         return self._map
+
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """numpy views of the items' epochs and the receipts, made when first needed: the lease
+        keeper uses neither (but after a restart), and numpy is 40 ms of its start-up."""
+        mapping = self._remap()
+        if self._items is None or self._receipts is None:
+            import numpy as np
+
+            count = (len(mapping) - _HEADER) // 4
+            self._items = np.frombuffer(mapping, dtype=np.uint32, count=count, offset=_HEADER)
+            # One aligned 8-byte store per receipt (a numpy element), never two halves.
+            self._receipts = np.frombuffer(mapping, dtype=np.uint64, count=RECEIPT_SLOTS, offset=_RECEIPTS_AT)
+        return self._items, self._receipts
 
     def _get(self, offset: int) -> int:
         return _U64.unpack_from(self._remap(), offset)[0]
@@ -164,6 +175,8 @@ class Board:
         POSIX record lock makes the test-and-set atomic across the workers."""
         fcntl.lockf(self.fd, fcntl.LOCK_EX, 16 + 4 * RECEIPT_SLOTS, _PASS_AT)
         try:
+            import numpy as np
+
             mapping = self._remap()
             pids = np.frombuffer(mapping, dtype=np.uint32, count=RECEIPT_SLOTS, offset=_PASS_AT + 16)
             current_key, token = self._get(_PASS_AT), self._get(_PASS_AT + 8)
@@ -181,14 +194,10 @@ class Board:
 
     def receipt(self, slot: int) -> int:
         """The last receipt noted in worker slot `slot` (0: none)."""
-        self._remap()
-        assert self._receipts is not None
-        return int(self._receipts[slot])
+        return int(self._arrays()[1][slot])
 
     def note_receipt(self, slot: int, value: int) -> None:
-        self._remap()
-        assert self._receipts is not None
-        self._receipts[slot] = value
+        self._arrays()[1][slot] = value
 
     def current_pass(self) -> tuple[int, int]:
         """(epoch, token) of the newest pass a reader of this rank received items of."""
@@ -209,15 +218,15 @@ class Board:
 
     def mark(self, item_ids: list[int], epoch: int) -> None:
         """These items reached a reader in `epoch`."""
-        self._remap()
-        assert self._items is not None
-        self._items[np.asarray(item_ids, dtype=np.int64)] = epoch
+        import numpy as np
+
+        self._arrays()[0][np.asarray(item_ids, dtype=np.int64)] = epoch
 
     def received(self, epoch: int) -> BitMap:
         """The items this rank's readers received in `epoch`."""
-        self._remap()
-        assert self._items is not None
-        return BitMap(np.flatnonzero(self._items == epoch).astype(np.uint32))
+        import numpy as np
+
+        return BitMap(np.flatnonzero(self._arrays()[0] == epoch).astype(np.uint32))
 
     def close(self) -> None:
         self._items = self._receipts = None
