@@ -23,7 +23,7 @@ DataLoader workers, which decode) - and the floors they imply: CPU during the sp
 beside the GPU floor and the measured span. Where the span exceeds both floors, the time is in
 waits (`data wait`: the loops' time in `next()` beyond their CPU there).
 
-Usage: python bench/four_jobs.py [--reps 3] [--jobs 4] [--items 1200] [--sides joader,turbo,pil]
+Usage: python bench/four_jobs.py [--reps 3] [--jobs 4] [--items 1200] [--sides joader,turbo,pil] [--data DIR]
 Writes bench/results/four_jobs.json and prints the tables.
 """
 
@@ -198,12 +198,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="each job reads as soon as it is built (plain scripts launched together), "
                              "not all at once after every job is ready")
     parser.add_argument("--prefetch", type=int, help="joader side: JoaderDataset(prefetch=N) (default: not given)")
+    parser.add_argument("--data", type=Path, metavar="DIR",
+                        help="an ImageFolder to use instead of the generated demo data (--items is then "
+                             "its number of images)")
     parser.add_argument("--name", default="four_jobs")
     args = parser.parse_args(argv)
     sides = [s for s in args.sides.split(",") if s]
     if any(s not in SIDES for s in sides):
         parser.error(f"--sides: some of {', '.join(SIDES)}")
-    root = demo_data(args.items)
+    if args.data is not None:
+        from joader.sources.imagefolder import list_image_folder
+
+        root = args.data.resolve()
+        args.items = len(list_image_folder(str(root)).paths)
+        args.data = str(root)
+    else:
+        root = demo_data(args.items)
     info = machine()
     search = [int(w) for w in args.baseline_workers.split(",")]
     best: dict[str, int] = {}
