@@ -61,6 +61,7 @@ Plain logic, no lock: the `Registry` calls it under its own lock.
 from __future__ import annotations
 
 import heapq
+import math
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -527,4 +528,4 @@ def bound_is_nominal(source: Source) -> bool:
         itemsize = np.dtype(spec.dtype).itemsize
     except TypeError:
         return False
-    return int(np.prod(nominal)) * itemsize == spec.max_nbytes
+    return math.prod(nominal) * itemsize == spec.max_nbytes
