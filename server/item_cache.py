@@ -61,8 +61,8 @@ Plain logic, no lock: the `Registry` calls it under its own lock.
 from __future__ import annotations
 
 import heapq
-import math
 import logging
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
