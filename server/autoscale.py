@@ -18,9 +18,9 @@ Hysteresis: a condition must hold for `patience` periods in a row, and after a c
 moves for `cooldown_s` (the jobs need time to show its effect). One exception: a job that waits
 `grow_now_stall` (a third) of its time or more on workers that are all busy grows the pool at
 the first period that shows it. That is the start of every run (an empty cache, every job
-wanting its first batches): four jobs on 2 cores waited 2 s more for the second worker with
-patience, 20% of an 8 s run (`bench/four_jobs.py --server-workers auto`), while a worker
-too many costs one process until the cooldown lets it go. Bounds: `min_workers` ..
+wanting its first batches): with patience, four jobs on 2 cores got their second worker 2 s
+later, a quarter into an 8 s run (`bench/four_jobs.py --server-workers auto --no-barrier`),
+while a worker too many costs one process until the cooldown lets it go. Bounds: `min_workers` ..
 `max_workers` (default 1 .. the CPUs joaderd may use). Every change is logged with its reason
 and shown by `joader status` / `joader top` (the pool's resize log).
 
