@@ -40,8 +40,9 @@ Now a decode is given exactly its item's bytes, found in one of three ways, chea
 A stage whose bound is the size of nearly every item (`bound_is_nominal`: `center-crop`
 without upscale, S x S x C but for images smaller than S) gets neither: a first decode is given
 the bound, and the rare smaller item is shrunk when it lands. A pool that has neither (the unit
-tests' fakes) gets the bound for an item's first decode, as before. A head whose probe is out waits for it only while every worker has a decode to run: a
-result will dispatch again soon, and the wait costs nothing then.
+tests' fakes) gets the bound for an item's first decode, as before. A head whose probe is out
+waits for it only while every worker has a decode to run: a result will dispatch again soon, and
+the wait costs nothing then.
 
 Why not a round trip in the middle of every decode (the worker reads the header, asks, waits for
 an offset, decodes): the allocation must happen under the registry's lock, which the results

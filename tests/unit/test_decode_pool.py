@@ -598,12 +598,11 @@ def test_resize_validates_and_logs_every_change(listing: SourceListing, caplog: 
             pool.resize(2)
 
 
-
 # Run in a fresh interpreter, as joaderd runs its pool: a lean parent whose forked workers start
 # with a small heap (a worker forked from pytest inherits a large, fragmented one, where the
 # decode buffers fit in old free space and nothing is ever returned to the kernel).
 _FAULTS_SCRIPT = """
-import sys, time
+import sys
 from joader.cache.arena import Arena
 from joader.server import decode_worker
 from joader.server.decode_pool import DecodePool, PoolConfig, SourceSpec
