@@ -233,13 +233,15 @@ class Sampler(abc.ABC):
             seen.add(job_id)
         return InvalidArgumentError(f"sample: bad participant list {list(job_ids)!r}")
 
-    def _start_pending(self, job_ids: Sequence[str]) -> None:
-        """Count a new epoch for participants whose epoch starts with this round's item."""
+    def _start_pending(self, job_ids: Sequence[str]) -> bool:
+        """Count a new epoch for participants whose epoch starts with this round's item.
+        Returns whether the sampler's internal order changed (a subclass may reorder)."""
         pending = self._pending_start
         for job_id in job_ids:
             if job_id in pending:
                 pending.discard(job_id)
                 self._epochs[job_id] += 1
+        return False
 
 
 def frozen_without_runs(dataset: AbstractBitMap | Iterable[int]) -> FrozenBitMap:

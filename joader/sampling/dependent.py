@@ -236,18 +236,19 @@ class DependentSampler(Sampler):
                      len(self._rest[job_id]))
         return True
 
-    def _start_pending(self, job_ids: Sequence[str]) -> None:
-        """Count the epochs that start with this round; align a whole first epoch (`align`)."""
+    def _start_pending(self, job_ids: Sequence[str]) -> bool:
+        """Count the epochs that start with this round; align a whole first epoch (`align`).
+        Returns whether the chain was rebuilt (its positions changed)."""
+        aligned = False
         if self._align != "off":
             starting = [j for j in job_ids if j in self._pending_start and j in self._whole_start]
-            if starting:
-                aligned = False
-                for job_id in starting:
-                    self._whole_start.discard(job_id)
-                    aligned |= self._start_aligned(job_id)
-                if aligned:
-                    self._rebuild()
+            for job_id in starting:
+                self._whole_start.discard(job_id)
+                aligned |= self._start_aligned(job_id)
+            if aligned:
+                self._rebuild()
         super()._start_pending(job_ids)
+        return aligned
 
     def _rebuild(self) -> None:
         remaining = self._remaining
@@ -292,8 +293,12 @@ class DependentSampler(Sampler):
             raise self._bad_participants(job_ids) from None
         if len(set(active)) != len(active):
             raise self._bad_participants(job_ids)
-        if self._pending_start:
-            self._start_pending(job_ids)
+        if self._pending_start and self._start_pending(job_ids):
+            # NOTE: an aligned start rebuilt the chain, which reorders it (ascending remaining
+            # size): positions taken before are stale. With them, a late joiner's first round
+            # gave its pick to another job, refilled a job that sat out, and the scheduler's
+            # refcounts fell below zero (issue 27, finding 0).
+            active = [self._pos[job_id] for job_id in job_ids]
         rsizes = self._rsizes
         empty = [p for p in active if not rsizes[p]]
         if empty:

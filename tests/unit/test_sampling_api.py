@@ -509,3 +509,40 @@ def test_own_streams_resumes_and_resets_keep_the_invariants(name: str, seed: int
                 check_chain(sampler)
         for job_id in names:
             assert recorder.exactly_once_problems(job_id) == [], (trial, job_id)
+
+
+@pytest.mark.parametrize("align", ["off", "first", "always"])
+@pytest.mark.parametrize("seed", range(20))
+def test_every_round_serves_exactly_its_participants(align: str, seed: int) -> None:
+    """Issue 27, finding 0: a late joiner whose first round aligned its epoch onto a running
+    job's rest rebuilt the chain mid-round, and the round's picks went to the old positions: a
+    job that sat out got an item (and a silent refill), a participant got none. Random joins,
+    leaves and sit-outs on identical and overlapping datasets; every round must give each
+    participant one item, nobody else anything, and each job's epochs must be exactly once."""
+    rng = random.Random(seed)
+    sampler = DependentSampler(rng=random.Random(seed), align=align)
+    datasets = [BitMap(range(40)), BitMap(range(40)), BitMap(range(20, 60))]
+    got: dict[str, list[int]] = {}
+    sizes: dict[str, int] = {}
+    next_id = 0
+    for _ in range(600):
+        if len(got) < 5 and rng.random() < 0.05:
+            job_id = f"j{next_id}"
+            next_id += 1
+            dataset = rng.choice(datasets)
+            sampler.add_job(job_id, dataset, rng=random.Random(rng.random()))
+            got[job_id], sizes[job_id] = [], len(dataset)
+        if len(got) > 1 and rng.random() < 0.01:
+            gone = rng.choice(sorted(got))
+            sampler.remove_job(gone)
+            del got[gone]
+        participants = [j for j in got if rng.random() < 0.7]
+        picks = sampler.sample(participants)
+        assert set(picks) == set(participants), (participants, picks)
+        for job_id, item in picks.items():
+            got[job_id].append(item)
+    for job_id, items in got.items():
+        size = sizes[job_id]
+        for start in range(0, len(items) - size + 1, size):
+            epoch = items[start:start + size]
+            assert len(set(epoch)) == size, f"{job_id}: an epoch repeats an item"
