@@ -982,3 +982,44 @@ def test_readers_that_do_not_say_their_number_are_dealt_as_before() -> None:
     first = nxt(registry, job.job_id, 1, 4, [], worker_id=0, pid=10)
     pump(registry, pool)
     assert len(nxt(registry, job.job_id, 1, 4, first.item_ids, worker_id=0, pid=10).item_ids) == 4
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_late_joiners_with_a_cache_that_holds_the_dataset_keep_refcounts_and_epochs(seed: int) -> None:
+    """Issue 27, finding 0: four jobs of a sweep start a little apart over one source whose
+    whole prepared data fits the cache (the default 1 GiB for a small dataset), so items are
+    reused across epochs, and late joiners align onto a running job's rest (--epoch-align
+    first). A round that aligned one joiner gave a pick to another that had attached and not
+    read yet; the scheduler died of "refcount would drop to -1", or an epoch repeated an item.
+    Every step is checked against the jobs' books (refcounts and pins), every epoch exactly once."""
+    registry, pool, _ = make_registry(num_slots=3 * NUM_ITEMS)
+    rng = random.Random(seed)
+    epochs_wanted = 3
+    orders: dict[str, list[list[int]]] = {}
+    acks: dict[str, list[int]] = {}
+    jobs: list[str] = []
+    for step in range(20_000):
+        if len(jobs) < 4 and step >= 5 * len(jobs):  # each joins a few batches after the last
+            job = attach(registry, "demo", BitMap(range(24)), f"trial{len(jobs)}", 4, seed=rng.randrange(1 << 30))
+            jobs.append(job.job_id)
+            orders[job.job_id], acks[job.job_id] = [[]], []
+        pump(registry, pool)
+        # A script attaches when it builds its dataset and reads once its model is built.
+        reading = [j for k, j in enumerate(jobs) if len(orders[j]) <= epochs_wanted and step >= 5 * k + 12]
+        if not reading:
+            if len(jobs) == 4 and all(len(orders[j]) > epochs_wanted for j in jobs):
+                break
+            continue
+        job_id = rng.choices(reading, weights=[1 + jobs.index(j) for j in reading])[0]  # uneven speeds
+        token = len(orders[job_id])  # one pass (iter()) per epoch
+        result = nxt(registry, job_id, token, 4, acks[job_id])
+        acks[job_id] = result.item_ids
+        orders[job_id][-1] += result.item_ids
+        if result.end_of_epoch:
+            orders[job_id].append([])
+            acks[job_id] = nxt(registry, job_id, token, 0, acks[job_id]).item_ids
+    else:
+        raise AssertionError("the jobs did not finish their epochs")
+    for job_id in jobs:
+        for epoch in orders[job_id][:epochs_wanted]:
+            assert sorted(epoch) == list(range(24)), f"{job_id}: an epoch not exactly once: {[len(e) for e in orders[job_id]]}"
