@@ -172,15 +172,20 @@ class Connection:
         logger.debug("job %s: waiting for the lease keeper to attach the job again", self.job_id)
         while board.generation == self.identity.generation:
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"job {self.job_id}: joaderd at {self.address} did not come back within "
-                    f"{self.timeout_s:g} s (timeout_s); restart it (`joaderd --source ...`) and the job")
+                raise TimeoutError(self._stopped_message(f"within {self.timeout_s:g} s (timeout_s)")) from None
             if not board.reconnecting and board.generation == self.identity.generation:
                 return False  # the keeper gave up (its stderr says why)
             time.sleep(0.05)
         self.refresh()
         unreachable_since[0] = None
         return True
+
+    def _stopped_message(self, waited: str) -> str:
+        return (
+            f"joaderd at {self.address} stopped while job {self.job_id} was reading, and no joaderd "
+            f"came back there{' ' + waited if waited else ''}. See joaderd's log for why (a traceback "
+            "there is a bug: please report it); start joaderd again as before, then the job (from "
+            "its checkpoint if it saved one).")
 
     # ----------------------------------------------------------------------------- calls
 
@@ -212,7 +217,9 @@ class Connection:
                 return None
             if isinstance(error, UnknownJobError):
                 raise UnknownJobError(f"{error}{self._keeper_note()}") from None
-            raise
+            # NOTE: not channel.translate's "no joaderd is answering ... start one": this job was
+            # served, so a joaderd ran here and stopped; starting another elsewhere is the wrong fix.
+            raise ConnectionError(self._stopped_message("")) from None
         unreachable_since[0] = None
         if response.arena and response.arena != call.identity.arena:
             raise IntegrityError(

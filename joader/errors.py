@@ -111,6 +111,21 @@ class IntegrityError(JoaderError, RuntimeError):
     status_code = "DATA_LOSS"
 
 
+class InvariantError(JoaderError, AssertionError):
+    """joaderd's own books disagree (a refcount below zero, a pin released twice): a bug in
+    joaderd, never the user's doing. Raised inside joaderd; the job whose bookkeeping broke is
+    ended (`JobEndedError`) and every other job goes on."""
+
+    status_code = "INTERNAL"
+
+
+class JobEndedError(JoaderError, RuntimeError):
+    """joaderd ended this job after an internal error in its bookkeeping (a bug, logged with
+    its traceback); the server and every other job go on."""
+
+    status_code = "ABORTED"
+
+
 # One table, both directions. The client picks the class from the `joader-error` trailing
 # metadata the server attaches, and falls back to the status code alone.
 ERROR_CLASSES: dict[str, type[JoaderError]] = {
@@ -129,6 +144,8 @@ ERROR_CLASSES: dict[str, type[JoaderError]] = {
         UntrustedServerError,
         SourceChangedError,
         IntegrityError,
+        InvariantError,
+        JobEndedError,
     )
 }
 

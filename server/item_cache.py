@@ -74,6 +74,7 @@ from pyroaring import BitMap
 
 from joader.cache.allocator import ByteAllocator
 from joader.cache.policy import RefCntPolicy
+from joader.errors import InvariantError
 from joader.server.records import Item, ItemState, Source
 
 logger = logging.getLogger(__name__)
@@ -247,7 +248,7 @@ class ItemCache:
         if item is None:
             return
         if item.pins <= 0:
-            raise AssertionError(f"item {item.item_id}: released more often than pinned")
+            raise InvariantError(f"item {item.item_id}: released more often than pinned")
         item.pins -= 1
         if item.state is ItemState.READY:
             self.policy.unpin(key)
@@ -440,6 +441,29 @@ class ItemCache:
                 source.name, item.item_id, self.retry_failed_s, error,
             )
         return item
+
+    def resync(self, expected_pins: dict[int, int], needed: Callable[[Item], int]) -> int:
+        """Rewrites every item's pins, and every cached item's refcount, from the jobs' own
+        books (`expected_pins`: key -> pinned queue entries and copies out; `needed(item)`: the
+        jobs that still need it). After a job whose bookkeeping broke was ended
+        (`Registry._contain`), the counts it left behind are wrong; the jobs' queues and
+        samplers are the truth. Returns how many items were corrected."""
+        corrected = 0
+        policy = self.policy
+        for key, item in self.items.items():
+            pins = expected_pins.get(key, 0)
+            if item.state is ItemState.READY:
+                refcount = needed(item)
+                if (key not in policy or policy.pin_count(key) != pins
+                        or policy.refcount(key) != refcount or item.pins != pins):
+                    corrected += 1
+                    if key in policy:
+                        policy.remove(key)
+                    policy.insert(key, refcount, pinned=pins)
+            elif item.pins != pins:
+                corrected += 1
+            item.pins = pins
+        return corrected
 
     # ----------------------------------------------------------------------------- figures
 

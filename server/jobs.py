@@ -26,6 +26,7 @@ before joaderd restarted); once every rank's readers reported, the epoch goes on
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import random
@@ -257,6 +258,31 @@ class JobTable:
                 self.release_outstanding(rank, pass_)
         self._scheduler.remove(job, self.jobs)
         return job
+
+    def named(self, name: str) -> list[str]:
+        """The ids of the live jobs called `name`."""
+        return [job.job_id for job in self.jobs.values() if job.name == name]
+
+    def forget(self, job: Job, reason: str) -> None:
+        """Removes a job whose own books broke (`remove` raised, perhaps half way): drops it
+        from the tables and the sampler without releasing what its books say it holds, since
+        they cannot be trusted; the caller then rebuilds the cache's pins and refcounts from the
+        jobs left (`ItemCache.resync`)."""
+        job_id = job.job_id
+        if self.jobs.get(job_id) is job:
+            del self.jobs[job_id]
+        self._removed[job_id] = reason
+        source = job.source
+        with contextlib.suppress(KeyError):  # UnknownJobError: its removal got that far
+            source.sampler.remove_job(job_id)
+        if job_id in source.job_ids:
+            source.job_ids.remove(job_id)
+        for rank in job.ranks:
+            rank.queue.clear()
+            rank.pinned = rank.handed_out = 0
+            for pass_ in rank.passes.values():
+                pass_.outstanding.clear()
+                pass_.held.clear()
 
     def lookup(self, job_id: str, secret: bytes) -> Job:
         job = self.jobs.get(job_id)

@@ -38,6 +38,7 @@ from joader.errors import (
     UnknownJobError,
     UnknownSourceError,
 )
+from joader.server.containment import contained, is_bookkeeping_error
 from joader.server.item_cache import DecodeSubmitter, ItemCache
 from joader.server.jobs import JobTable, printable_name
 from joader.server.records import Batch, Item, ItemState, Job, NextArgs, NextCall, Rank, Source
@@ -126,6 +127,8 @@ class Registry:
         self._started_s = clock()
         self.items_delivered = 0
         self.items_reused = 0  # deliveries of a copy its job had already had (cross-epoch reuse)
+        self.jobs_ended_by_errors = 0  # jobs `contain` ended: each a bug, logged with its traceback
+        self.internal_errors = 0
 
     # ----------------------------------------------------------------------------- jobs
 
@@ -139,6 +142,7 @@ class Registry:
             )
         return source
 
+    @contained("Attach", lambda registry, source_name, indices, name, *_, **__: registry.jobs.named(name))
     def attach(self, source_name: str, indices: BitMap | None, name: str, batch_size: int, *,
                rank: int = 0, world_size: int = 1, drop_last: bool = False,
                seed: int | None = None, restart_report: tuple[int, BitMap] | None = None) -> Job:
@@ -176,6 +180,7 @@ class Registry:
             job = self.jobs.jobs.get(job_id)
             return job.source if job is not None else None
 
+    @contained("a heartbeat", lambda registry, job_id, *_, **__: [job_id])
     def touch(self, job_id: str, rank: int = 0) -> None:
         """Renews a rank's lease (its lease stream sent a heartbeat)."""
         with self._cond:
@@ -190,11 +195,13 @@ class Registry:
             else:
                 job.on_removed.append(callback)
 
+    @contained("removing a job", lambda registry, job_id, *_, **__: [job_id])
     def remove_job(self, job_id: str, reason: str) -> bool:
         """Removes a job and releases everything it held. False if it was already gone."""
         with self._cond:
             return self._remove(job_id, reason)
 
+    @contained("closing a rank", lambda registry, job_id, *_, **__: [job_id])
     def close_rank(self, job_id: str, rank: int) -> None:
         """A rank closed its lease on purpose: the job ends once no rank of it is attached."""
         with self._cond:
@@ -209,7 +216,19 @@ class Registry:
                 self._cond.notify_all()
 
     def _remove(self, job_id: str, reason: str) -> bool:
-        job = self.jobs.remove(job_id, reason)
+        live = self.jobs.jobs.get(job_id)
+        try:
+            job = self.jobs.remove(job_id, reason)
+        except Exception:
+            # Its books broke (the bug `contain` is for): drop it without trusting them, then
+            # rebuild the cache's counts from the jobs left.
+            logger.exception("job %s: its removal (%s) found its books broken; dropping it and "
+                             "recounting the cache from the other jobs", job_id, reason)
+            self.internal_errors += 1
+            job = live
+            if job is not None:
+                self.jobs.forget(job, reason)
+            self.cache.resync(self.jobs.expected_pins(), self._needed)
         if job is None:
             return False
         self._resize_queues()
@@ -255,6 +274,7 @@ class Registry:
 
     # ----------------------------------------------------------------------------- Next
 
+    @contained("Next", lambda registry, args, *_, **__: [args.job_id])
     def begin_next(self, args: NextArgs, waker: Callable[[], None]) -> NextCall | Batch:
         """Acknowledges `args.acks` and finds the request's pass (starting one if it is new).
 
@@ -300,6 +320,7 @@ class Registry:
             return NextCall(job, rank, pass_, max_items, now, now + self.config.next_wait_s, waker,
                             max_batches=max_batches, worker_id=args.worker_id)
 
+    @contained("Next", lambda registry, call, *_, **__: [call.job.job_id])
     def poll_next(self, call: NextCall) -> Batch | float:
         """A batch of ready items of the call's epoch (or its end), or seconds to wait first.
 
@@ -479,6 +500,7 @@ class Registry:
             return 0  # the job's ranks broke out of this epoch: what was queued is all it gets
         return left
 
+    @contained("Next", lambda registry, call, *_, **__: [call.job.job_id])
     def end_next(self, call: NextCall) -> None:
         with self._cond:
             call.job.wakers.discard(call.waker)
@@ -651,7 +673,20 @@ class Registry:
         jobs = self.jobs.jobs
         for source in self._sources.values():
             for _ in range(self.config.rounds_per_lock):
-                if not self._scheduler.run_round(source, jobs):
+                scheduler = self._scheduler
+                try:
+                    ran = scheduler.run_round(source, jobs)
+                except Exception as error:
+                    if not is_bookkeeping_error(error):
+                        raise
+                    ran = True
+                    self._contain(error, scheduler.acting or tuple(source.job_ids),
+                                  f"a DSA round of source {source.name}")
+                    scheduler.acting = ()
+                while scheduler.broken:
+                    job_id, error = scheduler.broken.pop()
+                    self._contain(error, [job_id], f"dealing a DSA round of source {source.name}")
+                if not ran:
                     break
                 progressed = True
         self._dispatch()
@@ -668,6 +703,7 @@ class Registry:
 
     # ----------------------------------------------------------------------------- results
 
+    @contained("filing a decode", lambda registry, key, *_, **__: registry.waiting_for(key), reraise=False)
     def file_result(self, key: int, ok: bool, error: str | None, decode_s: float, *,
                     shape: tuple[int, ...] = (), dtype: str = "uint8", nbytes: int = 0,
                     checksum: int = 0) -> None:
@@ -707,6 +743,35 @@ class Registry:
     def _needed(self, item: Item) -> int:
         return self._scheduler.needed(item.source, item.item_id)
 
+    def waiting_for(self, key: int) -> list[str]:
+        """The jobs waiting for the decode of `key` (to end if filing it breaks)."""
+        item = self.cache.items.get(key)
+        return [job.job_id for job in item.waiters] if item is not None else []
+
+    def contain(self, error: Exception, job_ids: Sequence[str], where: str) -> str:
+        """Ends `job_ids` after a bookkeeping error in `where` (server/containment.py); returns
+        the reason their clients are given."""
+        with self._cond:
+            return self._contain(error, job_ids, where)
+
+    def _contain(self, error: Exception, job_ids: Sequence[str], where: str) -> str:
+        ended = [job_id for job_id in dict.fromkeys(job_ids) if job_id in self.jobs.jobs]
+        self.internal_errors += 1
+        self.jobs_ended_by_errors += len(ended)
+        logger.error(
+            "internal error in %s (%s: %s); ending job(s) %s so that every other job goes on. "
+            "This is a bug in joaderd: please report it with this log.", where, type(error).__name__,
+            error, ", ".join(ended) or "(none)", exc_info=error)
+        reason = (
+            f"joaderd ended the job after an internal error in {where} ({type(error).__name__}: "
+            f"{error}); joaderd and the other jobs go on. This is a bug in joaderd (its log has "
+            "the traceback; please report it): start the job again, from its checkpoint if it saved one")
+        for job_id in ended:
+            self._remove(job_id, reason)
+        self.cache.resync(self.jobs.expected_pins(), self._needed)
+        self._cond.notify_all()
+        return reason
+
     def check_invariants(self) -> None:
         """Raises AssertionError when the cache's pins or refcounts disagree with the jobs."""
         with self._cond:
@@ -744,6 +809,8 @@ class Registry:
         with self._cond:
             now = self._clock()
             status = snapshot(self, now)
+            status["internal_errors"] = self.internal_errors
+            status["jobs_ended_by_errors"] = self.jobs_ended_by_errors
             for job, entry in zip(self.jobs.jobs.values(), status["jobs"], strict=True):
                 entry["waiting"] = self.jobs.waiting(job, now)
                 entry["cache_share"] = job.cache_share * job.world_size

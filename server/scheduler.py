@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 from pyroaring import BitMap
 
+from joader.server.containment import is_bookkeeping_error
 from joader.server.item_cache import ItemCache
 from joader.server.pacing import UNKNOWN_RATE, due_time
 from joader.server.records import Entry, EpochShare, Job, Rank, Source
@@ -53,6 +54,11 @@ class Scheduler:
         self._start_grace_s = start_grace_s
         self._round_seq = 0
         self._now = 0.0  # the clock at the current round's start
+        # The jobs the current round is working for (its participants): the ones to end when
+        # the round breaks before its picks are dealt. `broken`: the jobs whose own pick could
+        # not be dealt, and why (the registry ends them; the round went on for the others).
+        self.acting: tuple[str, ...] = ()
+        self.broken: list[tuple[str, Exception]] = []
 
     # ----------------------------------------------------------------------------- jobs
 
@@ -228,6 +234,7 @@ class Scheduler:
 
     def run_round(self, source: Source, jobs: dict[str, Job]) -> bool:
         """One DSA round over the jobs of `source`, if some job's receiving rank runs low."""
+        self.acting = ()
         now = self._now = self._clock()
         # Jobs of a sweep start reading a few milliseconds apart; the first one's rounds would
         # run alone and fill its queue before the others ask, leaving it a batch ahead for the
@@ -251,6 +258,7 @@ class Scheduler:
         if not any(length < capacity for _, length, capacity in queued):
             return False
         participants = [job_id for job_id, length, capacity in queued if length < 2 * capacity]
+        self.acting = tuple(participants)
         sampler = source.sampler
         starting = [j for j in participants if sampler.num_remaining(j) == 0]
         picks = sampler.sample(participants)
@@ -263,18 +271,31 @@ class Scheduler:
             self._open(job, job.sampler_epoch, [0] * job.world_size)
         self._round_seq += 1
         for job_id, item_id in picks.items():
-            job = jobs[job_id]
-            share = job.shares[job.sampler_epoch]
-            receiver = share.receiver()
-            if receiver is None:
-                self._cache.consume_unqueued(source, item_id)  # drop_last: nobody's share
-            else:
-                self._enqueue(job, job.ranks[receiver], share, item_id, consumed=True)
-                if len(share.head) < job.world_size:
-                    share.head.append(item_id)
-            if sampler.num_remaining(job_id) == 0:
-                self._complete(job, share)
+            # NOTE: each pick is dealt on its own: a job whose books break here is reported
+            # (`broken`) and the round goes on for the others, whose picks already left their
+            # remaining sets (stopping half way lost them: an item short, a padding copy twice).
+            try:
+                self._deal(jobs[job_id], item_id)
+            except Exception as error:
+                if not is_bookkeeping_error(error):
+                    raise
+                self.broken.append((job_id, error))
+        self.acting = ()
         return True
+
+    def _deal(self, job: Job, item_id: int) -> None:
+        """Deals this round's pick of `job` to its receiving rank (or drops it: drop_last)."""
+        source = job.source
+        share = job.shares[job.sampler_epoch]
+        receiver = share.receiver()
+        if receiver is None:
+            self._cache.consume_unqueued(source, item_id)  # drop_last: nobody's share
+        else:
+            self._enqueue(job, job.ranks[receiver], share, item_id, consumed=True)
+            if len(share.head) < job.world_size:
+                share.head.append(item_id)
+        if source.sampler.num_remaining(job.job_id) == 0:
+            self._complete(job, share)
 
     def _complete(self, job: Job, share: EpochShare) -> None:
         """The sampler's epoch is over: ranks short of their share get padding copies."""

@@ -26,7 +26,7 @@ import heapq
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-from joader.errors import InvalidArgumentError
+from joader.errors import InvalidArgumentError, InvariantError
 
 __all__ = ["PolicyStats", "RefCntPolicy"]
 
@@ -117,7 +117,7 @@ class RefCntPolicy:
     def insert(self, key: Hashable, refcount: int, pinned: int = 0) -> None:
         """Track a newly cached item with `refcount` and `pinned` pins."""
         if key in self._refcount:
-            raise InvalidArgumentError(f"cache policy: item {key!r} is already tracked")
+            raise InvariantError(f"cache policy: item {key!r} is already tracked")
         _check_non_negative("refcount", refcount)
         _check_non_negative("pinned", pinned)
         self._refcount[key] = refcount
@@ -156,7 +156,7 @@ class RefCntPolicy:
         self._require(key)
         new = self._refcount[key] + delta
         if new < 0:
-            raise InvalidArgumentError(
+            raise InvariantError(
                 f"cache policy: refcount of {key!r} would drop to {new}; every decrement must "
                 "match an earlier increment"
             )
@@ -175,7 +175,7 @@ class RefCntPolicy:
         self._require(key)
         pins = self._pins.get(key, 0)
         if pins == 0:
-            raise InvalidArgumentError(
+            raise InvariantError(
                 f"cache policy: unpin of {key!r}, which is not pinned; every unpin must match a pin"
             )
         self._num_pins -= 1

@@ -122,3 +122,24 @@ def test_a_joaderd_serving_another_source_under_the_name_is_refused(demo_root: P
     records = read_records(home / "changed.jsonl")
     check_records(records, expected, set(), 0, "changed", findings)
     assert findings.wrong_pixels == 0 and findings.wrong_labels == 0, findings.summary()
+
+
+@pytest.mark.parametrize("options", [[], ["--workers", "2"]], ids=["plain", "workers"])
+def test_a_job_whose_joaderd_died_for_good_says_it_stopped(demo_root: Path, start_joaderd: Any,
+                                                           options: list[str]) -> None:
+    """Issue 27: trials whose joaderd died waited, then failed with "no joaderd is answering ...
+    Start one with joaderd --source", which sends the user to the wrong fix: one ran, and
+    stopped. The job must say that joaderd at its address stopped, and where to look."""
+    server = start_joaderd({"demo": demo_root}, cache_items=64)
+    home = server.dir
+    job = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.integrity_job", "--address", server.address,
+         "--records", str(home / "orphan.jsonl"), "--name", "orphan", "--epochs", "3",
+         "--sleep", "0.05", "--timeout-s", "5", *options],
+        stderr=open(home / "orphan.err", "wb"), start_new_session=True)
+    wait_for(lambda: _samples(home, "orphan") >= 16, 90, "the job to read two batches")
+    _kill(server)
+    assert finish(job, 90) != 0
+    err = (home / "orphan.err").read_text()
+    assert f"joaderd at {server.address} stopped while job" in err, err[-3000:]
+    assert "See joaderd's log" in err and "Start one with" not in err, err[-3000:]

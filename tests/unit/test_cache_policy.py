@@ -7,7 +7,7 @@ import random
 import pytest
 
 from joader.cache.policy import PolicyStats, RefCntPolicy
-from joader.errors import InvalidArgumentError
+from joader.errors import InvalidArgumentError, InvariantError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,16 +56,16 @@ def test_pinned_items_are_never_victims_and_pins_nest() -> None:
     assert policy.is_pinned("a") and policy.victim() is None
     policy.unpin("a")
     assert not policy.is_pinned("a") and policy.victim() == "a"
-    with pytest.raises(InvalidArgumentError, match="not pinned"):
+    with pytest.raises(InvariantError, match="not pinned"):
         policy.unpin("a")
 
 
 def test_errors_name_the_problem() -> None:
     policy = RefCntPolicy()
     policy.insert(1, 1)
-    with pytest.raises(InvalidArgumentError, match="already tracked"):
+    with pytest.raises(InvariantError, match="already tracked"):
         policy.insert(1, 0)
-    with pytest.raises(InvalidArgumentError, match="would drop to -1"):
+    with pytest.raises(InvariantError, match="would drop to -1"):
         policy.add_refcount(1, -2)
     assert policy.refcount(1) == 1
     with pytest.raises(KeyError):
@@ -155,7 +155,7 @@ def test_randomized_against_brute_force(seed: int) -> None:
         elif op < 0.55:
             key, delta = rng.choice(keys), rng.choice([-1, 1, 2])
             if model.refcount[key] + delta < 0:
-                with pytest.raises(InvalidArgumentError):
+                with pytest.raises(InvariantError):
                     policy.add_refcount(key, delta)
             else:
                 policy.add_refcount(key, delta)
@@ -167,7 +167,7 @@ def test_randomized_against_brute_force(seed: int) -> None:
         elif op < 0.85:
             key = rng.choice(keys)
             if model.pins[key] == 0:
-                with pytest.raises(InvalidArgumentError):
+                with pytest.raises(InvariantError):
                     policy.unpin(key)
             else:
                 policy.unpin(key)
