@@ -1,17 +1,24 @@
 """The chaos soak: jobs in every client mode under random faults, every delivered sample checked.
 
-    python bench/chaos.py [--duration-s 1200] [--seed 0] [--quick]
+    python bench/chaos.py [--duration-s 1200] [--seed 0] [--quick] [--episode-s 150]
 
-It proves content, not counts. A real joaderd serves generated JPEGs with a cache of a few
-batches per job; jobs run as separate processes (`tests/integration/integrity_job.py`, a real
+It proves content, not counts. A real joaderd serves generated JPEGs; jobs run as separate processes (`tests/integration/integrity_job.py`, a real
 torch DataLoader over JoaderDataset) in every mode: num_workers 0 and 2, plain and
 `batched=True`, with and without a transform, the dataset asking in the loader's batch size or
 its own, hand-off workers (workers, batched, no transform),
 DataLoaders re-seeded before each epoch, one rank of a job whose other ranks are on other
 hosts (it reads its host's part), overlapping subsets (two slots on the same one, so that
-new jobs start aligned epochs: --epoch-align first), different speeds. Each job slot
-runs job after job (each a few epochs) for the whole soak. Meanwhile, at random times from a
-seeded RNG:
+new jobs start aligned epochs: --epoch-align first), different speeds.
+
+The soak spans what users run, in *episodes* (`--episode-s` each; joaderd is started afresh with
+the episode's configuration, drawn from the seeded RNG and printed):
+- the cache: one batch per job, a few batches per job, half the prepared data, or more than
+  all of it (items reused across epochs: the sweep that crashed joaderd, issue 27);
+- 1 to 8 job slots of the modes above, each slot's first job joining up to `--join-late-s` late;
+- `--epoch-align` first (the default, most episodes), off or always;
+- each job runs 1 to 3 epochs, and one in four ends early, mid-epoch (a trial a scheduler
+  stopped: it closes its dataset and exits).
+Each job slot runs job after job for its episode. Meanwhile, at random times from a seeded RNG:
 
 - joaderd is killed -9 and started again on the same address (mid-epoch; or exactly when a job
   reads the last batch of an epoch, its acknowledgement and next epoch's prefetch in flight);
@@ -25,7 +32,8 @@ compares each with a decode of that file made here, outside joaderd, and each ep
 with its subset: exactly once. `JOADER_VERIFY=1` is set for the jobs (the client checks each
 item's crc32 against its decode's). It prints and writes (bench/results/chaos-*.json): samples
 checked, wrong pixels, wrong labels, duplicated, missing, jobs failed, restarts survived, client
-and worker kills; and exits 1 if anything is wrong.
+and worker kills, server crashes (joaderd exiting on its own) and the internal errors its status
+counted (`internal_errors`: bookkeeping bugs it contained); and exits 1 if anything is wrong.
 """
 
 from __future__ import annotations
@@ -48,10 +56,20 @@ sys.path.insert(0, str(ROOT))
 
 from joader.launch import JoaderdProcess  # noqa: E402
 from joader.sources.demo import make_demo_data  # noqa: E402
-from tests.integration.integrity import Findings, check_records, read_records, reference  # noqa: E402
+from tests.integration.integrity import (  # noqa: E402
+    Findings,
+    check_records,
+    complete_epochs,
+    read_records,
+    reference,
+)
 
 RESULTS = ROOT / "bench" / "results"
 BATCH = 8
+# The episode's cache, in what it holds: (name, batches per job or None, share of all prepared data)
+CACHES = (("one-batch-per-job", 1, None), ("few-batches-per-job", 3, None), ("half-the-data", None, 0.5),
+          ("more-than-the-data", None, 1.5))
+ALIGNS = ("first", "first", "off", "always")  # the default most often
 
 
 @dataclass(frozen=True)
@@ -113,11 +131,29 @@ class Run:
     number: int
     records: Path
     state: Path | None
+    epochs: int = 2
+    stop_after_batches: int = 0  # ends early, mid-epoch (0: runs all its epochs)
     proc: subprocess.Popen[bytes] | None = None
     kills: int = 0
     err_at: int = 0  # where the newest launch's stderr starts in the run's .err file
     done: bool = False
     failed: str = ""
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One configuration of joaderd and its jobs (the module docstring)."""
+
+    cache: str
+    cache_bytes: int
+    slots: tuple[str, ...]
+    epoch_align: str
+    join_late_s: float
+
+    def describe(self) -> str:
+        return (f"cache {self.cache} ({self.cache_bytes / 2**20:.1f} MiB), {len(self.slots)} slot(s) "
+                f"[{', '.join(self.slots)}], --epoch-align {self.epoch_align}, joins up to "
+                f"{self.join_late_s:g} s late")
 
 
 @dataclass
@@ -136,18 +172,25 @@ class Summary:
     client_kills: int = 0
     worker_kills: int = 0
     attach_retries: int = 0  # jobs started in a restart's window, refused at once, started again
+    jobs_ended_early: int = 0
+    server_crashes: int = 0  # joaderd exited without being killed or stopped
+    internal_errors: int = 0  # bookkeeping errors joaderd contained (its status), each a bug
+    episodes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not (self.wrong_pixels or self.wrong_labels or self.duplicated or self.missing or self.jobs_failed)
+        return not (self.wrong_pixels or self.wrong_labels or self.duplicated or self.missing or self.jobs_failed
+                    or self.server_crashes or self.internal_errors)
 
     def line(self) -> str:
         return (f"samples checked {self.samples_checked}, wrong pixels {self.wrong_pixels}, wrong labels "
                 f"{self.wrong_labels}, duplicated {self.duplicated}, missing {self.missing}; jobs {self.jobs_run} "
                 f"(failed {self.jobs_failed}); joaderd restarts {self.joaderd_restarts} "
                 f"({self.restarts_at_epoch_end} at an epoch's end), client kills {self.client_kills}, "
-                f"worker kills {self.worker_kills}")
+                f"worker kills {self.worker_kills}; jobs ended early {self.jobs_ended_early}; server "
+                f"crashes {self.server_crashes}, internal errors {self.internal_errors}; episodes "
+                f"{len(self.episodes)}")
 
 
 class Soak:
@@ -164,10 +207,13 @@ class Soak:
         print(f"chaos: decoding the reference of {args.items} items outside joaderd ...", flush=True)
         self.expected = {"demo": reference(data, args.image_size),
                          "sized": reference(data, args.image_size, stage="resize")}
-        self.modes = modes(args.items)
+        self.modes = {mode.name: mode for mode in modes(args.items)}
         # resize:S keeps the demo's 4:3 aspect: its items are a third larger than center-crop's
-        item_nbytes = 3 * args.image_size * (args.image_size * 4 // 3 + 1)
-        self.cache_bytes = len(self.modes) * args.cache_batches * BATCH * item_nbytes
+        self.item_nbytes = 3 * args.image_size * (args.image_size * 4 // 3 + 1)
+        self.data_bytes = args.items * (3 * args.image_size ** 2 + self.item_nbytes)  # both sources
+        self.episode: Episode | None = None
+        self.episode_ends = 0.0
+        self.killed_by_us = False
         self.address = f"unix:{work / 'joaderd.sock'}"
         self.server: JoaderdProcess | None = None
         self.runs: dict[str, Run] = {}
@@ -178,10 +224,13 @@ class Soak:
 
     def start_server(self) -> None:
         log = self.work / f"joaderd-{self.summary.joaderd_restarts}.log"
-        args = ["--listen", self.address, "--cache-size", str(self.cache_bytes), "--image-size",
+        episode = self.episode
+        assert episode is not None
+        args = ["--listen", self.address, "--cache-size", str(episode.cache_bytes), "--image-size",
                 str(self.args.image_size), "--workers", "2", "--lease-s", "3", "--source", f"demo={self.data}",
-                "--source", f"sized={self.data}", "--stage", "sized=resize"]
+                "--source", f"sized={self.data}", "--stage", "sized=resize", "--epoch-align", episode.epoch_align]
         self.server = JoaderdProcess.start(args, stdout=log, ready_timeout_s=120, env=self.env)
+        self.server_log = log
 
     def kill_server(self) -> None:
         assert self.server is not None
@@ -193,7 +242,10 @@ class Soak:
         number = self.summary.jobs_run if number is None else number
         records = self.work / f"{mode.name}-{number}.jsonl"
         state = self.work / f"{mode.name}-{number}.state" if mode.killable else None
-        run = Run(mode, number, records, state)
+        epochs = self.rng.randint(1, self.args.epochs)
+        batches = epochs * -(-len(mode.subset()) // BATCH)
+        stop_after = self.rng.randint(1, max(1, batches - 1)) if self.rng.random() < 0.25 else 0
+        run = Run(mode, number, records, state, epochs=epochs, stop_after_batches=stop_after)
         self.summary.jobs_run += 1
         self.launch(run)
         return run
@@ -201,8 +253,10 @@ class Soak:
     def launch(self, run: Run) -> None:
         command = [sys.executable, "-m", "tests.integration.integrity_job", "--address", self.address,
                    "--records", str(run.records), "--name", f"{run.mode.name}-{run.number}",
-                   "--indices", run.mode.indices, "--epochs", str(self.args.epochs), "--sleep", str(run.mode.sleep_s),
+                   "--indices", run.mode.indices, "--epochs", str(run.epochs), "--sleep", str(run.mode.sleep_s),
                    "--batch-size", str(BATCH), "--timeout-s", "120", *run.mode.options]
+        if run.stop_after_batches:
+            command += ["--stop-after-batches", str(run.stop_after_batches)]
         if run.state is not None:
             command += ["--state", str(run.state)]
         err = open(self.work / f"{run.mode.name}-{run.number}.err", "ab")
@@ -231,14 +285,20 @@ class Soak:
                 run.failed = f"{name}-{run.number} exited with {code}: {err[-1500:]}"
             self.check(run)
             del self.runs[name]
-            if not self.stopping:
+            if not self.stopping and time.monotonic() < self.episode_ends:
                 self.runs[name] = self.start_run(run.mode)
 
     def check(self, run: Run) -> None:
         summary = self.summary
         subset = run.mode.subset()
-        findings = check_records(read_records(run.records), self.expected[run.mode.source], subset,
-                                 self.args.epochs if not run.failed else 0, f"{run.mode.name}-{run.number}", Findings())
+        records = read_records(run.records)
+        complete = complete_epochs(records)
+        ended_early = any(record.get("kind") == "stopped" for record in records)
+        summary.jobs_ended_early += ended_early
+        if not run.failed and not ended_early and complete != run.epochs:
+            run.failed = f"{run.mode.name}-{run.number} exited 0 after {complete} of its {run.epochs} epochs"
+        findings = check_records(records, self.expected[run.mode.source], subset, complete,
+                                 f"{run.mode.name}-{run.number}", Findings())
         summary.samples_checked += findings.checked
         summary.wrong_pixels += findings.wrong_pixels
         summary.wrong_labels += findings.wrong_labels
@@ -307,52 +367,121 @@ class Soak:
                 pass
         return False
 
-    # ----------------------------------------------------------------------------- the soak
+    # ----------------------------------------------------------------------------- episodes
+
+    def draw_episode(self) -> Episode:
+        """The next configuration (the module docstring), from the soak's seeded RNG."""
+        rng = self.rng
+        names = list(self.modes)
+        slots = tuple(sorted(rng.sample(names, rng.randint(1, min(8, len(names))))))
+        cache, batches, share = rng.choice(CACHES)
+        if batches is not None:
+            cache_bytes = len(slots) * batches * BATCH * self.item_nbytes
+        else:
+            cache_bytes = int(share * self.data_bytes)
+        return Episode(cache, cache_bytes, slots, rng.choice(ALIGNS),
+                       rng.choice([0.0, self.args.join_late_s / 2, self.args.join_late_s]))
+
+    def status(self) -> dict[str, object]:
+        try:
+            out = subprocess.run(
+                [sys.executable, "-m", "joader.client.cli", "status", "--json", "--address", self.address],
+                capture_output=True, text=True, timeout=30, env=self.env).stdout
+            return json.loads(out)
+        except (json.JSONDecodeError, subprocess.TimeoutExpired):
+            return {}
+
+    def check_server(self) -> None:
+        """joaderd exited on its own (not killed, not stopped by the soak): a crash. Counted,
+        its log's tail kept, and started again so that the soak goes on."""
+        assert self.server is not None
+        code = self.server.proc.poll()
+        if code is None:
+            return
+        self.summary.server_crashes += 1
+        tail = self.server_log.read_text(errors="replace")[-2000:] if self.server_log.exists() else ""
+        self.summary.problems.append(f"joaderd exited on its own with {code}: {tail}")
+        self.server.kill()
+        self.start_server()
+
+    def run_episode(self, episode: Episode, until: float, faults: list[str]) -> None:
+        """One episode: joaderd with its configuration, its slots' jobs (joining late), faults,
+        then every job finished and checked, and joaderd's internal errors read off its status."""
+        self.episode = episode
+        self.episode_ends = until
+        self.summary.episodes.append(episode.describe())
+        print(f"chaos: episode {len(self.summary.episodes)}: {episode.describe()}", flush=True)
+        self.start_server()
+        started = time.monotonic()
+        joins = {name: started + self.rng.uniform(0, episode.join_late_s) for name in episode.slots}
+        next_fault = started + self.rng.expovariate(1 / self.args.fault_every_s)
+        while time.monotonic() < until:
+            now = time.monotonic()
+            for name, at in list(joins.items()):
+                if now >= at:
+                    del joins[name]
+                    self.runs[name] = self.start_run(self.modes[name])
+            self.check_server()
+            self.reap()
+            if now >= next_fault and self.runs:
+                # Every kind once first (a short soak must see each), then at random.
+                kind = faults.pop(0) if faults else \
+                    self.rng.choices(["restart", "epoch_end", "client", "worker"], [4, 2, 3, 2])[0]
+                if kind == "restart":
+                    self.restart_server()
+                elif kind == "epoch_end":
+                    if not self.restart_at_epoch_end():
+                        faults.append(kind)
+                elif kind == "client":
+                    if not self.kill_client():
+                        faults.append(kind)  # nothing to kill yet: again at the next fault
+                elif not self.kill_worker():
+                    faults.append(kind)
+                next_fault = time.monotonic() + self.rng.expovariate(1 / self.args.fault_every_s)
+            if now >= self.next_progress:
+                print(f"chaos: {now - self.started:5.0f} s  {self.summary.line()}", flush=True)
+                self.next_progress = now + 30
+            time.sleep(0.05)
+        deadline = time.monotonic() + 300
+        while self.runs and time.monotonic() < deadline:
+            self.check_server()
+            self.reap()
+            time.sleep(0.1)
+        for name, run in self.runs.items():  # did not finish: a failure
+            assert run.proc is not None
+            os.killpg(run.proc.pid, signal.SIGKILL)
+            run.proc.wait()
+            run.failed = f"{name}-{run.number} did not finish within 300 s of its episode's end"
+            self.check(run)
+        self.runs.clear()
+        self.check_server()
+        errors = int(self.status().get("internal_errors", 0) or 0)  # type: ignore[call-overload]
+        if errors:
+            self.summary.internal_errors += errors
+            self.summary.problems.append(f"episode {len(self.summary.episodes)}: joaderd contained {errors} "
+                                         f"internal error(s); its log: {self.server_log}")
+        assert self.server is not None
+        code = self.server.stop(timeout_s=20)
+        if code not in (0, -signal.SIGTERM):
+            self.summary.server_crashes += 1
+            self.summary.problems.append(f"joaderd exited with {code} when stopped; its log: {self.server_log}")
+        self.server = None
 
     def run(self) -> Summary:
-        started = time.monotonic()
+        self.started = started = time.monotonic()
         self.stopping = False
-        self.start_server()
-        for mode in self.modes:
-            self.runs[mode.name] = self.start_run(mode)
-        next_fault = started + self.rng.expovariate(1 / self.args.fault_every_s)
-        next_progress = started + 30
-        first = ["client", "restart", "worker", "epoch_end"]
+        self.next_progress = started + 30
+        faults = ["client", "restart", "worker", "epoch_end"]
         try:
-            while time.monotonic() - started < self.args.duration_s:
-                self.reap()
-                now = time.monotonic()
-                if now >= next_fault:
-                    # Every kind once first (a short soak must see each), then at random.
-                    kind = first.pop(0) if first else \
-                        self.rng.choices(["restart", "epoch_end", "client", "worker"], [4, 2, 3, 2])[0]
-                    if kind == "restart":
-                        self.restart_server()
-                    elif kind == "epoch_end":
-                        if not self.restart_at_epoch_end():
-                            first.append(kind)
-                    elif kind == "client":
-                        if not self.kill_client():
-                            first.append(kind)  # nothing to kill yet: again at the next fault
-                    elif not self.kill_worker():
-                        first.append(kind)
-                    next_fault = time.monotonic() + self.rng.expovariate(1 / self.args.fault_every_s)
-                if now >= next_progress:
-                    print(f"chaos: {now - started:5.0f} s  {self.summary.line()}", flush=True)
-                    next_progress = now + 30
-                time.sleep(0.05)
-            self.stopping = True
-            deadline = time.monotonic() + 300
-            while self.runs and time.monotonic() < deadline:
-                self.reap()
-                time.sleep(0.1)
-            for name, run in self.runs.items():  # did not finish: a failure
-                assert run.proc is not None
-                os.killpg(run.proc.pid, signal.SIGKILL)
-                run.proc.wait()
-                run.failed = f"{name}-{run.number} did not finish within 300 s of the soak's end"
-                self.check(run)
+            while True:
+                left = self.args.duration_s - (time.monotonic() - started)
+                if left <= 0:
+                    break
+                # The last episode takes what is left if less than half an episode would remain.
+                length = left if left < 1.5 * self.args.episode_s else self.args.episode_s
+                self.run_episode(self.draw_episode(), time.monotonic() + length, faults)
         finally:
+            self.stopping = True
             for run in self.runs.values():
                 if run.proc is not None and run.proc.poll() is None:
                     os.killpg(run.proc.pid, signal.SIGKILL)
@@ -369,11 +498,13 @@ def _never_attached(err: str) -> bool:
     return "_start_keeper" in err and "ConnectionError: no joaderd is answering" in err
 
 
-def soak(duration_s: float, seed: int, *, items: int = 240, epochs: int = 2, fault_every_s: float = 6.0,
-         image_size: int = 32, cache_batches: int = 3, work: Path | None = None) -> Summary:
+def soak(duration_s: float, seed: int, *, items: int = 240, epochs: int = 3, fault_every_s: float = 6.0,
+         image_size: int = 32, episode_s: float = 150.0, join_late_s: float = 8.0,
+         work: Path | None = None) -> Summary:
     """One soak (what `tests/integration/test_chaos.py` runs in its short form)."""
     args = argparse.Namespace(duration_s=duration_s, seed=seed, items=items, epochs=epochs,
-                              fault_every_s=fault_every_s, image_size=image_size, cache_batches=cache_batches)
+                              fault_every_s=fault_every_s, image_size=image_size, episode_s=episode_s,
+                              join_late_s=join_late_s)
     tmp = Path(tempfile.mkdtemp(prefix="chaos-", dir=work))
     summary = Soak(args, tmp).run()
     if summary.ok:
@@ -388,17 +519,22 @@ def main() -> int:
     parser.add_argument("--duration-s", type=float, default=1200.0, help="fault injection time (default 20 min)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--items", type=int, default=240, help="demo JPEGs in the source")
-    parser.add_argument("--epochs", type=int, default=2, help="epochs per job before its slot starts another")
+    parser.add_argument("--epochs", type=int, default=3, help="most epochs per job (each runs 1 to this many)")
     parser.add_argument("--fault-every-s", type=float, default=6.0, help="mean time between faults")
     parser.add_argument("--image-size", type=int, default=32)
-    parser.add_argument("--cache-batches", type=int, default=3, help="cache size, in batches per job")
-    parser.add_argument("--quick", action="store_true", help="two minutes")
+    parser.add_argument("--episode-s", type=float, default=150.0,
+                        help="length of each configuration's episode (joaderd restarted with the next)")
+    parser.add_argument("--join-late-s", type=float, default=8.0, help="latest start of a slot's first job")
+    parser.add_argument("--quick", action="store_true", help="two minutes, episodes of 40 s")
     args = parser.parse_args()
     if args.quick:
-        args.duration_s = 120.0
+        args.duration_s, args.episode_s = 120.0, 40.0
     summary = soak(args.duration_s, args.seed, items=args.items, epochs=args.epochs, fault_every_s=args.fault_every_s,
-                   image_size=args.image_size, cache_batches=args.cache_batches)
+                   image_size=args.image_size, episode_s=args.episode_s, join_late_s=args.join_late_s)
     print(f"chaos: {summary.line()}")
+    print("chaos: configurations run:")
+    for number, episode in enumerate(summary.episodes, 1):
+        print(f"  {number:3d}. {episode}")
     for problem in summary.problems[:20]:
         print(f"  {problem}")
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -79,7 +79,9 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 def check_records(records: list[dict[str, Any]], expected: dict[int, Expected], subset: set[int],
                   epochs: int, name: str, findings: Findings | None = None) -> Findings:
-    """Every sample's pixels and label, and each epoch exactly once over `subset`."""
+    """Every sample's pixels and label, and each of the first `epochs` epochs exactly once over
+    `subset`; any later epoch the records hold (a job that ended or failed mid-epoch) at most
+    once, within `subset`."""
     findings = findings or Findings()
     by_epoch: dict[int, Counter[int]] = {}
     for record in records:
@@ -106,4 +108,17 @@ def check_records(records: list[dict[str, Any]], expected: dict[int, Expected], 
         if twice or missing or extra:
             findings.note(f"{name} epoch {epoch}: {len(seen)} distinct of {len(subset)}; twice {twice[:8]}, "
                           f"missing {missing[:8]}, not in its subset {extra[:8]}")
+    for epoch in sorted(e for e in by_epoch if e > epochs):  # partial: nothing twice, nothing foreign
+        seen = by_epoch[epoch]
+        twice = sorted(i for i, c in seen.items() if c > 1)
+        extra = sorted(set(seen) - subset)
+        findings.duplicated += sum(seen[i] - 1 for i in twice) + len(extra)
+        if twice or extra:
+            findings.note(f"{name} epoch {epoch} (partial): twice {twice[:8]}, not in its subset {extra[:8]}")
     return findings
+
+
+def complete_epochs(records: list[dict[str, Any]]) -> int:
+    """How many epochs the job's records mark as finished (`integrity_job` writes a line of kind
+    "epoch" after each; a checkpoint's truncation keeps only those before it)."""
+    return sum(1 for record in records if record.get("kind") == "epoch")

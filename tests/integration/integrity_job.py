@@ -3,7 +3,7 @@ and of the chaos soak (`bench/chaos.py`).
 
     python -m tests.integration.integrity_job --address A --records FILE [--workers N]
         [--batched] [--transform] [--reseed] [--epochs E] [--indices a:b[:c]] [--sleep S]
-        [--state CHECKPOINT]
+        [--state CHECKPOINT] [--stop-after-batches N]
 
 One JSON line per sample (flushed per batch): epoch, index, label, crc32 of its pixels, so a
 job killed -9 leaves what it received. With `--reseed`, torch.manual_seed(0) before each
@@ -59,6 +59,9 @@ def main() -> int:
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--timeout-s", type=float, default=60.0)
     parser.add_argument("--state", default=None, help="checkpoint file (num_workers=0 only)")
+    parser.add_argument("--stop-after-batches", type=int, default=0,
+                        help="end early: close the dataset mid-epoch after this many batches (a trial "
+                             "a scheduler stopped), and exit 0")
     args = parser.parse_args()
     if args.state and args.workers:
         parser.error("--state checkpoints ds.state_dict(), which covers num_workers=0 only")
@@ -83,6 +86,7 @@ def main() -> int:
             records.truncate(checkpoint["offset"])
         ds.load_state_dict(checkpoint["state"])
         first_epoch = checkpoint["epoch"]
+    batches = 0
     with open(args.records, "a") as out:
         for epoch in range(first_epoch, args.epochs + 1):
             if args.reseed:
@@ -99,6 +103,12 @@ def main() -> int:
                     _save(args.state, {"epoch": epoch, "offset": out.tell(), "state": ds.state_dict()})
                 if args.sleep:
                     time.sleep(args.sleep)
+                batches += 1
+                if batches == args.stop_after_batches:
+                    break
+            if batches == args.stop_after_batches:  # ends mid-epoch, its DataLoader iterator alive
+                out.write(json.dumps({"kind": "stopped", "epoch": epoch}) + "\n")
+                break
             out.write(json.dumps({"kind": "epoch", "epoch": epoch}) + "\n")
             out.flush()
             if args.state:  # the epoch is over: a restart goes on with the next one
