@@ -26,7 +26,7 @@ def _chaos() -> ModuleType:
 
 
 def test_a_short_soak_delivers_only_the_right_samples_exactly_once() -> None:
-    summary = _chaos().soak(75.0, seed=17, fault_every_s=4.0)
+    summary = _chaos().soak(80.0, seed=17, fault_every_s=4.0, episode_s=40.0)
     print(summary.line())
     assert summary.ok, summary.line() + "".join(f"\n  {p}" for p in summary.problems[:15])
     assert summary.samples_checked > 3000
