@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 from pyroaring import BitMap
 
+from joader.errors import InvariantError
 from joader.server.containment import is_bookkeeping_error
 from joader.server.item_cache import ItemCache
 from joader.server.pacing import UNKNOWN_RATE, due_time
@@ -262,6 +263,10 @@ class Scheduler:
         sampler = source.sampler
         starting = [j for j in participants if sampler.num_remaining(j) == 0]
         picks = sampler.sample(participants)
+        if len(picks) != len(participants) or not all(job_id in picks for job_id in participants):
+            # A sampler bug once gave a sitting-out job a pick: a silent refill, then a refcount
+            # below zero or an item twice in an epoch. Loud and contained instead.
+            raise InvariantError(f"a round for {sorted(participants)} gave picks to {sorted(picks)}")
         if 2 <= len(picks) <= MAX_PAIR_COUNTED_JOBS:
             _count_pairs(source.pair_rounds, picks)
         for job_id in starting:
