@@ -12,8 +12,11 @@ real jobs whose every sample is checked against a decode made here (`integrity.p
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +32,27 @@ NUM_ITEMS = 160
 EPOCHS = 3
 
 
-def _start(server: Any, name: str, epochs: int, sleep: float) -> subprocess.Popen[bytes]:
+@pytest.fixture
+def started() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """The jobs a test started; killed afterwards if a failed assertion left them running."""
+    procs: list[subprocess.Popen[bytes]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _start(server: Any, name: str, epochs: int, sleep: float,
+           started: list[subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
     records = server.dir / f"{name}.jsonl"
     command = [sys.executable, "-m", "tests.integration.integrity_job", "--address", server.address,
                "--source", "photos", "--records", str(records), "--name", name, "--epochs", str(epochs),
                "--sleep", str(sleep), "--timeout-s", "60"]
-    return subprocess.Popen(command, stderr=open(server.dir / f"{name}.err", "wb"), start_new_session=True)
+    with open(server.dir / f"{name}.err", "wb") as err:
+        proc = subprocess.Popen(command, stderr=err, start_new_session=True)
+    started.append(proc)
+    return proc
 
 
 def _samples(server: Any, name: str) -> list[dict[str, Any]]:
@@ -50,14 +68,15 @@ def _stderr(server: Any, name: str) -> str:
     return (server.dir / f"{name}.err").read_text(errors="replace")
 
 
-def test_a_folder_renamed_away_and_back_loses_no_item(tmp_path: Path, start_joaderd: Any) -> None:
+def test_a_folder_renamed_away_and_back_loses_no_item(tmp_path: Path, start_joaderd: Any,
+                                                      started: list[subprocess.Popen[bytes]]) -> None:
     """Renamed away while a job reads (a cache of 40 of 160 items: most are decoded each epoch),
     back once joaderd saw it gone: every epoch delivers every item, with the right pixels."""
     photos = tmp_path / "photos"
     make_demo_data(photos, NUM_ITEMS, num_classes=4, seed=1, progress=False)
     expected = reference(photos, IMAGE_SIZE)
     server = start_joaderd({"photos": photos}, cache_items=40)
-    job = _start(server, "away", EPOCHS, 0.05)
+    job = _start(server, "away", EPOCHS, 0.05, started)
     wait_for(lambda: len(_samples(server, "away")) >= 24, 90, "the job's first batches")
     away = tmp_path / "photos.away"
     photos.rename(away)
@@ -68,18 +87,19 @@ def test_a_folder_renamed_away_and_back_loses_no_item(tmp_path: Path, start_joad
         health = _health(server)
     finally:
         away.rename(photos)
-    assert health["state"] == "away" and "is gone" in health["message"], health
     code = finish(job, 150)
     assert code == 0, _stderr(server, "away")[-3000:]
     findings = check_records(_samples(server, "away"), expected, set(range(NUM_ITEMS)), EPOCHS, "away")
     assert findings.ok, findings.summary()
     assert "skipping item" not in _stderr(server, "away")
+    assert health["state"] == "away" and "is gone" in health["message"], health
     wait_for(lambda: _health(server)["state"] == "ok", 30, "the source served again")
     log = server.log()
     assert "is gone" in log and "is back after" in log, log[-3000:]
 
 
-def test_a_folder_replaced_by_other_images_is_refused_not_mixed(tmp_path: Path, start_joaderd: Any) -> None:
+def test_a_folder_replaced_by_other_images_is_refused_not_mixed(tmp_path: Path, start_joaderd: Any,
+                                                                started: list[subprocess.Popen[bytes]]) -> None:
     """Another dataset of the same layout (same paths, other pixels) moved in under the folder's
     name mid-run: the job stops with SourceChangedError naming the problem and the fix, having
     received the old pixels only; a new job on the source is refused; joaderd stays up."""
@@ -91,7 +111,7 @@ def test_a_folder_replaced_by_other_images_is_refused_not_mixed(tmp_path: Path, 
     differ = {i for i in old if old[i].crc != new[i].crc}
     assert len(differ) > NUM_ITEMS // 2, "the two datasets must have other pixels"
     server = start_joaderd({"photos": photos}, cache_items=40)
-    job = _start(server, "swapped", EPOCHS, 0.05)
+    job = _start(server, "swapped", EPOCHS, 0.05, started)
     wait_for(lambda: len(_samples(server, "swapped")) >= 24, 90, "the job's first batches")
     photos.rename(tmp_path / "photos.old")
     other.rename(photos)
@@ -106,7 +126,7 @@ def test_a_folder_replaced_by_other_images_is_refused_not_mixed(tmp_path: Path, 
     health = _health(server)
     assert health["state"] == "changed" and "changed under joaderd" in health["message"], health
     # A new job on the source: refused with the same error, before any item.
-    late = _start(server, "late", 1, 0.0)
+    late = _start(server, "late", 1, 0.0, started)
     assert finish(late, 90) != 0
     late_err = _stderr(server, "late")
     assert "SourceChangedError" in late_err and "changed under joaderd" in late_err, late_err[-3000:]
