@@ -419,7 +419,7 @@ class ItemCache:
             if not ok and watch.park(key, error):
                 self._hold(item, capacity)
                 return None  # not settled: its waiters wait on
-            watch.forget(key)
+            watch.settled(key, item.item_id, ok)
         if ok and not capacity:  # cannot happen: a worker writes nothing without a range
             ok, error = False, f"the decode of item {item.item_id} reported bytes written without a range"
         if ok:

@@ -24,7 +24,9 @@ a re-listing, never on the scheduler thread or under the lock). It checks every
 - `OK`: held items are decoded again. A folder that came back is served without a restart,
   and no job loses an item. A file that fails again after a check found its source in place is
   the file's own failure: reported (skipped or raised, as the job asked) as before.
-- `CHANGED` (another folder at the path, or sampled files that differ): final until joaderd
+- `CHANGED` (another folder at the path, or two or more sampled files that differ, leaving out
+  files whose item failed since the listing: a broken file fixed on disk is served again, as
+  `--retry-failed-s` promises, and one file edited is that file's business): final until joaderd
   restarts. Every job on the source is stopped with `SourceChangedError` naming the change and
   the fix; attaching to the source is refused with it; the source's cached items are dropped.
   The reads themselves refuse a root folder that is another inode than the listed one
@@ -85,9 +87,9 @@ class Settlement:
 class SourceWatch:
     """One source's health as last checked, and the items held while it is in question.
 
-    No lock of its own: the registry calls it under its lock (`park`, `forget`, `settle`, the
-    checks of requests); only `targets` and `listed` are read by the checker thread, and they
-    never change.
+    No lock of its own: the registry calls it under its lock (`park`, `settled`, `settle`, the
+    checks of requests); the checker thread reads `targets` and `listed` (which never change),
+    `hold_seq` and `ignore` (each replaced whole).
     """
 
     def __init__(self, name: str, targets: WatchTargets, listed: Stamp, *,
@@ -109,6 +111,11 @@ class SourceWatch:
         self._stopped: OrderedDict[str, str] = OrderedDict()  # job id -> its SourceChangedError text
         self._poke = poke
         self.items_held = 0  # reads held in all (status)
+        # item id -> its position among the sampled files; positions `compare` ignores (read
+        # by the checker thread: replaced whole, never changed in place)
+        self._sampled = {item: i for i, item in enumerate(targets.file_items) if item is not None}
+        self._failed_sampled: set[int] = set()
+        self.ignore: frozenset[int] = frozenset()
 
     @property
     def root(self) -> str:
@@ -135,9 +142,14 @@ class SourceWatch:
         self.items_held += 1
         return True
 
-    def forget(self, key: int) -> None:
-        """The item settled (decoded, or its failure reported): a later failure is new."""
+    def settled(self, key: int, item_id: int, ok: bool) -> None:
+        """The item settled (decoded, or its failure reported): a later failure is new. A
+        sampled file whose item failed is left out of the comparison from now on: a broken
+        file fixed on disk is served again (`--retry-failed-s`), not a changed dataset."""
         self._parks.pop(key, None)
+        if not ok and item_id in self._sampled and item_id not in self._failed_sampled:
+            self._failed_sampled.add(item_id)
+            self.ignore = frozenset(self._sampled[i] for i in self._failed_sampled)
 
     def poke(self) -> None:
         """Asks the checker for a check now (never blocks)."""
@@ -266,4 +278,4 @@ class SourceChecker:
             for source in self.sources:
                 watch = source.watch
                 seen_seq = watch.hold_seq  # read before the stamp (an int: no lock needed)
-                file_verdict(source, compare(watch.listed, take_stamp(watch.targets)), seen_seq)
+                file_verdict(source, compare(watch.listed, take_stamp(watch.targets), watch.ignore), seen_seq)

@@ -47,6 +47,7 @@ from typing import Any
 __all__ = [
     "MAX_FILES",
     "MAX_FOLDERS",
+    "MIN_DIFFERING",
     "READ_ERROR_PREFIX",
     "Stamp",
     "Verdict",
@@ -60,6 +61,7 @@ __all__ = [
 
 MAX_FILES = 64
 MAX_FOLDERS = 64
+MIN_DIFFERING = 2  # sampled files that differ, for a source to count as CHANGED (`compare`)
 
 # Every DecodeError a source's `read` raises starts with this (safe_open, read_in_root, tar
 # shards); a stage's or the pool's failures do not ("cannot prepare", "stage ... failed").
@@ -72,11 +74,13 @@ FolderStamp = tuple[int, int, int]  # (st_dev, st_ino, st_mtime_ns)
 
 @dataclass(frozen=True)
 class WatchTargets:
-    """What to stat for a source: its root, sampled folders and sampled files (absolute paths)."""
+    """What to stat for a source: its root, sampled folders and sampled files (absolute paths),
+    and the item id of each sampled file (None: a list file or a tar shard)."""
 
     root: str
     folders: tuple[str, ...]
     files: tuple[str, ...]
+    file_items: tuple[int | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,13 +100,15 @@ class VerdictKind(enum.Enum):
 
 @dataclass(frozen=True)
 class Verdict:
-    """What `compare` found: the kind, and for messages how many sampled files differ."""
+    """What `compare` found: the kind, for messages how many sampled files differ, and which
+    (positions in the stamp's files)."""
 
     kind: VerdictKind
     files_differ: int = 0
     files_sampled: int = 0
     root_replaced: bool = False
     folders_replaced: int = 0
+    differing: tuple[int, ...] = ()
 
     def describe(self) -> str:
         """`12 of 64 sampled files differ, and its folder was replaced` style."""
@@ -129,17 +135,18 @@ def watch_targets(listing: Any, rng: random.Random, *, max_files: int = MAX_FILE
     if kind == "tar":
         shards = list(listing.shards)
         picked = sorted(rng.sample(range(len(shards)), min(max_files, len(shards))))
-        return WatchTargets(str(root), (), tuple(str(root / shards[i]) for i in picked))
+        return WatchTargets(str(root), (), tuple(str(root / shards[i]) for i in picked),
+                            (None,) * len(picked))
     paths = listing.paths
     picked = sorted(rng.sample(range(len(paths)), min(max_files, len(paths))))
     if kind == "list":
         folder = Path(listing.folder)
         files = (str(root), *(str(folder / paths[i]) for i in picked))
-        return WatchTargets(str(folder), (), files)
+        return WatchTargets(str(folder), (), files, (None, *picked))
     classes = list(listing.classes)
     chosen = sorted(rng.sample(range(len(classes)), min(max_folders, len(classes))))
     return WatchTargets(str(root), tuple(str(root / classes[i]) for i in chosen),
-                        tuple(str(root / paths[i]) for i in picked))
+                        tuple(str(root / paths[i]) for i in picked), tuple(picked))
 
 
 def take_stamp(targets: WatchTargets) -> Stamp:
@@ -152,21 +159,30 @@ def take_stamp(targets: WatchTargets) -> Stamp:
     )
 
 
-def compare(listed: Stamp, now: Stamp) -> Verdict:
-    """`now` against the stamp taken when the source was listed (pure)."""
+def compare(listed: Stamp, now: Stamp, ignore: frozenset[int] = frozenset()) -> Verdict:
+    """`now` against the stamp taken when the source was listed (pure).
+
+    `ignore`: positions of sampled files whose change is a file's own business (their item
+    failed since the listing: a broken file fixed on disk is served again, by design).
+    A source CHANGED when its root or a sampled class folder is another inode, or when at least
+    `min_differing(n)` of its n present sampled files differ: one file edited or fixed in place
+    is the file's business, as before (its cached copy, if any, is a copy of one image); two or
+    more of 64 are a dataset rewritten in place (`MIN_DIFFERING`).
+    """
     sampled = len(listed.files)
     if now.root is None:
         return Verdict(VerdictKind.AWAY, files_sampled=sampled)
-    present = [(was, is_) for was, is_ in zip(listed.files, now.files, strict=True) if is_ is not None]
+    present = [i for i, is_ in enumerate(now.files) if is_ is not None]
     if listed.files and not present and any(listed.files):
         return Verdict(VerdictKind.AWAY, files_sampled=sampled)  # an empty mount point, say
-    differ = sum(1 for was, is_ in present if was != is_)
+    differing = tuple(i for i in present if listed.files[i] != now.files[i] and i not in ignore)
     replaced = now.root != listed.root
     folders = sum(1 for was, is_ in zip(listed.folders, now.folders, strict=True)
                   if was is not None and is_ is not None and was[:2] != is_[:2])
-    if differ or replaced or folders:
-        return Verdict(VerdictKind.CHANGED, differ, sampled, replaced, folders)
-    return Verdict(VerdictKind.OK, files_sampled=sampled)
+    if replaced or folders or len(differing) >= MIN_DIFFERING:
+        return Verdict(VerdictKind.CHANGED, len(differing), sampled, replaced, folders, differing)
+    return Verdict(VerdictKind.OK, len(differing), sampled, differing=differing)
+
 
 
 def _stat(path: str) -> os.stat_result | None:

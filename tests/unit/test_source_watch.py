@@ -61,6 +61,16 @@ def test_another_folder_or_other_files_are_a_change() -> None:
     assert folder.kind is VerdictKind.CHANGED and folder.folders_replaced == 1
 
 
+def test_one_file_edited_or_a_broken_file_fixed_is_not_a_change() -> None:
+    """One differing file is that file's business (as before); files whose item failed since
+    the listing are left out (`ignore`): a broken file fixed on disk is served again."""
+    one = compare(LISTED, Stamp((1, 10), LISTED.folders, ((30, 100, 7), (31, 201, 7), (32, 300, 7))))
+    assert one.kind is VerdictKind.OK and one.differing == (1,)
+    two = Stamp((1, 10), LISTED.folders, ((30, 100, 7), (31, 201, 7), (32, 301, 7)))
+    assert compare(LISTED, two).kind is VerdictKind.CHANGED
+    assert compare(LISTED, two, frozenset({2})).kind is VerdictKind.OK
+
+
 def test_read_errors_are_told_from_stage_and_pool_failures() -> None:
     assert is_read_error("cannot read /d/a/1.jpg: it no longer exists; ...")
     assert not is_read_error("cannot prepare /d/a/1.jpg: truncated")
@@ -129,9 +139,19 @@ class Clock:
 
 def _watch(clock: Clock) -> tuple[SourceWatch, list[int]]:
     pokes: list[int] = []
-    watch = SourceWatch("photos", WatchTargets("/d/photos", (), ()), LISTED,
-                        poke=lambda: pokes.append(1), clock=clock)
+    targets = WatchTargets("/d/photos", (), ("/d/photos/a/0.jpg", "/d/photos/a/1.jpg", "/d/photos/b/2.jpg"),
+                           (0, 1, 2))
+    watch = SourceWatch("photos", targets, LISTED, poke=lambda: pokes.append(1), clock=clock)
     return watch, pokes
+
+
+def test_a_sampled_file_whose_item_failed_is_left_out_of_the_comparison() -> None:
+    watch, _ = _watch(Clock())
+    watch.settled(50, 1, True)
+    watch.settled(51, 7, False)  # not sampled
+    assert watch.ignore == frozenset()
+    watch.settled(52, 2, False)
+    assert watch.ignore == frozenset({2})
 
 
 def test_a_failed_read_is_held_once_then_reported() -> None:
@@ -143,7 +163,7 @@ def test_a_failed_read_is_held_once_then_reported() -> None:
     settled = watch.settle(Verdict(VerdictKind.OK), clock(), [])
     assert settled.release == [7] and not watch.held
     assert not watch.park(7, "cannot read /d/photos/a/1.jpg: it no longer exists")  # the file's own
-    watch.forget(7)
+    watch.settled(7, 107, True)
     assert watch.park(7, "cannot read /d/photos/a/1.jpg: it no longer exists")  # a new failure
 
 
