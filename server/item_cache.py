@@ -415,6 +415,12 @@ class ItemCache:
                 self.dispatch(*self._dispatcher)  # the registry dispatches only after settled items
             return None  # not settled: its waiters wait on
         self._misfits.pop(key, None)
+        watch = source.watch
+        if watch is not None:
+            if not ok and watch.park(key, error):
+                self._hold(item, capacity)
+                return None  # not settled: its waiters wait on
+            watch.settled(key, item.item_id, ok)
         if ok and not capacity:  # cannot happen: a worker writes nothing without a range
             ok, error = False, f"the decode of item {item.item_id} reported bytes written without a range"
         if ok:
@@ -464,6 +470,41 @@ class ItemCache:
                 corrected += 1
             item.pins = pins
         return corrected
+
+    # ----------------------------------------------------------------------------- sources
+
+    def _hold(self, item: Item, capacity: int) -> None:
+        """A read failed while its source is in question (joader.server.source_watch): the item
+        waits again, outside the decode queue, until `requeue` (no failure counted or reported)."""
+        if capacity:
+            self.allocator.free(item.offset)
+        item.offset = -1
+        item.move(ItemState.FAILED)  # its decode failed, and waits for its source's verdict:
+        item.move(ItemState.WAITING)  # the usual transitions, as a misfit's
+        if self._dispatcher is not None:
+            self.dispatch(*self._dispatcher)  # its worker is free; the registry dispatches only after settled items
+
+    def requeue(self, keys: Sequence[int]) -> None:
+        """Held items (`_hold`) go back into the decode queue, at their due time; those nobody
+        wants any more are cancelled there."""
+        for key in keys:
+            item = self.items.get(key)
+            if item is not None and item.state is ItemState.WAITING:
+                heapq.heappush(self._demand, (item.due_s, 0, key))
+                self._want_size(item)
+
+    def drop_source(self, source: Source) -> int:
+        """Evicts every cached, unpinned item of `source` (its data changed on disk); returns
+        how many. Decodes in flight land later, with no job to read them, and go first when
+        space is needed (refcount 0)."""
+        base = source.key_base
+        dropped = 0
+        for item_id in list(source.cached_ids):
+            item = self.items.get(base + item_id)
+            if item is not None and item.state is ItemState.READY and not item.pins:
+                self._evict(item.key)
+                dropped += 1
+        return dropped
 
     # ----------------------------------------------------------------------------- figures
 

@@ -6,8 +6,9 @@ forker, never by this process), so `joader.server.service`, which imports grpc, 
 after the pool has started.
 
 Serving runs on an asyncio event loop in the main thread (`grpc.aio`: a job's lease stream costs
-a coroutine, not a thread). Two threads do the rest, both *supervised*: the scheduler (DSA rounds,
-decode dispatch, leases) and the results thread (finished decodes into the cache). If either dies
+a coroutine, not a thread). Three threads do the rest, all *supervised*: the scheduler (DSA rounds,
+decode dispatch, leases), the results thread (finished decodes into the cache) and the source
+checker (`source_watch.py`: is each source on disk still the one listed?). If one dies
 with an exception, joaderd logs the traceback, answers every request with `ServerFailedError`,
 and exits with status 70 (EX_SOFTWARE): a server that keeps accepting requests while nothing
 feeds its queues would hang every job without a word.
@@ -40,6 +41,7 @@ from joader.server.config import ServerConfig, load_config
 from joader.server.decode_pool import DecodePool, PoolConfig, SourceSpec
 from joader.server.metrics import serve_metrics
 from joader.server.registry import Registry, RegistryConfig, Source
+from joader.server.source_watch import SourceChecker
 from joader.sources.base import open_source
 from joader.stages import build_stage
 
@@ -137,6 +139,7 @@ def run(config: ServerConfig) -> int:
             "source %s: %d items in %d classes (%s at %s), stage %s",
             source_config.name, len(listing.paths), len(listing.classes), listing.kind, listing.root, stage.name,
         )
+    checker = SourceChecker(sources, seed=config.seed)  # each source's stamp, right after listing
     arena = Arena.create(config.cache_size_bytes, max(s.max_item_bytes for s in sources))
     pool: DecodePool | None = None
     try:
@@ -153,7 +156,8 @@ def run(config: ServerConfig) -> int:
                 deadline_pacing=config.pacing == "deadline",
             ),
         )
-        return asyncio.run(_serve(config, address, arena, pool, registry, [len(s.listing.paths) for s in sources]))
+        return asyncio.run(_serve(config, address, arena, pool, registry, [len(s.listing.paths) for s in sources],
+                                  checker))
     finally:
         if pool is not None:
             pool.close()
@@ -171,6 +175,7 @@ async def _serve(
     pool: DecodePool,
     registry: Registry,
     source_sizes: list[int],
+    checker: SourceChecker,
 ) -> int:
     from joader.server.service import (  # grpc only after the fork
         JoaderServicer,
@@ -191,6 +196,7 @@ async def _serve(
     _inject_fault(registry, os.environ.get(FAULT_ENV, ""))
     supervisor.spawn("joaderd-scheduler", registry.run_scheduler)
     supervisor.spawn("joaderd-results", lambda: _forward_results(pool, registry, stopping))
+    supervisor.spawn("joaderd-sources", lambda: checker.run(registry.source_checked, stopping))
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(signum, stop.set)
 
@@ -255,6 +261,7 @@ async def _serve(
         logger.info("joaderd stopping")
     finally:
         stopping.set()
+        checker.poke()  # its wait ends now
         if metrics_server is not None:
             metrics_server.shutdown()
         registry.stop()

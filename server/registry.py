@@ -43,6 +43,7 @@ from joader.server.item_cache import DecodeSubmitter, ItemCache
 from joader.server.jobs import JobTable, printable_name
 from joader.server.records import Batch, Item, ItemState, Job, NextArgs, NextCall, Rank, Source
 from joader.server.scheduler import Scheduler
+from joader.server.source_watch import stopped_error
 from joader.server.status import snapshot
 
 __all__ = ["DecodeSubmitter", "Registry", "RegistryConfig", "Source", "max_indices_bytes", "printable_name"]
@@ -140,6 +141,8 @@ class Registry:
                 f"unknown source {name!r}; this joaderd serves: {known}. "
                 "Start joaderd with --source NAME=PATH to add one."
             )
+        if source.watch is not None:
+            source.watch.check_attach()  # changed on disk: refused (server/source_watch.py)
         return source
 
     @contained("Attach", lambda registry, source_name, indices, name, *_, **__: registry.jobs.named(name))
@@ -286,6 +289,8 @@ class Registry:
             raise InvalidArgumentError(f"job {args.job_id!r}: max_items must be >= 0, got {args.max_items}")
         with self._cond:
             self._check_alive()
+            if args.job_id not in self.jobs.jobs and (error := stopped_error(self._sources.values(), args.job_id)):
+                raise error
             job = self.jobs.lookup(args.job_id, args.secret)
             rank = self.jobs.rank_of(job, args)
             now = self._clock()
@@ -303,6 +308,8 @@ class Registry:
             pass_ = self.jobs.claim(job, rank, args)
             if pass_ is not known:
                 self._recheck_failures(job, rank, pass_.epoch, len(rank.queue))
+                if job.source.watch is not None:
+                    job.source.watch.poke()  # an epoch starts: is its source still the listed one?
             rank.last_read_s = now
             if not job.reading:
                 job.reading = True
@@ -331,7 +338,7 @@ class Registry:
             self._check_alive()
             job, rank, pass_ = call.job, call.rank, call.pass_
             if self.jobs.jobs.get(job.job_id) is not job:
-                raise UnknownJobError(self.jobs.gone_message(job.job_id))
+                raise stopped_error([job.source], job.job_id) or UnknownJobError(self.jobs.gone_message(job.job_id))
             if pass_.superseded:
                 raise self.jobs.superseded_error(job, pass_)
             epoch = pass_.epoch
@@ -375,6 +382,8 @@ class Registry:
         rounds). A script that reads on one rank only waited out its whole timeout, then
         blamed the cache or the decoders."""
         waiting, never, waiting_s = self._held_up_by(job, rank, now)
+        if not waiting and job.source.watch is not None:
+            waiting = job.source.watch.waiting_reason(now)  # its folder is away
         return Batch(epoch, False, [], [], [], [], waiting=waiting, rank_never_read=never, waiting_s=waiting_s)
 
     def _held_up_by(self, job: Job, rank: Rank, now: float) -> tuple[str, bool, float]:
@@ -719,6 +728,21 @@ class Registry:
                 job.wake()
             item.waiters = []
             self._dispatch()
+
+    def source_checked(self, source: Source, verdict: Any, seen_seq: int | None = None) -> None:
+        """Files a verdict of the source checker (server/source_watch.py): held items are
+        decoded again, or, for a source changed on disk, its jobs stop and its items go."""
+        with self._cond:
+            settlement = source.watch.settle(verdict, self._clock(), list(source.job_ids), seen_seq)
+            for job_id, reason in settlement.stop_jobs:
+                self._remove(job_id, reason)
+            if settlement.drop:
+                dropped = self.cache.drop_source(source)
+                logger.info("source %s: dropped its %d cached items", source.name, dropped)
+            if settlement.release or settlement.stop_jobs:
+                self.cache.requeue(settlement.release)
+                self._dispatch()
+                self._cond.notify_all()
 
     def _note_size(self, item: Item) -> None:
         """Counts images smaller than the stage's size (served as they are: never upscaled

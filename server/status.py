@@ -60,6 +60,8 @@ def snapshot(registry: Registry, now: float) -> dict[str, Any]:
                 "image_size": getattr(s.stage, "size", None),
                 "small_items": s.small_items,
                 "num_jobs": len(s.job_ids),
+                # on disk (server/source_watch.py): ok, away (folder gone), changed (refused)
+                "health": s.watch.status(now) if s.watch is not None else {"state": "ok"},
             }
             for s in sources
         ],

@@ -206,13 +206,16 @@ def int_label(digits: str) -> int:
     return int(digits)
 
 
-def read_in_root(root: str | os.PathLike[str], relpath: str) -> bytes:
-    """The whole content of the regular file `root/relpath`, never read outside `root`.
+def read_in_root(root: str | os.PathLike[str], relpath: str,
+                 root_id: tuple[int, int] | None = None) -> bytes:
+    """The whole content of the regular file `root/relpath`, never read outside `root` (and,
+    with `root_id`, only from the root folder that was listed: `safe_open.open_in_root`).
 
     Raises DecodeError with `safe_open`'s precise reasons (removed since listed, permission
-    denied, a symlink leaving the root, not a regular file), or the I/O error of the read.
+    denied, a symlink leaving the root, not a regular file, the root gone or replaced), or the
+    I/O error of the read.
     """
-    fd = open_in_root(root, relpath)
+    fd = open_in_root(root, relpath, root_id)
     try:
         with open(fd, "rb", closefd=False) as file:
             return file.read()

@@ -22,6 +22,7 @@ import numpy as np
 
 from joader.errors import InvalidArgumentError
 from joader.sources.base import ListedItems, check_item_id, read_in_root
+from joader.sources.safe_open import root_identity
 
 __all__ = ["IMG_EXTENSIONS", "SourceListing", "full_path", "list_image_folder"]
 
@@ -60,14 +61,17 @@ class SourceListing(ListedItems):
     paths: tuple[str, ...]  # relative POSIX paths; item id = position
     labels: np.ndarray  # int32, one per item
     num_skipped: int = field(default=0)  # symlinks leaving the root, broken links, loops
+    # (st_dev, st_ino) of the root when listed: reads refuse another folder at its path
+    root_id: tuple[int, int] | None = field(default=None)
 
     def read(self, item_id: int) -> bytes:
         """The bytes of item `item_id`'s file, opened only if it still lies inside the root.
 
         Raises DecodeError with the precise reason (removed or renamed since the listing,
-        permission denied, a symlink now leaving the root, not a regular file, an I/O error).
+        permission denied, a symlink now leaving the root, not a regular file, an I/O error, the
+        root folder gone or replaced by another since it was listed).
         """
-        return read_in_root(self.root, self.paths[check_item_id(self, item_id)])
+        return read_in_root(self.root, self.paths[check_item_id(self, item_id)], self.root_id)
 
 
 def full_path(listing: SourceListing, item_id: int) -> Path:
@@ -87,6 +91,7 @@ def list_image_folder(root: str | os.PathLike[str]) -> SourceListing:
     if not given.is_dir():
         raise InvalidArgumentError(f"source path {given} is not a folder; {_LAYOUT_HINT}")
     real_root = given.resolve()
+    root_id = root_identity(real_root)  # before the walk: a swap during it is then refused
     walker = _Walker(real_root)
 
     classes = sorted(entry.name for entry in os.scandir(real_root) if entry.is_dir())
@@ -119,6 +124,7 @@ def list_image_folder(root: str | os.PathLike[str]) -> SourceListing:
         paths=tuple(paths),
         labels=np.asarray(labels, dtype=np.int32),
         num_skipped=walker.num_skipped,
+        root_id=root_id,
     )
 
 

@@ -39,7 +39,7 @@ import numpy as np
 
 from joader.errors import InvalidArgumentError
 from joader.sources.base import MAX_LABEL, ListedItems, check_item_id, int_label, read_in_root
-from joader.sources.safe_open import display_path
+from joader.sources.safe_open import display_path, root_identity
 
 __all__ = ["ListSource", "read_list_file"]
 
@@ -58,10 +58,12 @@ class ListSource(ListedItems):
     paths: tuple[str, ...]  # as written in the file; item id = position
     labels: np.ndarray  # int32, one per item
     num_skipped: int = field(default=0)  # always 0: a bad line is an error, not skipped
+    # (st_dev, st_ino) of `folder` when listed: reads refuse another folder at its path
+    root_id: tuple[int, int] | None = field(default=None)
 
     def read(self, item_id: int) -> bytes:
         """The bytes of the item's file (inside `folder`); DecodeError with the reason."""
-        return read_in_root(self.folder, self.paths[check_item_id(self, item_id)])
+        return read_in_root(self.folder, self.paths[check_item_id(self, item_id)], self.root_id)
 
 
 def _hint(sep: str) -> str:
@@ -90,6 +92,7 @@ def read_list_file(path: str | os.PathLike[str]) -> ListSource:
         )
     real = given.resolve()
     name = display_path(real)
+    root_id = root_identity(real.parent)
     try:
         with open(real, encoding="utf-8", errors="surrogateescape", newline="") as file:
             paths, raw_labels, line_numbers = _parse(file, sep, name)
@@ -108,6 +111,7 @@ def read_list_file(path: str | os.PathLike[str]) -> ListSource:
         class_to_idx=class_to_idx,
         paths=tuple(paths),
         labels=labels,
+        root_id=root_id,
     )
 
 

@@ -11,6 +11,11 @@ after joaderd listed it. So every read re-checks, on the descriptor actually ope
   name pointed to a moment earlier) and must lie inside the real root; a check of the *name*
   before opening would race with a swap.
 - `fstat` must show a regular file (not a FIFO, a device or a directory).
+- with the root's identity from the listing (`root_id`, ImageFolder and list sources): the root
+  folder is opened, must still be that inode, and the file is opened relative to it. A dataset
+  swapped in under the same path (`mv photos photos.old; mv photos2 photos`) then fails its
+  reads ("was replaced") instead of mixing new pixels with the old ones cached
+  (`joader.sources.watch`, `joader.server.source_watch`).
 
 Every failure is a `DecodeError` whose message says which of these happened and what to do, so
 a file removed since the listing is not reported as "corrupt", and a permission problem not as
@@ -31,7 +36,7 @@ import stat
 
 from joader.errors import DecodeError
 
-__all__ = ["display_path", "open_in_root", "open_regular"]
+__all__ = ["display_path", "open_in_root", "open_regular", "root_identity"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +49,18 @@ def display_path(path: str | bytes | os.PathLike[str] | os.PathLike[bytes]) -> s
     return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
-def open_in_root(root: str | os.PathLike[str], relpath: str) -> int:
+def open_in_root(root: str | os.PathLike[str], relpath: str,
+                 root_id: tuple[int, int] | None = None) -> int:
     """A read-only descriptor of the regular file `root/relpath`, which must stay inside `root`.
 
-    The caller owns (and closes) the descriptor. Raises `DecodeError` with the reason and fix.
+    `root_id`: the root's `(st_dev, st_ino)` when the source was listed (`root_identity`); the
+    file is then opened relative to the root folder, which must still be that one (module
+    docstring). The caller owns (and closes) the descriptor. Raises `DecodeError` with the
+    reason and fix.
     """
     real_root = _real_root(os.fspath(root))
     path = os.path.join(os.fspath(root), relpath)
-    fd = _open(path)
+    fd = _open(path) if root_id is None else _open_under(os.fspath(root), relpath, root_id)
     try:
         resolved = _opened_path(fd, path)
         if not _is_inside(real_root, resolved):
@@ -87,7 +96,47 @@ def _real_root(root: str) -> str:
     return os.path.realpath(root)
 
 
-def _open(path: str) -> int:
+def root_identity(root: str | os.PathLike[str]) -> tuple[int, int]:
+    """`(st_dev, st_ino)` of a source's root folder, for `open_in_root(..., root_id=)`."""
+    info = os.stat(root)
+    return info.st_dev, info.st_ino
+
+
+def _open_under(root: str, relpath: str, root_id: tuple[int, int]) -> int:
+    """`relpath` opened under the folder at `root`, which must be the listed one (`root_id`).
+
+    The root is opened first and checked on its descriptor, and the file is opened relative to
+    that descriptor: a folder swapped in at the root's path in between cannot be read from.
+    """
+    path = os.path.join(root, relpath)
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        raise DecodeError(
+            f"cannot read {display_path(path)}: the source folder {display_path(root)} is gone "
+            "(renamed, moved or unmounted since joaderd listed it); put it back at that path "
+            "(joaderd serves it again when it is back)"
+        ) from None
+    except OSError:
+        return _open(path)  # permission and I/O errors: reported for the file, as before
+    try:
+        info = os.fstat(root_fd)
+        if (info.st_dev, info.st_ino) != tuple(root_id):
+            raise DecodeError(
+                f"cannot read {display_path(path)}: the source folder {display_path(root)} was "
+                "replaced since joaderd listed it (another folder is at its path now); the "
+                "cached items are from the old data: restart joaderd to serve the new data, or "
+                "give the new data another name"
+            )
+        return _open(relpath, dir_fd=root_fd, shown=path)
+    finally:
+        os.close(root_fd)
+
+
+def _open(path: str, dir_fd: int | None = None, shown: str | None = None) -> int:
+    """`path` opened read-only (relative to `dir_fd` if given); `shown` names it in errors."""
+    opened, path = path, shown or path
+
     if "\0" in path:
         # os.open raises ValueError, which escaped as a traceback blaming the stage. Listings
         # refuse such names; this keeps any other caller's read a DecodeError.
@@ -96,7 +145,7 @@ def _open(path: str) -> int:
             "byte, which no file name can; fix the source's listing of it"
         )
     try:
-        return os.open(path, _OPEN_FLAGS)
+        return os.open(opened, _OPEN_FLAGS, dir_fd=dir_fd)
     except (FileNotFoundError, NotADirectoryError):
         raise DecodeError(
             f"cannot read {display_path(path)}: it no longer exists; it was removed or renamed "
