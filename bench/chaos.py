@@ -16,8 +16,10 @@ the episode's configuration, drawn from the seeded RNG and printed):
   all of it (items reused across epochs: the sweep that crashed joaderd, issue 27);
 - 1 to 8 job slots of the modes above, each slot's first job joining up to `--join-late-s` late;
 - `--epoch-align` first (the default, most episodes), off or always;
-- each job runs 1 to 3 epochs, and one in four ends early, mid-epoch (a trial a scheduler
-  stopped: it closes its dataset and exits).
+- each job runs 1 to 3 epochs; half of them attach and build "a model" for up to 3 s before
+  their first read (a job attached and not reading while another starts is what crashed the
+  sweep); one in four ends early, mid-epoch (a trial a scheduler stopped: it closes its dataset
+  and exits).
 Each job slot runs job after job for its episode. Meanwhile, at random times from a seeded RNG:
 
 - joaderd is killed -9 and started again on the same address (mid-epoch; or exactly when a job
@@ -133,6 +135,7 @@ class Run:
     state: Path | None
     epochs: int = 2
     stop_after_batches: int = 0  # ends early, mid-epoch (0: runs all its epochs)
+    setup_s: float = 0.0  # attached, then this long before its first read (a model being built)
     proc: subprocess.Popen[bytes] | None = None
     kills: int = 0
     err_at: int = 0  # where the newest launch's stderr starts in the run's .err file
@@ -245,7 +248,8 @@ class Soak:
         epochs = self.rng.randint(1, self.args.epochs)
         batches = epochs * -(-len(mode.subset()) // BATCH)
         stop_after = self.rng.randint(1, max(1, batches - 1)) if self.rng.random() < 0.25 else 0
-        run = Run(mode, number, records, state, epochs=epochs, stop_after_batches=stop_after)
+        setup_s = round(self.rng.uniform(0.2, 3.0), 2) if self.rng.random() < 0.5 else 0.0
+        run = Run(mode, number, records, state, epochs=epochs, stop_after_batches=stop_after, setup_s=setup_s)
         self.summary.jobs_run += 1
         self.launch(run)
         return run
@@ -257,6 +261,8 @@ class Soak:
                    "--batch-size", str(BATCH), "--timeout-s", "120", *run.mode.options]
         if run.stop_after_batches:
             command += ["--stop-after-batches", str(run.stop_after_batches)]
+        if run.setup_s:
+            command += ["--setup-s", str(run.setup_s)]
         if run.state is not None:
             command += ["--state", str(run.state)]
         err = open(self.work / f"{run.mode.name}-{run.number}.err", "ab")

@@ -3,7 +3,7 @@ and of the chaos soak (`bench/chaos.py`).
 
     python -m tests.integration.integrity_job --address A --records FILE [--workers N]
         [--batched] [--transform] [--reseed] [--epochs E] [--indices a:b[:c]] [--sleep S]
-        [--state CHECKPOINT] [--stop-after-batches N]
+        [--state CHECKPOINT] [--setup-s S] [--stop-after-batches N]
 
 One JSON line per sample (flushed per batch): epoch, index, label, crc32 of its pixels, so a
 job killed -9 leaves what it received. With `--reseed`, torch.manual_seed(0) before each
@@ -59,6 +59,8 @@ def main() -> int:
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--timeout-s", type=float, default=60.0)
     parser.add_argument("--state", default=None, help="checkpoint file (num_workers=0 only)")
+    parser.add_argument("--setup-s", type=float, default=0.0,
+                        help="seconds between attaching and the first read (a model being built)")
     parser.add_argument("--stop-after-batches", type=int, default=0,
                         help="end early: close the dataset mid-epoch after this many batches (a trial "
                              "a scheduler stopped), and exit 0")
@@ -86,6 +88,8 @@ def main() -> int:
             records.truncate(checkpoint["offset"])
         ds.load_state_dict(checkpoint["state"])
         first_epoch = checkpoint["epoch"]
+    if args.setup_s:  # attached (the dataset exists), not reading yet: as a script building its model
+        time.sleep(args.setup_s)
     batches = 0
     with open(args.records, "a") as out:
         for epoch in range(first_epoch, args.epochs + 1):
