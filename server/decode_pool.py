@@ -182,7 +182,7 @@ class PoolStats:
     worker_pids: tuple[int, ...]
     workers_retiring: int = 0  # finishing the tasks they have, then stopped
     resizes: tuple[str, ...] = ()  # "21:04:05 workers 2 -> 3 (reason)", the most recent last
-    crash_loop: bool = False  # workers died ten times within a minute: replacements slowed down
+    crash_loop: bool = False  # over ten deaths nothing explains within a minute: replacements slowed
     restart_in_s: float = 0.0  # when the next delayed replacement starts (0: none waiting)
     suspects: int = 0  # tasks in the suspect lane (waiting or running in the probation worker)
     quarantined: int = 0  # files that killed a worker twice, the last time alone (they fail)
