@@ -219,6 +219,8 @@ async def _serve(
                 "resizes": list(stats.resizes),
                 "crash_loop": stats.crash_loop,
                 "restart_in_s": stats.restart_in_s,
+                "suspects": stats.suspects,
+                "quarantined": stats.quarantined,
             },
             "pid": os.getpid(),
         }

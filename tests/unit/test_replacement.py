@@ -49,3 +49,24 @@ def test_against_a_model_the_policy_never_refuses_forever() -> None:
             assert now < retry <= now + config.max_backoff_s
             assert policy.allow(retry)
             now = retry
+
+
+def test_a_charged_death_counts_toward_the_window_and_can_start_a_crash_loop() -> None:
+    """`charge` records a death nothing explains whose replacement already started (a suspect
+    that proved innocent): ten of them are a full window, the eleventh starts the backoff."""
+    policy = ReplacementPolicy()
+    for i in range(10):
+        policy.charge(float(i))
+    assert not policy.crash_loop and policy.retry_at() == float("-inf")
+    policy.charge(10.0)
+    assert policy.crash_loop and policy.retry_at() == 11.0
+    assert not policy.allow(10.5) and policy.allow(11.0)
+    assert policy.update(72.0) and not policy.crash_loop  # a quiet minute still ends it
+
+
+def test_charges_age_out_of_the_window() -> None:
+    policy = ReplacementPolicy()
+    for i in range(10):
+        policy.charge(float(i))
+    assert policy.allow(61.5)  # the first charges are older than a minute by now
+    assert not policy.crash_loop
