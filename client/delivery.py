@@ -92,8 +92,20 @@ class Reader:
         board = self.conn.board
         ids = list(response.item_ids) + [f.item_id for f in response.failed]
         if board is not None and ids:
+            self._mark_checkpoint(response.epoch)
             board.note_pass(response.epoch, self.stream.token)
             board.mark(ids, response.epoch)
+
+    def _mark_checkpoint(self, epoch: int) -> None:
+        """A pass resuming a checkpoint (`load_state_dict`) whose epoch joaderd took: the items
+        the checkpoint had consumed go on the board as received in it, before anything else of
+        the epoch. A restart's report is the board: without them a joaderd killed after this
+        resume dealt the checkpoint's items again (the chaos soak: 80 of an epoch's 120 twice,
+        a job killed and resumed from its checkpoint, then joaderd killed)."""
+        board, resume = self.conn.board, self.stream.resume
+        if (board is not None and resume is not None and not resume.get("from_board")
+                and int(resume["epoch"]) == epoch and resume["consumed"]):
+            board.mark(list(resume["consumed"]), epoch)
 
     # ----------------------------------------------------------------------------- the loop
 
@@ -122,6 +134,8 @@ class Reader:
                 response = reply.response
                 if response.epoch:
                     conn.note_served(reply.identity.generation)
+                if response.epoch:
+                    self._mark_checkpoint(response.epoch)  # before the resume is dropped below
                 if not stream.epoch:
                     ds._progress.start_epoch(stream, response.epoch)
                 # joaderd has taken the resume (a checkpoint's, or a restart's): it must not

@@ -105,6 +105,32 @@ def test_a_restart_at_an_epochs_end_is_survived(demo_root: Path, start_joaderd: 
     _check(home, jobs, {n: _subset(s) for n, s in subsets.items()}, dict.fromkeys(jobs, 2), expected)
 
 
+@pytest.mark.parametrize("options", [[], ["--batched"]], ids=["plain", "batched"])
+def test_a_restart_after_a_checkpoint_resume_deals_nothing_twice(demo_root: Path, start_joaderd: Any,
+                                                                 expected: dict[int, Any], options: list[str]) -> None:
+    """Found by the widened chaos soak: a job killed -9 and started again from its checkpoint
+    (`load_state_dict`), then joaderd killed -9 mid-epoch. The restarted joaderd resumed the
+    epoch from the board, which held only what the new process had received: the checkpoint's
+    items were dealt again (80 of an epoch's 120 twice)."""
+    server = start_joaderd({"demo": demo_root}, cache_items=48)
+    home = server.dir
+    state = home / "ckpt.state"
+    command = [sys.executable, "-m", "tests.integration.integrity_job", "--address", server.address,
+               "--records", str(home / "ckpt.jsonl"), "--name", "ckpt", "--epochs", "2", "--sleep", "0.15",
+               "--state", str(state), "--timeout-s", "60", *options]
+    job = subprocess.Popen(command, stderr=open(home / "ckpt.err", "wb"), start_new_session=True)
+    wait_for(lambda: _samples(home, "ckpt", 1) >= 64 and state.exists(), 90, "the job's checkpoints")
+    job.kill()
+    job.wait()
+    job = subprocess.Popen(command, stderr=open(home / "ckpt.err", "ab"), start_new_session=True)
+    resumed_at = _samples(home, "ckpt", 1)  # the records, cut back to the checkpoint
+    wait_for(lambda: _samples(home, "ckpt", 1) >= resumed_at + 24, 90, "the resumed job's next batches")
+    _kill(server)
+    time.sleep(0.5)
+    server = start_joaderd.restart(server)
+    _check(home, {"ckpt": job}, {"ckpt": set(range(NUM_DEMO_ITEMS))}, {"ckpt": 2}, expected)
+
+
 def test_a_joaderd_serving_another_source_under_the_name_is_refused(demo_root: Path, start_joaderd: Any,
                                                                      expected: dict[int, Any]) -> None:
     """Restarted with another image size: the job stops with SourceChangedError naming the
