@@ -7,7 +7,9 @@ sweep of 4 trials over 1,200 photos with `joaderd --image-size 64` and the defau
 (the prepared data is 14 MiB: every item is reused across epochs) lost its joaderd in 3 of 6
 runs ("refcount of 1021 would drop to -1" in the scheduler), and one finished sweep had an
 epoch with an item twice. Four plain processes reproduce it: `DataLoader(JoaderDataset(
-"photos", return_index=True), batch_size=32)`, 0.01 s per step, started 0.5 s apart.
+"photos", return_index=True), batch_size=32)`, 0.01 s per step, started 0.5 s apart, each
+building its model (0 to 2 x `--setup-s`) between attaching and its first read: a job attached and not
+reading yet while a late joiner's first round aligned is what the sampler mis-dealt to.
 
 Each run here starts a fresh joaderd with the README's defaults but `--image-size 64` (the
 default cache, `--workers auto`, `--epoch-align first`), then 4 such jobs (`tests/integration/
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -87,6 +90,7 @@ def one_run(number: int, args: argparse.Namespace, data: Path, expected: dict, w
     server = JoaderdProcess.start(["--listen", address, "--image-size", "64", "--source", f"photos={data}"],
                                   stdout=home / "joaderd.log", ready_timeout_s=120, env=env)
     started = time.monotonic()
+    rng = random.Random(number)  # each job's set-up time, the same in every sweep
     jobs = []
     try:
         for k in range(JOBS):
@@ -96,7 +100,7 @@ def one_run(number: int, args: argparse.Namespace, data: Path, expected: dict, w
             command = [sys.executable, "-m", "tests.integration.integrity_job", "--address", address,
                        "--source", "photos", "--records", str(records), "--name", f"trial{k}",
                        "--epochs", str(args.epochs), "--batch-size", str(BATCH), "--follow-loader",
-                       "--sleep", "0.01", "--timeout-s", "120"]
+                       "--sleep", "0.01", "--timeout-s", "120", "--setup-s", f"{rng.uniform(0, 2 * args.setup_s):.2f}"]
             jobs.append((records, subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                                                    stderr=open(f"{records}.err", "wb"))))
         for records, proc in jobs:
@@ -148,6 +152,9 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--items", type=int, default=1200, help="demo photos (500x375 JPEGs) in the source")
     parser.add_argument("--stagger-s", type=float, default=0.5, help="between the jobs' starts")
+    parser.add_argument("--setup-s", type=float, default=1.5,
+                        help="each job's model building, from attaching to its first read: uniform in "
+                             "[0, 2 x this], seeded by the run's number")
     parser.add_argument("--job-timeout-s", type=float, default=600.0)
     parser.add_argument("--data", type=Path, default=None, help="an ImageFolder to use instead of demo photos")
     parser.add_argument("--quick", action="store_true", help="3 runs of 3 epochs")
@@ -173,7 +180,8 @@ def main() -> int:
     failed = [r for r in results if not r.ok]
     total = sum(r.samples for r in results)
     print(f"sweep: {len(results)} runs of {JOBS} jobs x {args.epochs} epochs x {args.items} items, "
-          f"{args.stagger_s:g} s apart, cache holding the whole dataset: {total} samples checked, "
+          f"{args.stagger_s:g} s apart, {args.setup_s:g} s set-up, cache holding the whole dataset: "
+          f"{total} samples checked, "
           f"{len(failed)} runs failed (joaderd crashes {sum(r.server_crashed for r in results)}, "
           f"internal errors {sum(r.internal_errors for r in results)}, wrong {sum(r.wrong for r in results)}, "
           f"duplicated {sum(r.duplicated for r in results)}, missing {sum(r.missing for r in results)})")
