@@ -37,6 +37,7 @@ Faults, handled in `get_result` (the one consumer thread):
   without one (`joader.server.replacement`). Meanwhile tasks wait: a pool fault is not a file
   fault. Only when the forker itself is gone (no worker can ever be started again) do pending
   tasks fail.
+- a slow forker is not a gone one (below, "A slow forker").
 
 Suspects. A decode fault is either a file's or the pool's, and each is treated as such:
 
@@ -98,10 +99,34 @@ while the consumer thread waits in `get_result`):
   at most `_SLICE_S`), and `_dispatch` hands it queued tasks before `resize` returns. The one
   step left to the consumer, stopping a retiring worker after its last result, is triggered by
   that result, an event the consumer wakes up for anyway.
+
+A slow forker. `_spawn` asks the forker for a worker and waits up to `SPAWN_TIMEOUT_S` for its
+answer (a message with the worker's socket passed by SCM_RIGHTS). Two things can keep it waiting,
+and only one is permanent:
+
+- the forker is *gone*: EOF on the control socket, a send that fails, or its process has exited
+  (`os.waitpid(pid, WNOHANG)` after a timeout). No worker can ever start again: the pool says so
+  (critical) and fails what waits once no member is left.
+- the forker is *slow*: the timeout passed and its process is alive (a very loaded or swapping
+  host, a SIGSTOP). The request stays *owed* (`_owed`): its answer comes later on the control
+  socket, where the consumer reads it (`_read_control`, with its descriptor) and adopts the
+  worker where the pool needs one now (a member while below the target, else the probation
+  worker while a suspect waits, the need the request was for first), or stops it (the forker
+  reaps it) if none. Meanwhile no other request is sent, so each answer is the owed request's:
+  one request, one reply, never a reply taken for another's. Replacement then goes on as usual
+  (`_replace_deferred`, every slice) until the pool is back at its target; tasks wait meanwhile,
+  as for any pool fault. A reminder is logged every `SPAWN_TIMEOUT_S` while the answer is owed.
+
+# NOTE: a timeout used to count as the forker gone: the pool never started a worker again, and
+# once the last one died every decode failed until joaderd was restarted, though the forker had
+# only been slow (its late answer, and the worker in it, was dropped unread). Growth asked for
+# while an answer is owed (`resize`) is made up by the replacement path once it comes, so it
+# counts against the replacement rate limit there (harmless: growth is rare, the limit generous).
 """
 
 from __future__ import annotations
 
+import array
 import logging
 import os
 import pickle
@@ -132,6 +157,10 @@ _CLOSE_TIMEOUT_S = 5.0
 _RESIZE_LOG = 20  # entries of the resize log kept for `stats()`
 _STAGED_KEYS = 4096  # items remembered as kept by a worker (far more than workers keep)
 PROBE_BATCH = 16  # items per probe message: small, so that the first sizes come back soon
+# How long `_spawn` waits for the forker's answer before going on without it (the answer is still
+# adopted when it comes: the module docstring, "A slow forker"). A module constant so that a test
+# can shorten it.
+SPAWN_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -240,6 +269,28 @@ class _Worker:
         self.probation = probation  # runs suspects only, one at a time; not a member of the pool
 
 
+class _ForkerGone(OSError):
+    """The forker can never answer again (EOF on its socket, or its process has exited)."""
+
+
+class _NoWorker(OSError):
+    """No worker this time, though the forker is there: the pool tries again later."""
+
+
+class _ForkerSlow(_NoWorker):
+    """The forker is alive but did not answer within `SPAWN_TIMEOUT_S`; its answer is owed."""
+
+
+@dataclass
+class _Owed:
+    """The one spawn request the forker has not answered yet (module docstring, "A slow forker")."""
+
+    probation: bool  # what it was asked for: the probation worker, or a member
+    replacing: bool  # a member replacing a dead one (counted in `workers_replaced` when adopted)
+    since: float  # monotonic time of the request
+    reminded: float  # monotonic time of the last log line about it
+
+
 class DecodePool:
     """Worker processes preparing items into the arena; see the module docstring."""
 
@@ -277,6 +328,7 @@ class DecodePool:
         self._quarantined: set[tuple[int, int]] = set()  # (source index, item id) that failed so
         self._probation: _Worker | None = None
         self._forker_gone = False
+        self._owed: _Owed | None = None  # a spawn request the forker has not answered yet
         self._replaced = 0
         self._retried = 0
         self._timed_out = 0
@@ -544,15 +596,16 @@ class DecodePool:
         if self._closed or (worker is not None and worker.tasks):
             return
         if worker is None:
-            if self._forker_gone:
-                return
+            if self._forker_gone or self._owed is not None:
+                return  # gone; or the owed answer comes first (`_late_worker`)
             if self._replacement.crash_loop and not self._may_replace():
                 return  # `_replace_deferred` comes back when the policy allows
             try:
                 worker = self._spawn(next(i for i in count() if i not in self._workers), probation=True)
+            except _NoWorker:
+                return  # logged; tried again later (`_late_worker`, `_dispatch`)
             except OSError as error:
-                logger.critical("decode pool: cannot start a probation worker: %s", error)
-                self._forker_gone = True
+                self._forker_lost(f"cannot start a probation worker: {error}")
                 return
         task = self._suspects.popleft()
         if not self._send(worker, task):
@@ -621,15 +674,93 @@ class DecodePool:
             logger.info("decode pool: %s decodes again; no longer quarantined", self._describe(task))
 
     def _read_control(self) -> None:
-        data = _recv_nowait(self._control)
-        if data is None:
+        """The forker's messages outside `_spawn`: exit notices, an owed answer (with the new
+        worker's socket, hence `_recv_with_fd`: a plain `recv` drops it), or EOF."""
+        message = _recv_with_fd(self._control)
+        if message is None:
             return
+        data, fd = message
         if not data:
-            if not self._closed:
-                logger.critical("decode pool: the forker process died; dead workers cannot be replaced")
-                self._selector.unregister(self._control)
+            self._forker_lost("its control socket closed")
+            self._dispatch()
             return
+        kind, pid, _ = pickle.loads(data)
+        if kind == "spawned":
+            self._late_worker(pid, fd)
+            self._dispatch()
+            return
+        if fd is not None:  # cannot happen: only answers carry a socket
+            os.close(fd)
         log_exit(data)
+
+    def _late_worker(self, pid: int, fd: int | None) -> None:
+        """The owed answer (module docstring, "A slow forker"): its worker is adopted where the
+        pool needs one now, the need it was asked for first, or stopped if there is none."""
+        owed, self._owed = self._owed, None
+        if fd is None:
+            logger.error("decode pool: the forker's answer (worker pid %d) came without the worker's "
+                         "socket (out of descriptors?); that worker exits by itself", pid)
+            return
+        sock = socket.socket(fileno=fd)
+        late_s = time.monotonic() - owed.since if owed is not None else 0.0
+        member = len(self._members()) < self.num_workers
+        probation = self._probation is None and bool(self._suspects)
+        as_probation = probation and (not member or (owed is not None and owed.probation))
+        if owed is None or self._closed or self._forker_gone or not (member or as_probation):
+            try:
+                sock.send(pickle.dumps(None))  # it exits; the forker reaps it
+            except OSError:
+                pass
+            sock.close()
+            if owed is None:  # cannot happen: one request, one answer
+                logger.error("decode pool: the forker sent a worker (pid %d) nobody asked for; stopped it", pid)
+            else:
+                logger.warning("decode pool: the forker answered %.1f s late; its worker (pid %d) is "
+                               "not needed any more, stopped", late_s, pid)
+            return
+        logger.warning("decode pool: the forker answered %.1f s late; its worker (pid %d) joins the pool",
+                       late_s, pid)
+        self._start(next(i for i in count() if i not in self._workers), pid, sock, as_probation)
+        if owed.replacing and not as_probation:
+            self._replaced += 1
+
+    def _forker_lost(self, why: str) -> None:
+        """The forker is gone for good (logged once): no worker can start again, and what waits
+        fails once no member is left (`_dispatch`)."""
+        if self._forker_gone or self._closed:
+            return
+        self._forker_gone = True
+        self._owed = None  # its answer can never come (and its worker died with it)
+        try:
+            self._selector.unregister(self._control)
+        except (KeyError, ValueError):
+            pass
+        logger.critical("decode pool: the forker process is gone (%s); no worker can be started again "
+                        "(%d of %d left): restart joaderd", why, len(self._members()), self.num_workers)
+
+    def _forker_exited(self) -> bool:
+        """Whether the forker's process has exited (reaping it: `close` copes with that)."""
+        try:
+            pid, _ = os.waitpid(self._forker_pid, os.WNOHANG)
+        except ChildProcessError:
+            return True
+        return pid != 0
+
+    def _remind_owed(self) -> None:
+        """While an answer is owed (every slice): a reminder every `SPAWN_TIMEOUT_S`, and a look
+        at whether the forker has exited meanwhile (its EOF says so too)."""
+        owed = self._owed
+        now = time.monotonic()
+        if owed is None or now - owed.reminded < SPAWN_TIMEOUT_S:
+            return
+        owed.reminded = now
+        if self._forker_exited():
+            self._forker_lost("its process has exited")
+            self._dispatch()
+            return
+        logger.warning("decode pool: still waiting for the forker's answer (%.0f s so far; its process "
+                       "is alive); %d of %d workers meanwhile", now - owed.since, len(self._members()),
+                       self.num_workers)
 
     def _check_timeouts(self) -> None:
         now = time.monotonic()
@@ -727,16 +858,22 @@ class DecodePool:
                 worker.retiring = False
                 logger.info("decode pool: worker %d (pid %d) kept, no longer retiring", worker.index, worker.pid)
                 continue
+            if self._forker_gone:
+                return
+            if self._owed is not None:  # one request at a time: the rest once it is answered
+                if not replacing:
+                    logger.warning("decode pool: the forker has not answered an earlier request yet; "
+                                   "%d of %d workers until it does", len(self._members()), self.num_workers)
+                return
             if replacing and not free and not self._may_replace():
                 return
             free = 0
             try:
-                self._spawn(next(i for i in count() if i not in self._workers))
+                self._spawn(next(i for i in count() if i not in self._workers), replacing=replacing)
+            except _NoWorker:
+                return  # logged; tried again later (`_late_worker`, `_replace_deferred`)
             except OSError as error:
-                if not self._forker_gone:
-                    logger.critical("decode pool: cannot start a%s worker: %s",
-                                    " replacement" if replacing else "", error)
-                self._forker_gone = True
+                self._forker_lost(f"cannot start a{' replacement' if replacing else ''} worker: {error}")
                 return
             if replacing:
                 self._replaced += 1
@@ -761,7 +898,12 @@ class DecodePool:
         if self._replacement.update(time.monotonic()):
             logger.warning("decode pool: no worker died for %g s; the crash loop is over",
                            self._replacement.config.healthy_after_s)
-        if self._closed or self._forker_gone or time.monotonic() < self._replacement.retry_at():
+        if self._closed or self._forker_gone:
+            return
+        if self._owed is not None:  # nothing starts before its answer (`_late_worker`)
+            self._remind_owed()
+            return
+        if time.monotonic() < self._replacement.retry_at():
             return
         if len(self._members()) < self.num_workers:
             self._fill(replacing=True)
@@ -803,33 +945,63 @@ class DecodePool:
         logger.info("decode pool: %s %d (pid %d) %s", "probation worker" if worker.probation else "worker",
                     worker.index, worker.pid, "stopped, no suspect left" if worker.probation else "retired")
 
-    def _spawn(self, index: int, *, probation: bool = False) -> _Worker:
-        """Asks the forker for a worker, waiting for its reply (exit notices may come first)."""
-        self._control.send(b"spawn")
-        deadline = time.monotonic() + 30
+    def _spawn(self, index: int, *, probation: bool = False, replacing: bool = False) -> _Worker:
+        """Asks the forker for a worker and waits up to `SPAWN_TIMEOUT_S` for its answer (exit
+        notices may come first). Raises `_ForkerGone` if the forker can never answer, and
+        `_ForkerSlow` if it is alive but did not answer in time: the request is then owed
+        (`_owed`), and `_late_worker` takes its answer. Callers do not call it while one is owed.
+        """
+        if self._owed is not None:  # its answer would be taken for this one's
+            raise _ForkerSlow("an earlier request to the forker is still unanswered")
+        try:
+            self._control.send(b"spawn")
+        except OSError as error:
+            raise _ForkerGone(f"cannot ask it for a worker: {error}") from None
+        sent = time.monotonic()
+        deadline = sent + SPAWN_TIMEOUT_S
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not select.select([self._control], [], [], remaining)[0]:
-                raise OSError("the forker did not answer within 30 s")
-            data, fds, _flags, _addr = socket.recv_fds(self._control, MAX_MESSAGE, 1)
+                if self._forker_exited():
+                    raise _ForkerGone("its process has exited")
+                self._owed = _Owed(probation, replacing, sent, time.monotonic())
+                logger.warning(
+                    "decode pool: the forker (pid %d) did not answer within %g s, but its process is "
+                    "alive (a loaded or swapping host?): it is slow, not gone. Its worker is taken "
+                    "when it answers; %d of %d workers meanwhile", self._forker_pid, SPAWN_TIMEOUT_S,
+                    len(self._members()), self.num_workers)
+                raise _ForkerSlow(f"the forker did not answer within {SPAWN_TIMEOUT_S:g} s")
+            message = _recv_with_fd(self._control)
+            if message is None:
+                continue
+            data, fd = message
             if not data:
-                raise OSError("the forker process is gone")
+                raise _ForkerGone("its control socket closed")
             kind, pid, _ = pickle.loads(data)
             if kind == "exit":
+                if fd is not None:  # cannot happen: only answers carry a socket
+                    os.close(fd)
                 log_exit(data)
                 continue
-            sock = socket.socket(fileno=fds[0])
-            worker = _Worker(index, pid, sock, self._born, probation)
-            self._born += 1
-            self._workers[index] = worker
-            self._selector.register(sock, selectors.EVENT_READ, worker)
-            if probation:
-                self._probation = worker
-                logger.info("decode pool: probation worker %d started (pid %d) for %d suspect(s)",
-                            index, pid, len(self._suspects))
-            else:
-                logger.info("decode pool: worker %d started (pid %d)", index, pid)
-            return worker
+            if fd is None:
+                logger.error("decode pool: the forker's answer (worker pid %d) came without the worker's "
+                             "socket (out of descriptors?); that worker exits by itself", pid)
+                raise _NoWorker("the forker's answer came without the worker's socket")
+            return self._start(index, pid, socket.socket(fileno=fd), probation)
+
+    def _start(self, index: int, pid: int, sock: socket.socket, probation: bool) -> _Worker:
+        """A worker the forker started, made a member (or the probation worker) under `index`."""
+        worker = _Worker(index, pid, sock, self._born, probation)
+        self._born += 1
+        self._workers[index] = worker
+        self._selector.register(sock, selectors.EVENT_READ, worker)
+        if probation:
+            self._probation = worker
+            logger.info("decode pool: probation worker %d started (pid %d) for %d suspect(s)",
+                        index, pid, len(self._suspects))
+        else:
+            logger.info("decode pool: worker %d started (pid %d)", index, pid)
+        return worker
 
     def _fail(self, task: _Task, reason: str) -> None:
         self._ready.append(DecodeResult(task.task_id, False, reason, self._path(task), 0.0))
@@ -861,6 +1033,31 @@ def _reap(pid: int, timeout_s: float) -> None:
             os.waitpid(pid, 0)
             return
         time.sleep(0.02)
+
+
+def _recv_with_fd(sock: socket.socket) -> tuple[bytes, int | None] | None:
+    """One message of the forker's and the descriptor passed with it (SCM_RIGHTS, or None);
+    (b"", None) at EOF (or a broken socket); None if there is none now. Never blocks, as
+    `_recv_nowait`; a descriptor beyond the first (none is ever sent) is closed.
+
+    # NOTE: not `socket.recv_fds`: in Python 3.11 it ignores its `flags` argument (it never
+    # passes them to `recvmsg`), so MSG_DONTWAIT did nothing and the consumer blocked in it when
+    # `_spawn`, on another thread, had taken the message select saw.
+    """
+    fds = array.array("i")
+    try:
+        data, ancdata, _flags, _addr = sock.recvmsg(
+            MAX_MESSAGE, socket.CMSG_SPACE(fds.itemsize), socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b"", None
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+    for extra in fds[1:] if data else fds:
+        os.close(extra)
+    return data, (fds[0] if data and fds else None)
 
 
 def _recv_nowait(sock: socket.socket) -> bytes | None:

@@ -18,6 +18,7 @@ import pytest
 
 from joader.cache.arena import Arena
 from joader.errors import InvalidArgumentError, JoaderError
+from joader.server import decode_pool
 from joader.server.decode_pool import DecodePool, DecodeResult, PoolConfig, SourceSpec
 from joader.sources.demo import corrupt_jpeg, make_demo_data
 from joader.sources.imagefolder import SourceListing, list_image_folder
@@ -596,6 +597,99 @@ def test_resize_validates_and_logs_every_change(listing: SourceListing, caplog: 
             assert pool.stats().workers_alive == 1 and pool.stats().workers_replaced == 0
         with pytest.raises(JoaderError, match="closed"):
             pool.resize(2)
+
+
+# ----------------------------------------------------------------------------- a slow forker
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _timed_out(caplog: pytest.LogCaptureFixture) -> bool:
+    return "did not answer within 1 s" in caplog.text
+
+
+def test_a_slow_forker_is_waited_for_and_the_pool_recovers(
+    listing: SourceListing, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The forker stopped (as on a swapping host) while both workers die: the spawn times out,
+    tasks submitted meanwhile wait, and once the forker answers its late worker joins the pool
+    and replacement goes on until the pool is back at its target. Before the fix the timeout
+    counted as the forker gone: no worker ever started again, the late answer (and its worker's
+    socket) was dropped, and every task failed with "no decode worker is left"."""
+    monkeypatch.setattr(decode_pool, "SPAWN_TIMEOUT_S", 1.0)
+    before = _children()
+    spec = spec_of(listing)
+    with (
+        Arena.create(4 * NBYTES, NBYTES) as arena,
+        caplog.at_level(logging.INFO, logger="joader.server.decode_pool"),
+    ):
+        fds = _open_fds()
+        pool = _pool(arena, spec)
+        forker = pool._forker_pid
+        try:
+            dead = pool.worker_pids
+            _halt(forker)
+            for pid in dead:
+                os.kill(pid, 9)
+            _wait(lambda: (pool.get_result(timeout_s=0.1), pool.stats().workers_alive)[1] == 0
+                  and _timed_out(caplog), "both deaths seen and the replacement's request timed out")
+            for task_id in range(4):
+                _submit(pool, task_id, task_id, task_id)
+            assert pool.get_result(timeout_s=0.3) is None  # they wait: a slow forker is not a gone one
+            _resume(forker)
+            _check_all_ok(arena, listing, _collect_once(pool, 4))
+            _wait(lambda: (pool.get_result(timeout_s=0.1), pool.stats().workers_alive)[1] == 2,
+                  "the pool back at its target")
+            _wait(lambda: _forker_children(pool) == set(pool.worker_pids), "no worker beyond the pool's")
+            stats = pool.stats()
+            assert stats.workers_replaced == 2 and not set(dead) & set(stats.worker_pids)
+            assert "joins the pool" in caplog.text
+            assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.CRITICAL]
+        finally:
+            _resume(forker)
+            pool.close()
+        assert _open_fds() == fds
+    assert _children() - before == set()
+
+
+def test_a_late_worker_the_pool_no_longer_needs_is_stopped(
+    listing: SourceListing, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The forker answers a replacement's request after the pool was shrunk to the workers it
+    has: the late worker is stopped (and reaped by the forker), not leaked, not adopted."""
+    monkeypatch.setattr(decode_pool, "SPAWN_TIMEOUT_S", 1.0)
+    before = _children()
+    spec = spec_of(listing)
+    with (
+        Arena.create(4 * NBYTES, NBYTES) as arena,
+        caplog.at_level(logging.INFO, logger="joader.server.decode_pool"),
+    ):
+        fds = _open_fds()
+        pool = _pool(arena, spec)
+        forker = pool._forker_pid
+        try:
+            victim, survivor = pool.worker_pids
+            _halt(forker)
+            os.kill(victim, 9)
+            _wait(lambda: (pool.get_result(timeout_s=0.1), pool.stats().workers_alive)[1] == 1
+                  and _timed_out(caplog), "the death seen and the replacement's request timed out")
+            pool.resize(1, "shrunk while the forker is slow")
+            _resume(forker)
+            _wait(lambda: (pool.get_result(timeout_s=0.1), "not needed any more" in caplog.text)[1],
+                  "the late answer")
+            _wait(lambda: _forker_children(pool) == {survivor}, "the late worker gone")
+            assert pool.worker_pids == [survivor]
+            for task_id in range(4):
+                _submit(pool, task_id, task_id, task_id)
+            _check_all_ok(arena, listing, _collect_once(pool, 4))
+            assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.CRITICAL]
+        finally:
+            _resume(forker)
+            pool.close()
+        assert _open_fds() == fds
+    assert _children() - before == set()
 
 
 # Run in a fresh interpreter, as joaderd runs its pool: a lean parent whose forked workers start
