@@ -164,6 +164,7 @@ class Registry:
                                       world_size=world_size, drop_last=drop_last, seed=seed)
             if restart_report is not None:
                 self.jobs.report_restart(job, rank, *restart_report)
+            self.jobs.settle_restart(job)  # the last rank of a restarted job: it resumes now
             if job.reading:
                 job.wake()  # the last rank came: the waiting ones may start
             self._resize_queues()
@@ -332,6 +333,11 @@ class Registry:
             wanted = min(wanted, job.queue_capacity)
             self._recheck_failures(job, rank, epoch, call.max_items * call.max_batches)
             ready = self._count_ready(rank, epoch, wanted)
+            if job.resume is not None and epoch >= job.resume.epoch:
+                # NOTE: a resumed epoch still gathering its reports drops every queue and deals
+                # its rest anew when it starts (`start_resumed`): an item of it (or of a later
+                # epoch) handed out now would be dealt again. Queued lookahead waits.
+                ready = 0
             if ready and call.linger_until_s is None:
                 call.linger_until_s = now + self.config.linger_s
             linger = call.linger_until_s
@@ -505,11 +511,13 @@ class Registry:
         max_batches: int = 1,
         stall: tuple[int, float, float, int] | None = None,
         num_workers: int = 0,
+        continue_epoch: int = 0,
     ) -> Batch:
         """`begin_next`, `poll_next` and `end_next`, blocking this thread while it waits."""
         event = threading.Event()
         args = NextArgs(job_id, secret, token, max_items, tuple(acks), worker_id, pid, rank,
-                        resume_epoch, resume_consumed, resume_parts, max_batches, stall, num_workers)
+                        resume_epoch, resume_consumed, resume_parts, max_batches, stall, num_workers,
+                        continue_epoch)
         call = self.begin_next(args, event.set)
         if isinstance(call, Batch):
             return call
