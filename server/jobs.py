@@ -364,7 +364,9 @@ class JobTable:
             )
         if args.resume_epoch > 0:  # a checkpoint
             epoch = args.resume_epoch
-        elif 0 < args.continue_epoch <= rank.claimed_epoch:  # a pass a restart interrupted
+        elif pass_ is None and 0 < args.continue_epoch <= rank.claimed_epoch:
+            # A pass a restart interrupted (this server never saw its token). A known token
+            # from a new process is fresh workers: a new pass, whatever it says.
             current = rank.current
             if current is not None and not current.superseded and current.epoch > args.continue_epoch:
                 raise PassSupersededError(self._superseded(job, None))  # a newer pass runs
