@@ -1109,3 +1109,25 @@ def test_a_pending_resume_hands_out_nothing_of_its_epoch_while_it_gathers() -> N
                resume_consumed=BitMap([1])).item_ids == []
     got, epochs = _read_ddp_epoch(registry, pool, job, parts, first=1)
     assert epochs == {2} and sorted(got[0] + got[1] + [1, 2]) == list(range(16))
+
+
+def test_a_continued_pass_serves_a_worker_whose_partner_ended_before_the_restart() -> None:
+    """Two DataLoader workers read epoch 2; worker 0 had received its part's end when joaderd
+    restarted, worker 1 still needed the epoch's last batch. Worker 0 never asks the restarted
+    joaderd. The loop's turn (`_out_of_turn`) counted on the new server from zero, so worker 0's
+    "next batch" came first and worker 1 waited for it for good (`bench/restart_storm.py
+    --mode workers`: the job sat with its last batch queued for ten minutes). A pass a restart
+    interrupted is dealt without the turn: what each worker was served is on the dead server."""
+    registry, pool, _ = make_registry(num_slots=40)
+    job = attach(registry, "demo", BitMap(range(24)), "a", 4, restart_report=(2, BitMap(range(20))))
+    order: list[int] = []
+    acks: list[int] = []
+    for _ in range(50):
+        pump(registry, pool)
+        reply = nxt(registry, job.job_id, 9, 4, acks, worker_id=1, pid=11, num_workers=2, continue_epoch=2)
+        assert reply.epoch == 2
+        acks = reply.item_ids
+        order += reply.item_ids
+        if reply.end_of_epoch:
+            break
+    assert sorted(order) == [20, 21, 22, 23]
