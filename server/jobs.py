@@ -362,6 +362,7 @@ class JobTable:
                 "job %s: worker %d of pass %x is a new process (pid %d, was %d): a new pass",
                 job.job_id, args.worker_id, args.token, args.pid, member,
             )
+        continued = False
         if args.resume_epoch > 0:  # a checkpoint
             epoch = args.resume_epoch
         elif pass_ is None and 0 < args.continue_epoch <= rank.claimed_epoch:
@@ -370,10 +371,11 @@ class JobTable:
             current = rank.current
             if current is not None and not current.superseded and current.epoch > args.continue_epoch:
                 raise PassSupersededError(self._superseded(job, None))  # a newer pass runs
-            epoch = args.continue_epoch
+            epoch, continued = args.continue_epoch, True
         else:
             epoch = rank.claimed_epoch + 1
         pass_ = self._start_pass(job, rank, args, epoch)
+        pass_.continued = continued
         self._report_resume(job, rank, args, epoch)
         return pass_
 

@@ -181,6 +181,9 @@ class Pass:
     num_workers: int = 0
     served: Counter[int] = field(default_factory=Counter)
     ended: set[int] = field(default_factory=set)
+    # Created for a pass a joaderd restart interrupted (`NextArgs.continue_epoch`): what each
+    # worker was served, and whose part ended, is on the dead server, so no turn is kept.
+    continued: bool = False
 
 
 @dataclass

@@ -398,7 +398,10 @@ class Registry:
         """
         pass_ = call.pass_
         workers = pass_.num_workers
-        if workers <= 1:
+        if workers <= 1 or pass_.continued:
+            # NOTE: a pass a restart interrupted has no turn here: counted from zero, a worker
+            # whose part ended on the dead server (it never asks again) came first for good,
+            # and the worker holding the epoch's last batch waited for it.
             return self._after_another(call)
         size = max(1, call.max_items)
 
