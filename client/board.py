@@ -18,8 +18,7 @@ identity JSON after it (job id, secret, arena path, server uid; up to byte 2048)
 of the arena, for a worker that handed it batches by offset, `joader.client.handoff`), notices u64
 at 4088 (one bit per advice already logged by some reader, so forked DataLoader workers give it
 once); the current pass of DataLoader workers at 4096 (key u64, token u64, then one u32 pid per
-worker slot that joined it, `claim_pass`); the served generation u64 at 5144 (the identity
-generation whose job last named an epoch to a reader: `note_served`); from byte 8192 one u32 per item of the source: the
+worker slot that joined it, `claim_pass`); from byte 8192 one u32 per item of the source: the
 epoch in which this rank last received it (0: never).
 """
 
@@ -45,7 +44,6 @@ _RECEIPTS_AT = 2048
 _NOTICES_AT = 4088
 RECEIPT_SLOTS = (_NOTICES_AT - _RECEIPTS_AT) // 8
 _PASS_AT = 4096  # key, token, then RECEIPT_SLOTS pids
-_SERVED_AT = 5144  # after the pass's pids
 MAX_EPOCH = 2**32 - 1  # epochs are marked as u32
 _U64 = struct.Struct("=Q")
 
@@ -208,14 +206,6 @@ class Board:
         if (epoch, token) != self.current_pass():
             self._set(24, token)
             self._set(16, epoch)
-
-    def note_served(self, generation: int) -> None:
-        """A reply of the job of identity `generation` named an epoch to a reader of this rank."""
-        if self._get(_SERVED_AT) != generation:
-            self._set(_SERVED_AT, generation)
-
-    def served_generation(self) -> int:
-        return self._get(_SERVED_AT)
 
     def mark(self, item_ids: list[int], epoch: int) -> None:
         """These items reached a reader in `epoch`."""

@@ -98,29 +98,6 @@ class Connection:
         self._keeper_note = keeper_note
         self._arenas: dict[str, Identity] = {identity.arena: identity}  # what replies may name
         self._readers: tuple[int, dict[str, ArenaReader]] = (os.getpid(), {})
-        # The generation of the identity whose job last named an epoch to a reader (this
-        # process's own note; the board holds the rank's, `note_served`). A new
-        # pass under a newer identity must tell the restarted joaderd where this rank's epochs
-        # are (`resume_point`), whoever adopted that identity first: an acknowledgement or a
-        # state_dict() that adopted it left `refresh()` nothing to report, the pass asked with no
-        # resume, and the new job dealt it epoch 1 again, which a later resume then declared
-        # consumed (the chaos soak lost 96 of an epoch's 160 items to two quick restarts).
-        self.served_generation = identity.generation
-
-    def note_served(self, generation: int) -> None:
-        """The job of identity `generation` named an epoch to a reader (kept on the board, for
-        the rank's other processes: forked DataLoader workers read, their parent does not)."""
-        self.served_generation = generation
-        if self.board is not None:
-            self.board.note_served(generation)
-
-    def needs_resume(self) -> bool:
-        """Whether a pass starting now must send a resume point: this process's identity is
-        newer than the one whose job last named an epoch to any reader of the rank (adopting a
-        restart first)."""
-        restarted = self.refresh()
-        served = self.board.served_generation() if self.board is not None else self.served_generation
-        return restarted or served != self.identity.generation
 
     @property
     def job_id(self) -> str:

@@ -48,7 +48,7 @@ from joader.client.board import MAX_EPOCH, Board
 from joader.client.connection import BATCHES_PER_REQUEST, Connection, Identity
 from joader.client.delivery import Reader
 from joader.client.handoff import Receipts
-from joader.client.passes import Pass, Progress, resume_point
+from joader.client.passes import Pass, Progress
 from joader.errors import ERROR_CLASSES, InvalidArgumentError, JoaderError
 from joader.sampling import hosts
 
@@ -614,10 +614,10 @@ class JoaderDataset(IterableDataset):
                 "(a shared-memory copy and a file-descriptor hand-off). num_workers=0 is faster here, "
                 "or batched=True with DataLoader(batch_size=None), whose workers hand over only "
                 "where each batch is; keep workers for a heavy per-job transform.")
-        if connection.needs_resume() and board is not None:
-            # joaderd restarted since this process last read (a DataLoader worker forked from a
-            # training process that never reads itself): the job's new identity, and where to resume.
-            stream.resume = resume_point(board, stream)
+        # joaderd restarted since this process last read (a DataLoader worker forked from a
+        # training process that never reads itself): the job's new identity. Nothing else: a
+        # pass that starts now is a new pass (`continued_epoch`), whatever the epochs were.
+        connection.refresh()
         reader = Reader(self, stream)
         if not self.batched:
             readings: Iterator[Any] = reader.items()

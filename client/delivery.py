@@ -30,7 +30,7 @@ from torch.utils.data import get_worker_info
 from joader.client import frameworks
 from joader.client.connection import BATCHES_PER_REQUEST, Call, Connection, Reply
 from joader.client.handoff import ArenaBatch, Layout, Receipts
-from joader.client.passes import Pass, resume_point
+from joader.client.passes import Pass, continued_epoch
 from joader.client.prefetch import prefetched
 from joader.errors import DecodeError, InvalidArgumentError, PassSupersededError, superseded_message
 from joader.proto import DTYPES, joader_pb2
@@ -64,7 +64,7 @@ class Reader:
         fields: dict[str, Any] = {
             "token": stream.token, "max_items": max_items, "worker_id": stream.worker_id,
             "rank": self.conn.identity.rank, "max_batches": BATCHES_PER_REQUEST if max_items else 0,
-            "num_workers": stream.num_workers,
+            "num_workers": stream.num_workers, "continue_epoch": continued_epoch(self.conn.board, stream),
         }
         if stream.measured and stream.epoch:
             fields.update(stall_epoch=stream.epoch, stall_wait_s=stream.wait_s,
@@ -92,19 +92,21 @@ class Reader:
         board = self.conn.board
         ids = list(response.item_ids) + [f.item_id for f in response.failed]
         if board is not None and ids:
-            self._mark_checkpoint(response.epoch)
+            if self.stream.resume is not None:  # on arrival: a restart's report may come before the loop
+                self._note_checkpoint(response.epoch)
             board.note_pass(response.epoch, self.stream.token)
             board.mark(ids, response.epoch)
 
-    def _mark_checkpoint(self, epoch: int) -> None:
-        """A pass resuming a checkpoint (`load_state_dict`) whose epoch joaderd took: the items
-        the checkpoint had consumed go on the board as received in it, before anything else of
-        the epoch. A restart's report is the board: without them a joaderd killed after this
-        resume dealt the checkpoint's items again (the chaos soak: 80 of an epoch's 120 twice,
-        a job killed and resumed from its checkpoint, then joaderd killed)."""
+    def _note_checkpoint(self, epoch: int) -> None:
+        """joaderd took this pass's checkpoint: what the run that saved it consumed of `epoch`
+        goes on the board as received in it. NOTE: the lease keeper's report after a joaderd
+        restart is the board's; without these, a restart later in the resumed epoch dealt the
+        checkpoint's items again."""
         board, resume = self.conn.board, self.stream.resume
-        if (board is not None and resume is not None and not resume.get("from_board")
-                and int(resume["epoch"]) == epoch and resume["consumed"]):
+        if board is None or resume is None or int(resume["epoch"]) != epoch or not epoch:
+            return
+        board.note_pass(epoch, self.stream.token)
+        if resume["consumed"]:
             board.mark(list(resume["consumed"]), epoch)
 
     # ----------------------------------------------------------------------------- the loop
@@ -123,24 +125,22 @@ class Reader:
         idle_s = 0.0
         try:
             while call is not None:
-                asked_with = call.identity
                 reply = conn.reply(call, unreachable)
                 if reply is None:  # joaderd restarted (the job is attached again) or was unreachable
-                    if conn.identity is not asked_with and conn.board is not None:
-                        stream.resume = resume_point(conn.board, stream)
+                    # The next request says which epoch this pass continues, if any reader of
+                    # it received items (`continued_epoch`); a checkpoint no joaderd took yet
+                    # still travels. What the rank received, the lease keeper reported.
                     call = self.ask()
                     continue
                 call = None
                 response = reply.response
-                if response.epoch:
-                    conn.note_served(reply.identity.generation)
-                if response.epoch:
-                    self._mark_checkpoint(response.epoch)  # before the resume is dropped below
+                if stream.resume is not None:
+                    self._note_checkpoint(response.epoch)
                 if not stream.epoch:
                     ds._progress.start_epoch(stream, response.epoch)
-                # joaderd has taken the resume (a checkpoint's, or a restart's): it must not
-                # travel again, least of all to the next restarted joaderd, which would then
-                # deal again what this pass received in between.
+                # joaderd has taken the checkpoint's resume: it must not travel again, least of
+                # all to a restarted joaderd, which would then deal again what this pass
+                # received in between.
                 stream.resume = None
                 place(reply)
                 ids = list(response.item_ids)

@@ -2,8 +2,9 @@
 
 A pass is read by the training process alone, or by the DataLoader workers of one iterator
 together (they share a token, and joaderd deals them one epoch between them). `Progress` is what
-this process yielded (for `state_dict` and `epoch_order`); `resume_point` is what a pass tells a
-restarted joaderd so that its epoch goes on without what this rank already received.
+this process yielded (for `state_dict` and `epoch_order`); `continued_epoch` is what a pass tells a
+restarted joaderd: the epoch it continues, or none (a new pass). What this rank already received
+of that epoch the restarted joaderd learns from the lease keeper (`joader.client.keeper`).
 """
 
 from __future__ import annotations
@@ -53,24 +54,23 @@ class Pass:
         return cls(token, worker.id, worker.num_workers)
 
 
-def resume_point(board: Board, stream: Pass) -> dict[str, Any] | None:
-    """What `stream` tells a restarted joaderd: its epoch, without what this rank received of
-    it (from every reader, on the board); for a pass with no item yet, the next epoch.
+def continued_epoch(board: Board | None, stream: Pass) -> int:
+    """The epoch `stream` is reading, once some reader of it received items of one (this
+    reader: its first reply named it; another DataLoader worker of its iterator: the board's
+    current pass is this token's); 0 for a pass no reader of which received anything yet.
 
-    Computed anew at every restart, from the board as it is then: a resume computed at an
-    earlier restart and not yet delivered lacks what the other readers received in between
-    (that dealt them again). Only a checkpoint's resume (`load_state_dict`) that no joaderd
-    has taken yet is kept as it is: the board knows nothing of that epoch."""
-    if stream.resume is not None and not stream.resume.get("from_board") and not stream.epoch:
-        return stream.resume
-    epoch, token = board.current_pass()
+    Every request says it (`NextRequest.continue_epoch`): a restarted joaderd, which never saw
+    the token, makes the pass continue that epoch, as the lease keepers' reports resumed it.
+    A pass with 0 is a new pass there, the rank's next epoch. It is never a resume: a new
+    pass that sent the epoch number it expected (the previous one + 1, nothing consumed) was
+    taken for a resume of that epoch, and the restarted job waited for the other ranks'
+    reports, or dealt that epoch twice (issue 27)."""
     if stream.epoch:
-        return {"epoch": stream.epoch, "consumed": board.received(stream.epoch), "parts": 1, "from_board": True}
-    if epoch and token == stream.token:  # another reader of this pass got its first items
-        return {"epoch": epoch, "consumed": board.received(epoch), "parts": 1, "from_board": True}
-    if epoch:  # a new pass: the next epoch, whole, keeping the numbering
-        return {"epoch": epoch + 1, "consumed": BitMap(), "parts": 1, "from_board": True}
-    return None
+        return stream.epoch
+    if board is None:
+        return 0
+    epoch, token = board.current_pass()
+    return epoch if epoch and token == stream.token else 0
 
 
 class Progress:

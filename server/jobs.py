@@ -19,14 +19,22 @@ quietly. Passes are named by a token the client derives from the workers' base s
 seed repeats whenever a user re-seeds torch, a known token arriving from a *new process* in a
 worker slot the pass already has is a new pass too (fresh workers), not a continuation.
 
-A pass may *resume* an epoch: its readers report the items they consumed before a checkpoint (or
-before joaderd restarted); once every rank's readers reported, the epoch goes on without them
-(`Scheduler.start_resumed`).
+A pass may *resume* an epoch from a checkpoint: its readers report the items they consumed;
+once every rank's readers reported, the epoch goes on without them (`Scheduler.start_resumed`).
+
+After a joaderd restart the decision is not the readers' (`decide_restart`): each rank's lease
+keeper re-attaches with its client board's newest epoch and what the rank received of it, and
+once every rank attached, the newest reported epoch resumes without those items, at once. The
+readers then only say which pass they are: a pass some reader of which received items from the
+dead server continues its epoch (`NextArgs.continue_epoch`); any other pass is a new pass, the
+rank's next epoch after the one its keeper reported, whatever rank, worker or epoch number asks
+for it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import logging
 import random
@@ -54,11 +62,42 @@ _MAX_PASSES_PER_RANK = 8
 _MAX_RETIRED_PER_RANK = 256
 _MAX_REMOVED_REMEMBERED = 4096
 MAX_WORLD_SIZE = 4096
-# The reader id of a lease keeper's restart report (`report_restart`): no DataLoader worker's.
-KEEPER_READER = -1
 # Readers of one rank a resume may say report (`resume_parts`): DataLoader workers of one
 # process. More is no real configuration (and the client refuses such a state, too).
 MAX_RESUME_PARTS = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartResume:
+    """What a restarted joaderd resumes, decided from the lease keepers' reports alone."""
+
+    epoch: int  # the epoch that goes on
+    consumed: list[BitMap]  # per rank: what it received of `epoch` (none if it reported an older one)
+    claimed: list[int]  # per rank: the epoch its next new pass follows
+    behind: list[int]  # ranks whose keeper reported an older epoch (their pass of it is over)
+
+
+def decide_restart(reports: dict[int, tuple[int, BitMap]], world_size: int) -> RestartResume | None:
+    """The restart's resume, from each rank's keeper report: rank -> (the newest epoch its
+    readers received items of, those items); a rank that reported nothing received nothing.
+    None: no rank received anything, the job starts afresh.
+
+    The newest reported epoch resumes: a rank that reported an older one had received its
+    whole share of that one (DDP ranks step together; an epoch's last batch is read by every
+    rank before any starts the next), and its next new pass reads the resumed epoch. Why the
+    keepers and never the readers: a reader reports only when its loop asks, and a DDP loop
+    may be blocked in a collective that waits for another rank's resumed epoch; and a reader
+    can only guess whether its pass is new or interrupted from epoch numbers, which a plain
+    start of the next epoch also carries (issue 27: the start of epoch 2 was taken for a
+    resume, and the job waited for a report that never came, or dealt epoch 2 twice)."""
+    epoch = max((e for e, _ in reports.values()), default=0)
+    if epoch <= 0:
+        return None
+    consumed = [BitMap(reports[r][1]) if r in reports and reports[r][0] == epoch else BitMap()
+                for r in range(world_size)]
+    claimed = [max(reports[r][0] if r in reports else 0, epoch - 1) for r in range(world_size)]
+    behind = [r for r in range(world_size) if r in reports and 0 < reports[r][0] < epoch]
+    return RestartResume(epoch, consumed, claimed, behind)
 
 
 class JobTable:
@@ -332,6 +371,8 @@ class JobTable:
         return pass_
 
     def _claim(self, job: Job, rank: Rank, args: NextArgs) -> Pass:
+        if job.restart_reports is not None:
+            args = self._after_restart(job, rank, args)
         pass_ = rank.passes.get(args.token)
         if pass_ is not None and not pass_.superseded:
             member = pass_.members.get(args.worker_id)
@@ -347,14 +388,20 @@ class JobTable:
                 "job %s: worker %d of pass %x is a new process (pid %d, was %d): a new pass",
                 job.job_id, args.worker_id, args.token, args.pid, member,
             )
-        if (args.resume_epoch == rank.claimed_epoch + 1 and job.resume is None and job.world_size == 1
-                and not args.resume_consumed and args.resume_parts <= 1):
-            # A new pass that resumes nothing (a client keeping its epoch numbers across a
-            # joaderd restart, after this server's numbering caught up): a plain new pass.
-            args = NextArgs(args.job_id, args.secret, args.token, args.max_items, args.acks,
-                            args.worker_id, args.pid, args.rank)
-        epoch = args.resume_epoch if args.resume_epoch > 0 else rank.claimed_epoch + 1
+        continued = False
+        if args.resume_epoch > 0:  # a checkpoint
+            epoch = args.resume_epoch
+        elif pass_ is None and 0 < args.continue_epoch <= rank.claimed_epoch:
+            # A pass a restart interrupted (this server never saw its token). A known token
+            # from a new process is fresh workers: a new pass, whatever it says.
+            current = rank.current
+            if current is not None and not current.superseded and current.epoch > args.continue_epoch:
+                raise PassSupersededError(self._superseded(job, None))  # a newer pass runs
+            epoch, continued = args.continue_epoch, True
+        else:
+            epoch = rank.claimed_epoch + 1
         pass_ = self._start_pass(job, rank, args, epoch)
+        pass_.continued = continued
         self._report_resume(job, rank, args, epoch)
         return pass_
 
@@ -370,18 +417,62 @@ class JobTable:
             resume.reports[(rank.index, worker_id)] = BitMap()
 
     def report_restart(self, job: Job, rank_index: int, epoch: int, consumed: BitMap) -> None:
-        """A lease keeper attached rank `rank_index` again after joaderd restarted, with what its
-        readers received of `epoch` (its client board): the rank's report for that resumed epoch,
-        as a reader of its own (`KEEPER_READER`). Why not wait for the readers: a DDP rank that
-        already had its next batch reports only when its training loop asks again, after a
-        collective that waits for a rank whose reader waits for this epoch: both hung until
-        timeout_s (2 runs of 3 with two ranks and an all_reduce per step). The readers' own
-        reports come later and join (the same items: nothing arrives from a dead joaderd)."""
-        if not 0 <= rank_index < job.world_size:
-            return  # Attach refuses it
-        args = NextArgs(job.job_id, b"", 0, 0, worker_id=KEEPER_READER, rank=rank_index,
-                        resume_epoch=epoch, resume_consumed=consumed, resume_parts=1)
-        self._report_resume(job, job.ranks[rank_index], args, epoch)
+        """A lease keeper attached rank `rank_index` again after joaderd restarted, with the
+        newest epoch its readers received items of and those items (its client board). Kept
+        until every rank attached (`settle_restart`). The rank's next new pass follows `epoch`
+        from now on, even before then: its numbering is the client's, not this server's."""
+        if not 0 <= rank_index < job.world_size or epoch <= 0:
+            return  # Attach refuses a bad rank; epoch 0: it received nothing, as a fresh rank
+        if job.restart_settled:
+            logger.warning("job %s: a restart report of rank %d came after the job's ranks all "
+                           "attached; ignored", job.job_id, rank_index)
+            return
+        if job.restart_reports is None:
+            job.restart_reports = {}
+        job.restart_reports[rank_index] = (epoch, BitMap(consumed) & job.dataset)
+        rank = job.ranks[rank_index]
+        rank.reported_epoch = epoch
+        rank.claimed_epoch = max(rank.claimed_epoch, epoch)
+
+    def settle_restart(self, job: Job) -> None:
+        """Once every rank attached: the restart's resume (`decide_restart`) starts at once, on
+        the keepers' reports. No reader is waited for, and none can change the decision."""
+        if job.restart_reports is None or job.restart_settled or not job.all_attached:
+            return
+        job.restart_settled = True
+        decision = decide_restart(job.restart_reports, job.world_size)
+        if decision is None:
+            return
+        for rank, claimed in zip(job.ranks, decision.claimed, strict=True):
+            rank.claimed_epoch = max(rank.claimed_epoch, claimed)
+        for index in decision.behind:
+            epoch, received = job.restart_reports[index]
+            if len(received) < job.per_rank:
+                logger.warning(
+                    "job %s: rank %d was still in epoch %d (%d of its %d items) while another rank "
+                    "read epoch %d when joaderd restarted; epoch %d resumes and rank %d's rest of "
+                    "epoch %d is not delivered", job.job_id, index, epoch, len(received), job.per_rank,
+                    decision.epoch, decision.epoch, index, epoch)
+        job.resume = None
+        job.resumed_epoch = decision.epoch
+        self._scheduler.start_resumed(job, decision.epoch, decision.consumed)
+        job.wake()
+
+    def _after_restart(self, job: Job, rank: Rank, args: NextArgs) -> NextArgs:
+        """A request of a restarted job, as what it is: a resume from a reader of an epoch the
+        rank's keeper reported (or older) continues that epoch (the restart decided it); one of
+        a later epoch with nothing consumed is a new pass (a client that numbers its epochs
+        across the restart); a later epoch with items consumed is a checkpoint."""
+        epoch = args.resume_epoch
+        if epoch <= 0:
+            return args
+        if epoch <= max(rank.reported_epoch, job.resumed_epoch):
+            return dataclasses.replace(args, resume_epoch=0, resume_consumed=None, resume_parts=1,
+                                       continue_epoch=epoch)
+        if not args.resume_consumed:
+            return dataclasses.replace(args, resume_epoch=0, resume_consumed=None, resume_parts=1,
+                                       continue_epoch=0)
+        return args
 
     def _report_resume(self, job: Job, rank: Rank, args: NextArgs, epoch: int) -> None:
         pending = job.resume

@@ -184,6 +184,9 @@ class Pass:
     num_workers: int = 0
     served: Counter[int] = field(default_factory=Counter)
     ended: set[int] = field(default_factory=set)
+    # Created for a pass a joaderd restart interrupted (`NextArgs.continue_epoch`): what each
+    # worker was served, and whose part ended, is on the dead server, so no turn is kept.
+    continued: bool = False
 
 
 @dataclass
@@ -200,6 +203,9 @@ class Rank:
     closed: bool = False  # it closed its lease on purpose: done, its picks are not queued
     queue: deque[Entry] = field(default_factory=deque)
     claimed_epoch: int = 0  # the epoch its current pass reads
+    # After a joaderd restart: the epoch its lease keeper reported (the client board's newest;
+    # 0: it had received nothing). A pass interrupted by the restart continues at most this.
+    reported_epoch: int = 0
     passes: dict[int, Pass] = field(default_factory=dict)  # token -> pass, newest last
     current: Pass | None = None
     retired: dict[tuple[int, int], None] = field(default_factory=dict)  # (token, pid) of old passes
@@ -291,6 +297,11 @@ class Job:
     sampler_abandoned: set[int] = field(default_factory=set)  # epochs the sampler gave up
     resume: Resume | None = None  # a resumed epoch still gathering its reports
     resumed_epoch: int = 0  # the last epoch that resumed (later reports of it are late)
+    # Set when a lease keeper re-attached the job after joaderd restarted: rank -> (its board's
+    # newest epoch, the items it received of it). Decided once every rank attached
+    # (`JobTable.settle_restart`, which sets `resumed_epoch`).
+    restart_reports: dict[int, tuple[int, BitMap]] | None = None
+    restart_settled: bool = False
     items_delivered: int = 0
     items_reused: int = 0  # of those, copies this job had been delivered before (an earlier epoch)
     items_shared: int = 0  # of those, first deliveries of a copy another job had received first
@@ -423,6 +434,9 @@ class NextArgs:
     max_batches: int = 1  # whole batches of `max_items` one reply may carry, if ready at once
     stall: tuple[int, float, float, int] | None = None  # (epoch, wait s, step s, items) the reader measured
     num_workers: int = 0  # the DataLoader workers reading the pass (0 or 1: no turns to keep)
+    # > 0: the pass was reading this epoch when joaderd restarted (some reader of it received
+    # items of it from the dead server): a pass this request creates reads it, not the next.
+    continue_epoch: int = 0
 
 
 @dataclass

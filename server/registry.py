@@ -171,6 +171,7 @@ class Registry:
                                       world_size=world_size, drop_last=drop_last, seed=seed)
             if restart_report is not None:
                 self.jobs.report_restart(job, rank, *restart_report)
+            self.jobs.settle_restart(job)  # the last rank of a restarted job: it resumes now
             if job.reading:
                 job.wake()  # the last rank came: the waiting ones may start
             self._resize_queues()
@@ -360,6 +361,11 @@ class Registry:
             wanted = min(wanted, job.queue_capacity)
             self._recheck_failures(job, rank, epoch, call.max_items * call.max_batches)
             ready = self._count_ready(rank, epoch, wanted)
+            if job.resume is not None and epoch >= job.resume.epoch:
+                # NOTE: a resumed epoch still gathering its reports drops every queue and deals
+                # its rest anew when it starts (`start_resumed`): an item of it (or of a later
+                # epoch) handed out now would be dealt again. Queued lookahead waits.
+                ready = 0
             if ready and call.linger_until_s is None:
                 call.linger_until_s = now + self.config.linger_s
             linger = call.linger_until_s
@@ -422,7 +428,10 @@ class Registry:
         """
         pass_ = call.pass_
         workers = pass_.num_workers
-        if workers <= 1:
+        if workers <= 1 or pass_.continued:
+            # NOTE: a pass a restart interrupted has no turn here: counted from zero, a worker
+            # whose part ended on the dead server (it never asks again) came first for good,
+            # and the worker holding the epoch's last batch waited for it.
             return self._after_another(call)
         size = max(1, call.max_items)
 
@@ -536,11 +545,13 @@ class Registry:
         max_batches: int = 1,
         stall: tuple[int, float, float, int] | None = None,
         num_workers: int = 0,
+        continue_epoch: int = 0,
     ) -> Batch:
         """`begin_next`, `poll_next` and `end_next`, blocking this thread while it waits."""
         event = threading.Event()
         args = NextArgs(job_id, secret, token, max_items, tuple(acks), worker_id, pid, rank,
-                        resume_epoch, resume_consumed, resume_parts, max_batches, stall, num_workers)
+                        resume_epoch, resume_consumed, resume_parts, max_batches, stall, num_workers,
+                        continue_epoch)
         call = self.begin_next(args, event.set)
         if isinstance(call, Batch):
             return call

@@ -249,7 +249,7 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
             tuple(request.acks), request.worker_id, request.pid, request.rank,
             request.resume_epoch, consumed, request.resume_parts or 1, request.max_batches or 1,
             (request.stall_epoch, request.stall_wait_s, request.stall_step_s, request.stall_items)
-            if request.stall_epoch else None, request.num_workers,
+            if request.stall_epoch else None, request.num_workers, request.continue_epoch,
         )  # fmt: skip
         call = registry.begin_next(args, _threadsafe_setter(asyncio.get_running_loop(), event))
         if isinstance(call, Batch):

@@ -85,7 +85,7 @@ class AttachResponse(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., source: _Optional[str] = ..., classes: _Optional[_Iterable[bytes]] = ..., num_source_items: _Optional[int] = ..., num_items: _Optional[int] = ..., image_size: _Optional[int] = ..., item_nbytes: _Optional[int] = ..., arena_path: _Optional[str] = ..., lease_s: _Optional[float] = ..., job_secret: _Optional[bytes] = ..., server_pid: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., num_rank_items: _Optional[int] = ..., seed: _Optional[int] = ..., targets: _Optional[bytes] = ..., stage: _Optional[str] = ..., item_shape: _Optional[_Iterable[int]] = ..., item_dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ..., class_labels: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NextRequest(_message.Message):
-    __slots__ = ("job_id", "token", "max_items", "acks", "job_secret", "worker_id", "pid", "rank", "resume_epoch", "resume_consumed", "resume_parts", "max_batches", "stall_epoch", "stall_wait_s", "stall_step_s", "stall_items", "num_workers")
+    __slots__ = ("job_id", "token", "max_items", "acks", "job_secret", "worker_id", "pid", "rank", "resume_epoch", "resume_consumed", "resume_parts", "max_batches", "stall_epoch", "stall_wait_s", "stall_step_s", "stall_items", "num_workers", "continue_epoch")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     MAX_ITEMS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class NextRequest(_message.Message):
     STALL_STEP_S_FIELD_NUMBER: _ClassVar[int]
     STALL_ITEMS_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     token: int
     max_items: int
@@ -120,7 +121,8 @@ class NextRequest(_message.Message):
     stall_step_s: float
     stall_items: int
     num_workers: int
-    def __init__(self, job_id: _Optional[str] = ..., token: _Optional[int] = ..., max_items: _Optional[int] = ..., acks: _Optional[_Iterable[int]] = ..., job_secret: _Optional[bytes] = ..., worker_id: _Optional[int] = ..., pid: _Optional[int] = ..., rank: _Optional[int] = ..., resume_epoch: _Optional[int] = ..., resume_consumed: _Optional[bytes] = ..., resume_parts: _Optional[int] = ..., max_batches: _Optional[int] = ..., stall_epoch: _Optional[int] = ..., stall_wait_s: _Optional[float] = ..., stall_step_s: _Optional[float] = ..., stall_items: _Optional[int] = ..., num_workers: _Optional[int] = ...) -> None: ...
+    continue_epoch: int
+    def __init__(self, job_id: _Optional[str] = ..., token: _Optional[int] = ..., max_items: _Optional[int] = ..., acks: _Optional[_Iterable[int]] = ..., job_secret: _Optional[bytes] = ..., worker_id: _Optional[int] = ..., pid: _Optional[int] = ..., rank: _Optional[int] = ..., resume_epoch: _Optional[int] = ..., resume_consumed: _Optional[bytes] = ..., resume_parts: _Optional[int] = ..., max_batches: _Optional[int] = ..., stall_epoch: _Optional[int] = ..., stall_wait_s: _Optional[float] = ..., stall_step_s: _Optional[float] = ..., stall_items: _Optional[int] = ..., num_workers: _Optional[int] = ..., continue_epoch: _Optional[int] = ...) -> None: ...
 
 class FailedItem(_message.Message):
     __slots__ = ("item_id", "path", "reason")

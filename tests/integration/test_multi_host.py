@@ -107,12 +107,6 @@ def test_two_jobs_across_the_same_hosts_share_on_each_host(
         assert decoded <= 1.1 * part, f"host {host} decoded {decoded} for a part of {part}: the jobs did not share"
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known intermittent hang, about 1 run in 5, also on the code before 2026-11-25: after the "
-    "restart, a rank of the restarted host waits 60 s for 'epoch 2 resumes once every reader "
-    "reported (rank 1: no report yet)' while rank 1 waits in the all_reduce; a pass that starts "
-    "epoch 2 with the client's epoch number is taken for a resume (world_size > 1). To be fixed; "
-    "every passing run still checks pixels, labels and exactly-once"))
 def test_a_hosts_joaderd_killed_and_restarted_mid_epoch_its_ranks_resume_exactly(
         demo_root: Path, start_joaderd: Any, clients: Clients, expected: Any, tmp_path: Path) -> None:
     """kill -9 of host 1's joaderd mid-epoch, a new one on its socket 1 s later: host 1's two
@@ -121,7 +115,10 @@ def test_a_hosts_joaderd_killed_and_restarted_mid_epoch_its_ranks_resume_exactly
     restarted host and an all_reduce every step, a rank that already had its next batch
     reports what it consumed only after the all_reduce, which waits for the other rank, whose
     resumed epoch waits for that report: the lease keepers report for their ranks when they
-    attach again (`JobTable.report_restart`; before, this hung 1 of its 3 runs)."""
+    attach again, and the epoch resumes on those reports alone (`decide_restart`). Epoch 2
+    then starts as a new pass on both ranks: a rank that asked with its epoch number (2) was
+    taken for a resume, and the job waited for the other rank's report for good (about 1 run
+    in 5), or dealt epoch 2 twice (issue 27)."""
     servers = [start_joaderd({"demo": demo_root}, cache_items=NUM_DEMO_ITEMS) for _ in range(2)]
     out = tmp_path / "run"
     epochs = 2

@@ -60,32 +60,3 @@ def test_a_copy_that_differs_from_its_decode_is_refused_with_verification_on() -
     _connection(verify=True).check(response, [good])
     with pytest.raises(IntegrityError, match="item 8 .* does not match the checksum"):
         _connection(verify=True).check(response, [good, bad])
-
-
-def test_a_pass_after_a_restart_that_an_acknowledgement_adopted_still_sends_its_resume(tmp_path: Any) -> None:
-    """joaderd died between an epoch's last reply and its acknowledgement: the acknowledgement
-    waits for the keeper and adopts the new identity, so the next pass's `refresh()` finds
-    nothing new. It must still send a resume point (the board says which epoch comes next),
-    else the restarted job deals epoch 1 again and a later resume declares it consumed: the
-    chaos soak lost 96 of an epoch's 160 items that way."""
-    from joader.client.board import Board
-
-    board = Board.create()
-    try:
-        conn = Connection("unix:/nowhere", OLD, board, timeout_s=5, verify=False)
-        assert not conn.needs_resume()  # a fresh job's first pass
-        conn.note_served(OLD.generation)  # the old job named epoch 1 to a reader
-        arena = tmp_path / "joader-0-2-bbbb"
-        arena.write_bytes(b"\0" * 4096)
-        board.publish({"job_id": "job-b", "job_secret": "dA==", "arena_path": str(arena),
-                       "server_uid": None, "fingerprint": "fp", "rank": 0})
-        assert conn.refresh()  # the acknowledgement adopted it
-        assert not conn.refresh()
-        assert conn.needs_resume()  # the next pass tells the new job where the epochs are
-        conn.note_served(conn.identity.generation)  # the new job named an epoch
-        assert not conn.needs_resume()
-        forked = Connection("unix:/nowhere", conn.identity, board, timeout_s=5, verify=False)
-        forked.served_generation = 0  # a process that never read (a DataLoader's parent)
-        assert not forked.needs_resume()  # the board holds the rank's note, not the process's
-    finally:
-        board.close()

@@ -1,0 +1,90 @@
+"""What a pass tells joaderd about itself (joader.client.passes, joader.client.delivery), on a
+real memfd board and without a server: after a joaderd restart, a pass that starts is a new
+pass (it sends no epoch at all), and a pass some reader of which received items of an epoch
+from the dead server continues that epoch, whichever of its readers asks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from pyroaring import BitMap
+
+from joader.client.board import Board
+from joader.client.connection import Connection, Identity
+from joader.client.delivery import Reader
+from joader.client.passes import Pass, continued_epoch
+
+OLD = Identity("job-a", b"s" * 16, "/dev/shm/joader-0-1-aaaa", None, "fp", generation=0)
+
+
+@pytest.fixture
+def board() -> Iterator[Board]:
+    board = Board.create()
+    board.size_for(64)
+    yield board
+    board.close()
+
+
+def _fields(board: Board, stream: Pass) -> dict[str, Any]:
+    """The fields of `stream`'s next request for items, as its reader sends them."""
+    conn = Connection("unix:/nowhere", OLD, board, timeout_s=5, verify=False)
+    dataset = SimpleNamespace(_connection=conn, batch_size=4)
+    return Reader(dataset, stream)._fields(4)  # type: ignore[arg-type]
+
+
+def _worker(worker_id: int, seed: int = 1234) -> SimpleNamespace:
+    return SimpleNamespace(id=worker_id, num_workers=2, seed=seed + worker_id)
+
+
+def test_a_pass_that_starts_after_a_restart_is_a_new_pass_whatever_epochs_came_before(board: Board) -> None:
+    """Epoch 1's iterator (two DataLoader workers) read part of its epoch, then joaderd
+    restarted; the next iterator's workers start. They send no epoch and no resume: joaderd
+    numbers the pass from the lease keeper's report. Before issue 27's fix they sent "resume
+    epoch 2, nothing consumed", which a 2-rank job took for a resume and waited on."""
+    first = [Pass.start(_worker(w), 0, board, pid=100 + w) for w in (0, 1)]
+    assert first[0].token == first[1].token
+    first[0].epoch = 1  # worker 0's first reply named epoch 1, and it received items
+    board.note_pass(1, first[0].token)
+    board.mark([3, 4, 5, 6], 1)
+    second = [Pass.start(_worker(w), 1, board, pid=200 + w) for w in (0, 1)]  # a fresh iterator
+    assert second[0].token == second[1].token != first[0].token
+    for stream in second:
+        assert continued_epoch(board, stream) == 0
+        fields = _fields(board, stream)
+        assert fields["continue_epoch"] == 0 and "resume_epoch" not in fields
+    # The same, with the user re-seeding torch (the workers' key repeats): still a new pass.
+    again = Pass.start(_worker(0), 0, board, pid=300)
+    assert again.token not in (first[0].token, second[0].token)
+    assert continued_epoch(board, again) == 0
+
+
+def test_every_reader_of_an_interrupted_pass_continues_its_epoch(board: Board) -> None:
+    """Worker 0 received items of epoch 3 before joaderd died; worker 1 of the same iterator had
+    not yet asked. Both continue epoch 3 (the board names the pass), and neither resends what it
+    received: the lease keeper reported that for the rank."""
+    streams = [Pass.start(_worker(w), 0, board, pid=100 + w) for w in (0, 1)]
+    streams[0].epoch = 3
+    board.note_pass(3, streams[0].token)
+    board.mark([1, 2], 3)
+    for stream in streams:
+        fields = _fields(board, stream)
+        assert fields["continue_epoch"] == 3 and "resume_epoch" not in fields
+    plain = Pass(77, 0, 1)  # the training process, no workers: its own first reply named epoch 5
+    plain.epoch = 5
+    assert continued_epoch(None, plain) == 5 and continued_epoch(board, Pass(78, 0, 1)) == 0
+
+
+def test_a_checkpoints_consumed_items_go_on_the_board_when_joaderd_takes_them(board: Board) -> None:
+    """A pass resuming a checkpoint of epoch 2 (items 0..9 consumed by the run that saved it):
+    once joaderd's first reply names epoch 2, the board says the rank received them in epoch 2,
+    so a later restart's keeper report does not have them dealt again."""
+    stream = Pass(41, 0, 1)
+    stream.resume = {"epoch": 2, "consumed": BitMap(range(10)), "parts": 1}
+    conn = Connection("unix:/nowhere", OLD, board, timeout_s=5, verify=False)
+    reader = Reader(SimpleNamespace(_connection=conn, batch_size=4), stream)  # type: ignore[arg-type]
+    assert reader._fields(4)["resume_epoch"] == 2
+    reader._note_checkpoint(2)
+    assert board.current_pass() == (2, 41) and board.received(2) == BitMap(range(10))
