@@ -216,7 +216,7 @@ class Soak:
         self.data_bytes = args.items * (3 * args.image_size ** 2 + self.item_nbytes)  # both sources
         self.episode: Episode | None = None
         self.episode_ends = 0.0
-        self.killed_by_us = False
+        self.server_starts = 0
         self.address = f"unix:{work / 'joaderd.sock'}"
         self.server: JoaderdProcess | None = None
         self.runs: dict[str, Run] = {}
@@ -226,7 +226,8 @@ class Soak:
     # ----------------------------------------------------------------------------- processes
 
     def start_server(self) -> None:
-        log = self.work / f"joaderd-{self.summary.joaderd_restarts}.log"
+        self.server_starts += 1  # each start its own log: an episode's first start comes after no restart
+        log = self.work / f"joaderd-{self.server_starts}.log"
         episode = self.episode
         assert episode is not None
         args = ["--listen", self.address, "--cache-size", str(episode.cache_bytes), "--image-size",
@@ -380,7 +381,7 @@ class Soak:
         rng = self.rng
         names = list(self.modes)
         slots = tuple(sorted(rng.sample(names, rng.randint(1, min(8, len(names))))))
-        cache, batches, share = rng.choice(CACHES)
+        cache, batches, share = rng.choice([c for c in CACHES if c[0] in self.args.caches])
         if batches is not None:
             cache_bytes = len(slots) * batches * BATCH * self.item_nbytes
         else:
@@ -506,11 +507,11 @@ def _never_attached(err: str) -> bool:
 
 def soak(duration_s: float, seed: int, *, items: int = 240, epochs: int = 3, fault_every_s: float = 6.0,
          image_size: int = 32, episode_s: float = 150.0, join_late_s: float = 8.0,
-         work: Path | None = None) -> Summary:
+         caches: tuple[str, ...] = tuple(c[0] for c in CACHES), work: Path | None = None) -> Summary:
     """One soak (what `tests/integration/test_chaos.py` runs in its short form)."""
     args = argparse.Namespace(duration_s=duration_s, seed=seed, items=items, epochs=epochs,
                               fault_every_s=fault_every_s, image_size=image_size, episode_s=episode_s,
-                              join_late_s=join_late_s)
+                              join_late_s=join_late_s, caches=caches)
     tmp = Path(tempfile.mkdtemp(prefix="chaos-", dir=work))
     summary = Soak(args, tmp).run()
     if summary.ok:
@@ -531,12 +532,15 @@ def main() -> int:
     parser.add_argument("--episode-s", type=float, default=150.0,
                         help="length of each configuration's episode (joaderd restarted with the next)")
     parser.add_argument("--join-late-s", type=float, default=8.0, help="latest start of a slot's first job")
+    parser.add_argument("--caches", default=",".join(c[0] for c in CACHES),
+                        help="the cache sizes episodes draw from (comma-separated; default all)")
     parser.add_argument("--quick", action="store_true", help="two minutes, episodes of 40 s")
     args = parser.parse_args()
     if args.quick:
         args.duration_s, args.episode_s = 120.0, 40.0
     summary = soak(args.duration_s, args.seed, items=args.items, epochs=args.epochs, fault_every_s=args.fault_every_s,
-                   image_size=args.image_size, episode_s=args.episode_s, join_late_s=args.join_late_s)
+                   image_size=args.image_size, episode_s=args.episode_s, join_late_s=args.join_late_s,
+                   caches=tuple(args.caches.split(",")))
     print(f"chaos: {summary.line()}")
     print("chaos: configurations run:")
     for number, episode in enumerate(summary.episodes, 1):
