@@ -29,7 +29,7 @@ from joader.cache.arena import ArenaReader
 from joader.client.board import Board
 from joader.client.channel import PendingCall, call_async, reset_channel
 from joader.client.handoff import Arena
-from joader.errors import IntegrityError, SourceChangedError, UnknownJobError
+from joader.errors import IntegrityError, ParentDiedError, SourceChangedError, UnknownJobError
 from joader.proto import joader_pb2
 
 logger = logging.getLogger(__name__)
@@ -106,6 +106,27 @@ class Connection:
         # resume, and the new job dealt it epoch 1 again, which a later resume then declared
         # consumed (the chaos soak lost 96 of an epoch's 160 items to two quick restarts).
         self.served_generation = identity.generation
+        # In a DataLoader worker: the training process's pid (`watch_parent`).
+        self.parent_pid: int | None = None
+
+    def watch_parent(self) -> None:
+        """This process is a DataLoader worker: its waits end once its training process died.
+
+        NOTE: torch's worker loop checks its parent only between fetches; a worker waiting
+        inside one (for the receipt of its last batch, for a joaderd restart) waited out
+        `timeout_s` after a killed job: a killed `batched=True` job's two workers stayed 7
+        minutes (issue 27). `os.getppid()` changes the moment the parent dies (the worker is
+        reparented); prctl(PR_SET_PDEATHSIG) would fire on the death of the forking *thread*."""
+        if self.parent_pid is None:
+            self.parent_pid = os.getppid()
+
+    def check_parent(self) -> None:
+        """Raises `ParentDiedError` in a DataLoader worker whose training process died."""
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            raise ParentDiedError(
+                f"job {self.job_id}: the training process (pid {self.parent_pid}) of this DataLoader "
+                f"worker (pid {os.getpid()}) died; the worker stops. Nothing to fix here: see why "
+                "the training process ended (its log, the OOM killer).")
 
     def note_served(self, generation: int) -> None:
         """The job of identity `generation` named an epoch to a reader (kept on the board, for
@@ -171,6 +192,7 @@ class Connection:
         deadline = now + self.timeout_s
         logger.debug("job %s: waiting for the lease keeper to attach the job again", self.job_id)
         while board.generation == self.identity.generation:
+            self.check_parent()
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"job {self.job_id}: joaderd at {self.address} did not come back within "

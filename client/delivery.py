@@ -56,6 +56,8 @@ class Reader:
         self.conn: Connection = dataset._connection
         self.stream = stream
         self.size = dataset.batch_size  # items per request: whole batches of the loop's size
+        if get_worker_info() is not None:
+            self.conn.watch_parent()
 
     # ----------------------------------------------------------------------------- requests
 
@@ -119,6 +121,7 @@ class Reader:
                     call = self.ask()
                     continue
                 call = None
+                conn.check_parent()
                 response = reply.response
                 if response.epoch:
                     conn.note_served(reply.identity.generation)
@@ -391,6 +394,7 @@ class Reader:
         # copied it (it reads this worker's batches in order, before this worker's end).
         deadline = time.monotonic() + ds.timeout_s
         while receipts.outstanding and time.monotonic() < deadline:
+            conn.check_parent()  # the training process that would copy them may be dead
             ids = receipts.copied(conn.identity.arena)
             if ids:
                 conn.acknowledge(Reply(None, conn.identity), ids, self._fields(0))

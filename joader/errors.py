@@ -111,6 +111,19 @@ class IntegrityError(JoaderError, RuntimeError):
     status_code = "DATA_LOSS"
 
 
+class ParentDiedError(JoaderError, RuntimeError):
+    """A DataLoader worker's training process died: the worker stops reading (what it held is
+    released with the job's lease, which ended with the training process)."""
+
+    status_code = "CANCELLED"
+
+
+class SharedMemoryFullError(JoaderError, OSError):
+    """A client could not allocate a batch in shared memory: /dev/shm (a tmpfs) is full."""
+
+    status_code = "RESOURCE_EXHAUSTED"
+
+
 # One table, both directions. The client picks the class from the `joader-error` trailing
 # metadata the server attaches, and falls back to the status code alone.
 ERROR_CLASSES: dict[str, type[JoaderError]] = {
@@ -129,6 +142,8 @@ ERROR_CLASSES: dict[str, type[JoaderError]] = {
         UntrustedServerError,
         SourceChangedError,
         IntegrityError,
+        ParentDiedError,
+        SharedMemoryFullError,
     )
 }
 
