@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import IMAGE_SIZE, wait_for
+from tests.integration.conftest import IMAGE_SIZE, finish, wait_for
 from tests.integration.integrity import check_records, read_records, reference
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,3 +93,23 @@ def test_the_workers_of_a_killed_handoff_job_exit_promptly(demo_root: Path, star
         job.wait()
     findings = check_records(read_records(records), reference(demo_root, IMAGE_SIZE), set(range(32)), 0, "killed")
     assert findings.ok and findings.checked >= 8, findings.summary()
+
+
+@pytest.mark.parametrize("options", [("--batched", "--transform"), ("--transform",)],
+                         ids=["batched-transform", "items"])
+def test_a_full_dev_shm_is_named_with_its_free_space_and_the_fix(demo_root: Path, start_joaderd: Any,
+                                                                tmp_path: Path, options: tuple[str, ...]) -> None:
+    """Issue 27, finding 5c: DataLoader workers make each batch in shared memory (batched: the
+    dataset's batch tensor; items: torch's default collate); with /dev/shm full the job failed
+    with torch's raw ENOSPC ("No space left on device (28)"), no hint. The error now says what
+    is full, how much is free, and the fix. (torch's allocation is made to fail in the job's
+    process: this machine's /dev/shm is shared and is never filled for real.)"""
+    server = start_joaderd({"demo": demo_root}, cache_items=64)
+    records = tmp_path / "shm.jsonl"
+    job = _integrity_job(server, records, "--workers", "2", *options, "--epochs", "1", "--timeout-s", "60",
+                         "--shm-full")
+    assert finish(job, 120) != 0
+    err = Path(f"{records}.err").read_text()
+    assert "SharedMemoryFullError" in err, err[-3000:]
+    assert "/dev/shm is full (" in err and " free of " in err, err[-3000:]
+    assert "--shm-size" in err and "lower the batch size" in err, err[-3000:]
