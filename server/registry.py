@@ -270,6 +270,7 @@ class Registry:
             rank = self.jobs.rank_of(job, args)
             now = self._clock()
             rank.last_seen_s = now
+            rank.requested = True
             known = rank.passes.get(args.token)
             if args.stall is not None:
                 job.stall.report(args.stall[0], (rank.index, args.token), *args.stall[1:])

@@ -232,6 +232,48 @@ async def _many_jobs(args: argparse.Namespace) -> None:
     _emit({"results": results, "jobs_in_status": len(status["jobs"])})
 
 
+def other_user(args: argparse.Namespace) -> None:
+    """A training script of another user over TCP (a notebook: it keeps its datasets, and goes
+    on after an error). Another uid is simulated: the tests run as root, who may read any file,
+    and another account cannot run this checkout's interpreter."""
+    os.getuid = lambda: 65534  # type: ignore[assignment]  # what ArenaReader checks the arena against
+    kept, results = [], []
+    for _ in range(args.jobs):
+        try:
+            kept.append(_dataset(args))
+            results.append({"ok": True})
+        except Exception as error:  # noqa: BLE001  reported to the test
+            results.append({"ok": False, "class": type(error).__name__, "message": str(error)})
+    _emit({"results": results})
+    sys.stdin.read()
+
+
+def attach_only(args: argparse.Namespace) -> None:
+    """Attaches a job and keeps its lease with heartbeats, but never sends a request: a client
+    that cannot, or does not, read."""
+    from joader.proto import joader_pb2
+
+    stop = time.monotonic() + 600
+
+    def requests() -> Any:
+        yield joader_pb2.AttachRequest(source=args.source, name="attach-only", batch_size=args.batch_size)
+        while time.monotonic() < stop:
+            time.sleep(0.2)
+            yield joader_pb2.AttachRequest(heartbeat=True)
+
+    responses = _stub(args.address).Attach(requests())
+    first = next(responses)
+    _emit({"job_id": first.job_id})
+    try:
+        for _ in responses:
+            pass
+        _emit({"ended": "stream closed"})
+    except Exception as error:  # noqa: BLE001  reported to the test
+        details = getattr(error, "details", None)
+        _emit({"ended": details() if callable(details) else str(error)})
+    sys.stdin.read()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("command")
@@ -256,7 +298,7 @@ def main() -> None:
     commands = {
         "reseed": reseed, "two-iterators": two_iterators, "read": read, "hijack": hijack,
         "big-indices": big_indices, "many-jobs": many_jobs, "next-then-exit": next_then_exit,
-        "raise-then-hold": raise_then_hold,
+        "raise-then-hold": raise_then_hold, "other-user": other_user, "attach-only": attach_only,
     }
     commands[args.command](args)
 
