@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import multiprocessing.util
 import os
 import time
 import zlib
@@ -119,6 +120,11 @@ class Connection:
         reparented); prctl(PR_SET_PDEATHSIG) would fire on the death of the forking *thread*."""
         if self.parent_pid is None:
             self.parent_pid = os.getppid()
+            # Before the result queue's finalizer (exitpriority -5), which waits to flush what
+            # the worker put on it: once the pipe is full, for good, since its sibling workers
+            # hold the pipe's read end and never read (two workers of a killed job, each with
+            # a copied-out batch of 96 KB queued, never exited).
+            multiprocessing.util.Finalize(None, _exit_if_orphaned, args=(self.parent_pid,), exitpriority=100)
 
     def check_parent(self) -> None:
         """Raises `ParentDiedError` in a DataLoader worker whose training process died."""
@@ -297,6 +303,13 @@ class Connection:
                     f"job {self.job_id}: item {response.item_ids[at + i]} read from arena {response.arena} "
                     "does not match the checksum of its decode: its bytes were overwritten or read "
                     "from the wrong place. Nothing was delivered; report this as a bug.")
+
+
+def _exit_if_orphaned(parent_pid: int) -> None:
+    """At a DataLoader worker's exit: with its training process dead, nothing it queued will
+    be read; leave without flushing it."""
+    if os.getppid() != parent_pid:
+        os._exit(0)
 
 
 class Call:

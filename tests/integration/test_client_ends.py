@@ -58,14 +58,17 @@ def _integrity_job(server: Any, records: Path, *options: str, env: dict[str, str
                             env={**os.environ, **(env or {})})
 
 
+@pytest.mark.parametrize("cache_items", [64, 16], ids=["offsets", "copied"])
 def test_the_workers_of_a_killed_handoff_job_exit_promptly(demo_root: Path, start_joaderd: Any,
-                                                           tmp_path: Path) -> None:
+                                                           tmp_path: Path, cache_items: int) -> None:
     """A `batched=True` job with two DataLoader workers (batches handed over by arena offset) is
     killed while its loop sleeps after its first batch: every item of its epoch is handed out,
     and a worker waits for the receipt of its last batch, which only the dead training process
     could write. Its workers stayed up to `timeout_s` (here 120 s; 7 minutes were seen); they
-    must notice their parent died and exit within seconds."""
-    server = start_joaderd({"demo": demo_root}, cache_items=64)
+    must notice their parent died and exit within seconds. In a cache of two batches, a worker
+    copies its batches out (`copy_now`) and queues their bytes, which fill the result queue's
+    pipe: such workers hung at exit for good, flushing to a pipe nobody reads."""
+    server = start_joaderd({"demo": demo_root}, cache_items=cache_items)
     records = tmp_path / "killed.jsonl"
     job = _integrity_job(server, records, "--workers", "2", "--batched", "--indices", "0:32", "--epochs", "1",
                          "--sleep", "600", "--timeout-s", "120")
