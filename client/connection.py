@@ -119,12 +119,19 @@ class Connection:
         minutes (issue 27). `os.getppid()` changes the moment the parent dies (the worker is
         reparented); prctl(PR_SET_PDEATHSIG) would fire on the death of the forking *thread*."""
         if self.parent_pid is None:
-            self.parent_pid = os.getppid()
+            # The pid the worker was forked from, known since the fork: os.getppid() read now
+            # may already be the reaper's (torch's own watchdog reads it so, and a worker whose
+            # training process died right after forking it waited for work for good).
+            parent = multiprocessing.parent_process()
+            self.parent_pid = parent.pid if parent is not None and parent.pid else os.getppid()
             # Before the result queue's finalizer (exitpriority -5), which waits to flush what
             # the worker put on it: once the pipe is full, for good, since its sibling workers
             # hold the pipe's read end and never read (two workers of a killed job, each with
             # a copied-out batch of 96 KB queued, never exited).
             multiprocessing.util.Finalize(None, _exit_if_orphaned, args=(self.parent_pid,), exitpriority=100)
+        # Dead already (this runs when the worker's DataLoader fetcher is made, before torch's
+        # watchdog, which would then never see it die): nothing to fetch for; leave now.
+        _exit_if_orphaned(self.parent_pid)
 
     def check_parent(self) -> None:
         """Raises `ParentDiedError` in a DataLoader worker whose training process died."""
