@@ -210,6 +210,10 @@ async def _many_jobs(args: argparse.Namespace) -> None:
                     all_attached.set()
                 return {"attached": False, "code": error.code().name, "details": error.details(),
                         "class": dict(error.trailing_metadata() or ()).get("joader-error")}
+            # As a JoaderDataset's lease keeper does: a request at once, or joaderd removes a job
+            # whose client sent none within its lease (attaching 256 jobs may take that long).
+            await stub.Next(joader_pb2.NextRequest(job_id=reply.job_id, job_secret=reply.job_secret,
+                                                   max_items=0, pid=os.getpid()), timeout=60)
             attached += 1
             if attached == args.jobs:
                 all_attached.set()
