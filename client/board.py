@@ -47,6 +47,10 @@ _PASS_AT = 4096  # key, token, then RECEIPT_SLOTS pids
 MAX_EPOCH = 2**32 - 1  # epochs are marked as u32
 _U64 = struct.Struct("=Q")
 
+class BoardClosedError(RuntimeError):
+    """The board was closed (with its dataset); what a reader would note there is moot."""
+
+
 # The boards this process created, by key: how a batch handed over by a forked DataLoader
 # worker finds the board to note its receipt on.
 _created: weakref.WeakValueDictionary[int, Board] = weakref.WeakValueDictionary()
@@ -61,6 +65,7 @@ class Board:
         self._map: mmap.mmap | None = None
         self._items: np.ndarray | None = None
         self._receipts: np.ndarray | None = None
+        self._sized = False  # this process sized the board (`size_for`): its size is fixed
         self.key = secrets.randbits(63)
 
     @classmethod
@@ -85,15 +90,28 @@ class Board:
         """Makes room for one entry per item of the source (called once, after attach)."""
         os.ftruncate(self.fd, _HEADER + 4 * num_source_items)
         self._remap()
+        self._sized = True
 
     def _remap(self) -> mmap.mmap:
-        size = os.fstat(self.fd).st_size
-        if self._map is None or len(self._map) != size:
-            if self._map is not None:
-                self._items = self._receipts = None
-                self._map.close()
-            self._map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        return self._map
+        """The mapping, made again when the board grew (the keeper maps it before the dataset
+        sizes it). Raises `BoardClosedError` once the board is closed.
+
+        NOTE: a reply that arrives after `close()` is still marked by its gRPC callback, on
+        another thread: this looked the size up with fstat on the closed descriptor (EBADF
+        printed by 5 of 36 clean closes mid-epoch, issue 27), and a descriptor number reused
+        meanwhile would have mapped another file. So a board sized here never looks at its
+        descriptor again, and `close` clears the descriptor before the mapping."""
+        mapping = self._map
+        if mapping is not None and self._sized:
+            return mapping
+        fd = self.fd
+        if fd < 0:
+            raise BoardClosedError("joader board: closed with its dataset (JoaderDataset.close())")
+        size = os.fstat(fd).st_size
+        if mapping is None or len(mapping) != size:
+            self._items = self._receipts = None
+            mapping = self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        return mapping
 
     def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """numpy views of the items' epochs and the receipts, made when first needed: the lease
@@ -196,22 +214,31 @@ class Board:
         return int(self._arrays()[1][slot])
 
     def note_receipt(self, slot: int, value: int) -> None:
-        self._arrays()[1][slot] = value
+        try:
+            self._arrays()[1][slot] = value
+        except BoardClosedError:
+            pass  # the dataset closed: its job, which the receipt was for, ended with it
 
     def current_pass(self) -> tuple[int, int]:
         """(epoch, token) of the newest pass a reader of this rank received items of."""
         return self._get(16), self._get(24)
 
     def note_pass(self, epoch: int, token: int) -> None:
-        if (epoch, token) != self.current_pass():
-            self._set(24, token)
-            self._set(16, epoch)
+        try:
+            if (epoch, token) != self.current_pass():
+                self._set(24, token)
+                self._set(16, epoch)
+        except BoardClosedError:
+            pass  # a reply that arrived after the dataset closed: its job ended with it
 
     def mark(self, item_ids: list[int], epoch: int) -> None:
         """These items reached a reader in `epoch`."""
         import numpy as np
 
-        self._arrays()[0][np.asarray(item_ids, dtype=np.int64)] = epoch
+        try:
+            self._arrays()[0][np.asarray(item_ids, dtype=np.int64)] = epoch
+        except BoardClosedError:
+            pass  # as in note_pass
 
     def received(self, epoch: int) -> BitMap:
         """The items this rank's readers received in `epoch`."""
@@ -220,10 +247,14 @@ class Board:
         return BitMap(np.flatnonzero(self._arrays()[0] == epoch).astype(np.uint32))
 
     def close(self) -> None:
-        self._items = self._receipts = None
-        if self._map is not None:
-            self._map.close()
-            self._map = None
-        if self._owner and self.fd >= 0:
-            os.close(self.fd)
+        """Closes the descriptor and drops the mapping. Not `mmap.close()`: another thread may
+        be writing through it this moment (a reply's callback); CPython unmaps it when the last
+        user lets go. The descriptor is cleared first, so that a thread that finds no mapping
+        then finds no descriptor either (`_remap`)."""
+        fd = self.fd
+        if self._owner:
             self.fd = -1
+        self._items = self._receipts = None
+        self._map = None
+        if self._owner and fd >= 0:
+            os.close(fd)

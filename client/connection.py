@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import multiprocessing.util
 import os
 import time
 import zlib
@@ -29,7 +30,7 @@ from joader.cache.arena import ArenaReader
 from joader.client.board import Board
 from joader.client.channel import PendingCall, call_async, reset_channel
 from joader.client.handoff import Arena
-from joader.errors import IntegrityError, SourceChangedError, UnknownJobError
+from joader.errors import IntegrityError, ParentDiedError, SourceChangedError, UnknownJobError
 from joader.proto import joader_pb2
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,39 @@ class Connection:
         self._keeper_note = keeper_note
         self._arenas: dict[str, Identity] = {identity.arena: identity}  # what replies may name
         self._readers: tuple[int, dict[str, ArenaReader]] = (os.getpid(), {})
+        # In a DataLoader worker: the training process's pid (`watch_parent`).
+        self.parent_pid: int | None = None
+
+    def watch_parent(self) -> None:
+        """This process is a DataLoader worker: its waits end once its training process died.
+
+        NOTE: torch's worker loop checks its parent only between fetches; a worker waiting
+        inside one (for the receipt of its last batch, for a joaderd restart) waited out
+        `timeout_s` after a killed job: a killed `batched=True` job's two workers stayed 7
+        minutes (issue 27). `os.getppid()` changes the moment the parent dies (the worker is
+        reparented); prctl(PR_SET_PDEATHSIG) would fire on the death of the forking *thread*."""
+        if self.parent_pid is None:
+            # The pid the worker was forked from, known since the fork: os.getppid() read now
+            # may already be the reaper's (torch's own watchdog reads it so, and a worker whose
+            # training process died right after forking it waited for work for good).
+            parent = multiprocessing.parent_process()
+            self.parent_pid = parent.pid if parent is not None and parent.pid else os.getppid()
+            # Before the result queue's finalizer (exitpriority -5), which waits to flush what
+            # the worker put on it: once the pipe is full, for good, since its sibling workers
+            # hold the pipe's read end and never read (two workers of a killed job, each with
+            # a copied-out batch of 96 KB queued, never exited).
+            multiprocessing.util.Finalize(None, _exit_if_orphaned, args=(self.parent_pid,), exitpriority=100)
+        # Dead already (this runs when the worker's DataLoader fetcher is made, before torch's
+        # watchdog, which would then never see it die): nothing to fetch for; leave now.
+        _exit_if_orphaned(self.parent_pid)
+
+    def check_parent(self) -> None:
+        """Raises `ParentDiedError` in a DataLoader worker whose training process died."""
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            raise ParentDiedError(
+                f"job {self.job_id}: the training process (pid {self.parent_pid}) of this DataLoader "
+                f"worker (pid {os.getpid()}) died; the worker stops. Nothing to fix here: see why "
+                "the training process ended (its log, the OOM killer).")
 
     @property
     def job_id(self) -> str:
@@ -148,6 +182,7 @@ class Connection:
         deadline = now + self.timeout_s
         logger.debug("job %s: waiting for the lease keeper to attach the job again", self.job_id)
         while board.generation == self.identity.generation:
+            self.check_parent()
             if time.monotonic() > deadline:
                 raise TimeoutError(self._stopped_message(f"within {self.timeout_s:g} s (timeout_s)")) from None
             if not board.reconnecting and board.generation == self.identity.generation:
@@ -259,6 +294,13 @@ class Connection:
                     f"job {self.job_id}: item {response.item_ids[at + i]} read from arena {response.arena} "
                     "does not match the checksum of its decode: its bytes were overwritten or read "
                     "from the wrong place. Nothing was delivered; report this as a bug.")
+
+
+def _exit_if_orphaned(parent_pid: int) -> None:
+    """At a DataLoader worker's exit: with its training process dead, nothing it queued will
+    be read; leave without flushing it."""
+    if os.getppid() != parent_pid:
+        os._exit(0)
 
 
 class Call:

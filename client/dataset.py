@@ -42,6 +42,7 @@ from pyroaring import BitMap
 from torch.utils.data import IterableDataset, get_worker_info
 
 from joader.address import resolve_address
+from joader.cache.arena import ArenaReader
 from joader.client import frameworks, placement
 from joader.client.batchpool import BatchPool
 from joader.client.board import MAX_EPOCH, Board
@@ -336,6 +337,17 @@ class JoaderDataset(IterableDataset):
             raise
         self._keeper = keeper
         self._finalizer = weakref.finalize(self, _stop_keeper, keeper, os.getpid(), board)
+        try:  # mapped and let go: a process that reads no items must not hold it (a restart's dead arena)
+            ArenaReader(info["arena_path"], expected_uid=info.get("server_uid")).close()
+        except JoaderError as error:
+            # NOTE: a client that cannot read joaderd's arena (another user's, over TCP) kept
+            # its job registered, holding a --max-jobs slot and a share of the cache (issue 27).
+            self.close()
+            raise type(error)(
+                f"job {info['job_id']}: this process cannot read joaderd's cache arena ({error}); "
+                "joaderd serves the user that runs it: run the job as that user, or start a joaderd "
+                "of your own (its default Unix socket is private to you). The job was removed."
+            ) from None
         self._placement = found
         self._job_name = name
         self.rank, self.world_size = found.rank, found.world_size

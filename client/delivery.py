@@ -17,6 +17,7 @@ names, via the connection.
 
 from __future__ import annotations
 
+import errno
 import logging
 import sys
 import time
@@ -27,12 +28,19 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
+from joader.cache.arena import DEFAULT_SHM_DIR, format_size, shm_space
 from joader.client import frameworks
 from joader.client.connection import BATCHES_PER_REQUEST, Call, Connection, Reply
 from joader.client.handoff import ArenaBatch, Layout, Receipts
 from joader.client.passes import Pass, continued_epoch
 from joader.client.prefetch import prefetched
-from joader.errors import DecodeError, InvalidArgumentError, PassSupersededError, superseded_message
+from joader.errors import (
+    DecodeError,
+    InvalidArgumentError,
+    PassSupersededError,
+    SharedMemoryFullError,
+    superseded_message,
+)
 from joader.proto import DTYPES, joader_pb2
 from joader.sources.safe_open import display_path
 
@@ -56,6 +64,8 @@ class Reader:
         self.conn: Connection = dataset._connection
         self.stream = stream
         self.size = dataset.batch_size  # items per request: whole batches of the loop's size
+        if get_worker_info() is not None:
+            self.conn.watch_parent()
 
     # ----------------------------------------------------------------------------- requests
 
@@ -133,6 +143,7 @@ class Reader:
                     call = self.ask()
                     continue
                 call = None
+                conn.check_parent()
                 response = reply.response
                 if stream.resume is not None:
                     self._note_checkpoint(response.epoch)
@@ -240,6 +251,8 @@ class Reader:
         the loop takes it."""
         ds, stream = self.ds, self.stream
         self._follow_loader()
+        if get_worker_info() is not None:
+            _guard_collate(frameworks.loader_fetcher(skip=2))
         chunks = self._item_chunks()
         if ds.prefetch > 0 and get_worker_info() is None:
             chunks = prefetched(chunks, ds.prefetch, f"joader-prefetch-{self.conn.job_id}")
@@ -405,6 +418,7 @@ class Reader:
         # copied it (it reads this worker's batches in order, before this worker's end).
         deadline = time.monotonic() + ds.timeout_s
         while receipts.outstanding and time.monotonic() < deadline:
+            conn.check_parent()  # the training process that would copy them may be dead
             ids = receipts.copied(conn.identity.arena)
             if ids:
                 conn.acknowledge(Reply(None, conn.identity), ids, self._fields(0))
@@ -414,13 +428,67 @@ class Reader:
 
 def shared_batch_tensor(shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor:
     """An uninitialized batch tensor in shared memory (no copy of its garbage, unlike
-    `share_memory_()`), for a DataLoader worker to hand to the training process."""
+    `share_memory_()`), for a DataLoader worker to hand to the training process. Raises
+    `SharedMemoryFullError` when /dev/shm cannot hold it."""
     torch_dtype = _TORCH_DTYPES[dtype]
-    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)  # what torch's own collate uses
-    if new_shared is None:  # not in this torch: a shared copy of an empty tensor
-        return torch.empty(shape, dtype=torch_dtype).share_memory_()
     nbytes = int(np.prod(shape)) * dtype.itemsize
-    return torch.empty(0, dtype=torch_dtype).set_(new_shared(nbytes), 0, shape)
+    try:
+        new_shared = getattr(torch.UntypedStorage, "_new_shared", None)  # what torch's own collate uses
+        if new_shared is None:  # not in this torch: a shared copy of an empty tensor
+            return torch.empty(shape, dtype=torch_dtype).share_memory_()
+        return torch.empty(0, dtype=torch_dtype).set_(new_shared(nbytes), 0, shape)
+    except (OSError, RuntimeError) as error:
+        full = shm_full_error(error, nbytes)
+        if full is None:
+            raise
+        raise full from error
+
+
+def shm_full_error(error: BaseException, nbytes: int) -> SharedMemoryFullError | None:
+    """The error to raise instead of `error` if it says /dev/shm is full, else None.
+
+    NOTE: torch reports a full /dev/shm as RuntimeError("unable to allocate shared memory(shm)
+    for file </torch_...>: No space left on device (28)"): jobs with DataLoader workers failed
+    with that and no hint (issue 27)."""
+    if getattr(error, "errno", None) != errno.ENOSPC and "No space left on device" not in str(error):
+        return None
+    return SharedMemoryFullError(
+        f"a DataLoader worker cannot allocate a batch of {format_size(nbytes)} in shared memory: "
+        f"{DEFAULT_SHM_DIR} is full ({shm_space()}). Free space in {DEFAULT_SHM_DIR} (`df -h "
+        f"{DEFAULT_SHM_DIR}`; files of dead jobs there), in Docker raise --shm-size (e.g. "
+        "--shm-size=2g), or lower the batch size or num_workers; batched=True without a transform "
+        "hands batches over without shared memory")
+
+
+def _guard_collate(fetcher: Any) -> None:
+    """Makes the collate of a DataLoader worker's fetcher raise `SharedMemoryFullError` for a
+    full /dev/shm: torch's default collate makes each batch in shared memory there, and failed
+    with torch's bare ENOSPC. Wrapped once per worker; any other error passes unchanged."""
+    collate = getattr(fetcher, "collate_fn", None)
+    if collate is None or getattr(collate, "joader_shm_guard", False):
+        return
+
+    def collate_in_shared_memory(batch: Any) -> Any:
+        try:
+            return collate(batch)
+        except (OSError, RuntimeError) as error:
+            full = shm_full_error(error, _nbytes(batch))
+            if full is None:
+                raise
+            raise full from error
+
+    collate_in_shared_memory.joader_shm_guard = True  # type: ignore[attr-defined]
+    fetcher.collate_fn = collate_in_shared_memory
+
+
+def _nbytes(batch: Any) -> int:
+    """Bytes of the tensors in a list of samples (tuples of tensors and labels)."""
+    total = 0
+    for sample in batch if isinstance(batch, list) else [batch]:
+        for part in sample if isinstance(sample, tuple | list) else (sample,):
+            if isinstance(part, torch.Tensor):
+                total += part.nbytes
+    return total
 
 
 def shapes(response: Any) -> list[tuple[int, ...]]:

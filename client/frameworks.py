@@ -55,6 +55,15 @@ def loader_batch_size(skip: int = 1, depth: int = 6) -> int | None:
     return None
 
 
+def loader_fetcher(skip: int = 1, depth: int = 6) -> Any | None:
+    """The DataLoader fetcher (torch's `_IterableDatasetFetcher`) whose `fetch` is asking for
+    an item, if one is: what collates the items into a batch (`collate_fn`)."""
+    for frame in _frames(sys._getframe(skip), depth):
+        if frame.f_code.co_name == "fetch":
+            return frame.f_locals.get("self")
+    return None
+
+
 def accelerate_wrapper(skip: int = 1, depth: int = _MAX_DEPTH) -> tuple[str, Any] | None:
     """("DataLoaderDispatcher" | "IterableDatasetShard", the object) if accelerate's wrapper is
     on the call stack, else None. `type()`, not `__class__`: accelerate's loader adapters report

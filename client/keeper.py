@@ -128,7 +128,30 @@ def _attach(address: str, registration: dict[str, Any], stop: threading.Event,
     responses = get_stub(address).Attach(_requests(registration, stop, interval))
     first = next(responses)
     interval[0] = max(0.05, min(DEFAULT_HEARTBEAT_S, first.lease_s / 4))
+    if not registration.get("describe"):
+        try:
+            _confirm(address, first)
+        except BaseException:
+            responses.cancel()  # the lease ends now: joaderd removes the job, freeing its slot
+            raise
     return responses, first, server_uid
+
+
+def _confirm(address: str, first: joader_pb2.AttachResponse) -> None:
+    """Tells joaderd at once that the job's client is here: a request on the new job.
+
+    NOTE: joaderd removes a job whose client sends no request within its lease of attaching
+    (`JobTable.expire`): a client of another user, over TCP, attached jobs it could never read
+    (the arena is private to joaderd's user), and each held a --max-jobs slot and a share of the
+    cache for as long as its process lived (issue 27). This request keeps the lease of a job
+    whose training loop starts minutes later; the dataset then checks that it can read the
+    arena, and ends the lease if not (`JoaderDataset._attach`)."""
+    request = joader_pb2.NextRequest(job_id=first.job_id, job_secret=first.job_secret, max_items=0,
+                                     rank=first.rank, pid=os.getpid())
+    try:
+        get_stub(address).Next(request, timeout=30)
+    except grpc.RpcError as error:
+        raise translate(error, address) from None
 
 
 STARTING_GRACE_S = 15.0

@@ -126,6 +126,19 @@ class JobEndedError(JoaderError, RuntimeError):
     status_code = "ABORTED"
 
 
+class ParentDiedError(JoaderError, RuntimeError):
+    """A DataLoader worker's training process died: the worker stops reading (what it held is
+    released with the job's lease, which ended with the training process)."""
+
+    status_code = "CANCELLED"
+
+
+class SharedMemoryFullError(JoaderError, OSError):
+    """A client could not allocate a batch in shared memory: /dev/shm (a tmpfs) is full."""
+
+    status_code = "RESOURCE_EXHAUSTED"
+
+
 # One table, both directions. The client picks the class from the `joader-error` trailing
 # metadata the server attaches, and falls back to the status code alone.
 ERROR_CLASSES: dict[str, type[JoaderError]] = {
@@ -146,6 +159,8 @@ ERROR_CLASSES: dict[str, type[JoaderError]] = {
         IntegrityError,
         InvariantError,
         JobEndedError,
+        ParentDiedError,
+        SharedMemoryFullError,
     )
 }
 

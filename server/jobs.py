@@ -146,7 +146,7 @@ class JobTable:
                         f"of this job started with seed {job.seed}; give every rank the same seed")
                 member = job.ranks[rank]
                 member.attached = True
-                member.last_seen_s = now
+                member.last_seen_s = member.attached_s = now
                 logger.info("job %s: rank %d of %d attached", job.job_id, rank, world_size)
                 return job, member
         if len(self.jobs) >= self.max_jobs:
@@ -160,7 +160,7 @@ class JobTable:
             # jobs on a server with the same --seed draws the same streams.
             source.jobs_attached += 1
             seed = random.Random(f"joader-job:{source.seed}:{source.jobs_attached}").getrandbits(63)
-        ranks = [Rank(r, now, attached=(r == rank)) for r in range(world_size)]
+        ranks = [Rank(r, now, attached=(r == rank), attached_s=now) for r in range(world_size)]
         job = Job(job_id, name or job_id, secrets.token_bytes(16), source, dataset, batch_size, now,
                   world_size, drop_last, seed, random.Random(seed), ranks, group_key=key)
         self.jobs[job_id] = job
@@ -234,9 +234,21 @@ class JobTable:
                 expired.append((job, self._attach_timeout_reason(job)))
                 continue
             for rank in job.ranks:
+                what = f"rank {rank.index}: " if job.world_size > 1 else ""
                 if rank.attached and rank.last_seen_s < deadline:
-                    what = f"rank {rank.index}: " if job.world_size > 1 else ""
                     expired.append((job, f"{what}no request for {self.lease_s:g} s, nor a heartbeat (lease expired)"))
+                    break
+                if rank.attached and not rank.requested and rank.attached_s < deadline:
+                    # NOTE: heartbeats alone kept a job whose client could not read the arena
+                    # (another user's, over TCP) registered for good, holding a --max-jobs slot
+                    # and a share of the cache (issue 27). A JoaderDataset's lease keeper checks
+                    # the arena and sends a request at once; a client that cannot, or never
+                    # does, loses the job within its lease.
+                    expired.append((job, (
+                        f"{what}its client sent no request within {self.lease_s:g} s of attaching "
+                        "(a client that cannot read joaderd's arena, e.g. another user's over TCP, "
+                        "or a joader client older than this joaderd); run the job as the user "
+                        "that runs joaderd, with the same joader version")))
                     break
                 for pass_ in rank.passes.values():
                     if pass_.release_at_s is not None and pass_.release_at_s <= now:

@@ -216,6 +216,10 @@ class Rank:
     pinned: int = 0
     handed_out: int = 0
     last_read_s: float | None = None  # its last Next asking for items; None: it never asked
+    # When its lease stream attached, and whether any request of its client came since: a rank
+    # whose client sends none within its lease is removed (`JobTable.expire`).
+    attached_s: float = 0.0
+    requested: bool = False
 
 
 @dataclass

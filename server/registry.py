@@ -296,6 +296,7 @@ class Registry:
             rank = self.jobs.rank_of(job, args)
             now = self._clock()
             rank.last_seen_s = now
+            rank.requested = True
             known = rank.passes.get(args.token)
             if args.stall is not None:
                 job.stall.report(args.stall[0], (rank.index, args.token), *args.stall[1:])
@@ -357,6 +358,12 @@ class Registry:
             # so each DataLoader worker collates whole batches and an epoch has exactly
             # len(loader) of them. Only a queue smaller than a batch (a cache too small for
             # the jobs' batch sizes) forces partial replies, after `linger_s`.
+            # A reader that got part of a batch (a short reply) is next given the rest of that
+            # batch, not a reply that runs into its next one: a hand-off worker's batches stay
+            # whole, and the loop's turn (`_out_of_turn`) stays in step with them.
+            in_batch = _in_batch(pass_.served[call.worker_id], call.max_items)
+            rest = call.max_items - in_batch
+            wanted = min(wanted, rest)
             partial_ok = wanted > job.queue_capacity
             wanted = min(wanted, job.queue_capacity)
             self._recheck_failures(job, rank, epoch, call.max_items * call.max_batches)
@@ -372,8 +379,8 @@ class Registry:
             lingered = partial_ok and linger is not None and now >= linger
             if ((ready >= wanted or (ready and (lingered or self._stopped)))
                     and not self._out_of_turn(call) and not self._must_acknowledge_first(call, wanted)):
-                batch = self._take_ready(job, rank, pass_, self._reply_size(call, rank, epoch, left, ready),
-                                         call.worker_id)
+                size = rest if in_batch else self._reply_size(call, rank, epoch, left, ready)
+                batch = self._take_ready(job, rank, pass_, size, call.worker_id, call.max_items)
                 assert batch is not None
                 return batch
             if now >= call.deadline_s or self._stopped:
@@ -480,6 +487,12 @@ class Registry:
         job, rank, pass_ = call.job, call.rank, call.pass_
         mine = pass_.held[call.worker_id]
         if not mine or rank.handed_out + size <= _copies_budget(job):
+            return False
+        # NOTE: a reader whose copies all belong to its batch in progress would wait for good:
+        # they are acknowledged only once that batch is whole, which needs this very reply (a
+        # batch of 300 in a cache of 85 items hung 8 runs in 8, issue 27). Its replies say
+        # `copy_now` instead when its batch cannot be finished within the budget (`_take_ready`).
+        if mine <= _in_batch(pass_.served[call.worker_id], call.max_items):
             return False
         readers = set(pass_.members).union(range(max(len(p.members) for p in rank.passes.values())))
         return any(pass_.held[worker] < mine for worker in readers if worker != call.worker_id)
@@ -604,7 +617,10 @@ class Registry:
             count += 1
         return count
 
-    def _take_ready(self, job: Job, rank: Rank, pass_: Any, max_items: int, worker_id: int = 0) -> Batch | None:
+    def _take_ready(self, job: Job, rank: Rank, pass_: Any, max_items: int, worker_id: int = 0,
+                    batch_items: int = 0) -> Batch | None:
+        """Hands out the ready head of the rank's queue, up to `max_items`, to reader
+        `worker_id`, which collates batches of `batch_items` (0: unknown)."""
         queue = rank.queue
         epoch = pass_.epoch
         while queue and queue[0].epoch < epoch:  # leftovers of an abandoned epoch
@@ -666,7 +682,17 @@ class Registry:
         # More copies out than its share allows: this reader must copy the items and
         # acknowledge them at once, not hand them on (to the training process) and acknowledge
         # later, or the rank's next replies find nothing decoded.
-        copy_now = rank.handed_out > _copies_budget(job)
+        budget = _copies_budget(job)
+        copy_now = rank.handed_out > budget
+        # NOTE: nor may a reader hold copies of a batch it cannot finish within the budget: a
+        # hand-off worker keeps its batch in progress pinned until the batch is whole and the
+        # training process copied it, so a batch larger than the budget (300 items, a cache
+        # of 85) could never be completed, and the job hung until timeout_s. Such replies say
+        # copy_now: the worker copies them out and acknowledges them at once, and the batch is
+        # served through the worker's memory.
+        in_batch = _in_batch(pass_.served[worker_id], batch_items)
+        if in_batch and rank.handed_out + batch_items - in_batch > budget:
+            copy_now = True
         return dataclasses.replace(batch, end_of_epoch=self._left(job, rank, epoch) == 0, copy_now=copy_now)
 
     # ----------------------------------------------------------------------------- scheduling
@@ -860,6 +886,12 @@ def _copies_budget(job: Job) -> int:
     `copy_now`: its share of the cache less its lookahead, which its queue needs to keep
     reading."""
     return max(1, job.cache_share - job.queue_capacity)
+
+
+def _in_batch(served: int, batch_items: int) -> int:
+    """Items a reader has of its batch in progress, after `served` items in batches of
+    `batch_items` (0: its batches are not known; none)."""
+    return served % batch_items if batch_items > 0 else 0
 
 
 def _describe_ids(ids: BitMap) -> str:

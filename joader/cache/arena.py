@@ -53,6 +53,7 @@ __all__ = [
     "format_size",
     "parse_size",
     "remove_stale_arenas",
+    "shm_space",
 ]
 
 logger = logging.getLogger(__name__)
@@ -441,14 +442,17 @@ def format_size(num_bytes: int) -> str:
     raise AssertionError("unreachable")
 
 
-def _space_error(shm_dir: str | os.PathLike[str], size_bytes: int) -> CacheSpaceError:
+def shm_space(shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR) -> str:
+    """How much of a tmpfs is free, for error messages: "1.2 MiB free of 64.0 MiB"."""
     try:
         st = os.statvfs(shm_dir)
-        free = format_size(st.f_bavail * st.f_frsize)
-        total = format_size(st.f_blocks * st.f_frsize)
-        space = f"{free} free of {total}"
     except OSError:
-        space = "free space unknown"
+        return "free space unknown"
+    return f"{format_size(st.f_bavail * st.f_frsize)} free of {format_size(st.f_blocks * st.f_frsize)}"
+
+
+def _space_error(shm_dir: str | os.PathLike[str], size_bytes: int) -> CacheSpaceError:
+    space = shm_space(shm_dir)
     return CacheSpaceError(
         f"cannot allocate a {format_size(size_bytes)} cache arena in {shm_dir} ({space}); "
         f"lower --cache-size, free space in {shm_dir}, or in Docker raise --shm-size"

@@ -3,7 +3,7 @@ and of the chaos soak (`bench/chaos.py`).
 
     python -m tests.integration.integrity_job --address A --records FILE [--workers N]
         [--batched] [--transform] [--reseed] [--epochs E] [--indices a:b[:c]] [--sleep S]
-        [--state CHECKPOINT] [--setup-s S] [--stop-after-batches N]
+        [--state CHECKPOINT] [--setup-s S] [--stop-after-batches N] [--shm-full]
 
 One JSON line per sample (flushed per batch): epoch, index, label, crc32 of its pixels, so a
 job killed -9 leaves what it received. With `--reseed`, torch.manual_seed(0) before each
@@ -32,6 +32,16 @@ from typing import Any
 
 def _identity(image: Any) -> Any:
     return image.clone()
+
+
+def _fill_shm(torch: Any) -> None:
+    """/dev/shm as if full, for this process and its forks: torch's shared-memory allocation
+    fails as it does then (the test machine's /dev/shm is shared: never fill it for real)."""
+    def full(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("unable to allocate shared memory(shm) for file </torch_0_1_0>: "
+                           "No space left on device (28)")
+
+    torch.UntypedStorage._new_shared = staticmethod(full)
 
 
 def _save(path: str, checkpoint: dict[str, Any]) -> None:
@@ -64,6 +74,8 @@ def main() -> int:
     parser.add_argument("--stop-after-batches", type=int, default=0,
                         help="end early: close the dataset mid-epoch after this many batches (a trial "
                              "a scheduler stopped), and exit 0")
+    parser.add_argument("--shm-full", action="store_true",
+                        help="allocating shared memory fails as torch fails when /dev/shm is full")
     args = parser.parse_args()
     if args.state and args.workers:
         parser.error("--state checkpoints ds.state_dict(), which covers num_workers=0 only")
@@ -73,6 +85,8 @@ def main() -> int:
 
     from joader.client.dataset import JoaderDataset
 
+    if args.shm_full:  # the DataLoader workers, forked below, inherit it
+        _fill_shm(torch)
     indices = range(*map(int, args.indices.split(":"))) if args.indices else None
     ds = JoaderDataset(args.source, indices=indices, address=args.address, name=args.name,
                        batch_size=None if args.follow_loader else args.batch_size,

@@ -59,3 +59,18 @@ def test_a_job_beside_a_paused_one_gets_the_right_samples(demo_root: Path, start
     finally:
         os.killpg(paused.pid, signal.SIGKILL)
         paused.wait()
+
+
+def test_a_handoff_job_whose_batch_is_larger_than_the_cache_gets_the_right_samples(
+        demo_root: Path, start_joaderd: Any, tmp_path: Path) -> None:
+    """Issue 27, finding 3: batches of 40 from a cache of 24 items, through two DataLoader
+    workers that hand batches over by arena offset. A worker keeps its batch in progress pinned
+    until it is whole, which this cache never allows: the job hung until timeout_s in 8 runs of
+    8. joaderd now has such a worker copy its items out at once (`copy_now`)."""
+    server = start_joaderd({"demo": demo_root}, cache_items=24)
+    records = tmp_path / "bigbatch.jsonl"
+    job = _job(server, records, "--workers", "2", "--batched", "--batch-size", "40", "--timeout-s", "30")
+    assert finish(job, 180) == 0, Path(f"{records}.err").read_text()[-3000:]
+    findings = check_records(read_records(records), reference(demo_root, IMAGE_SIZE), set(range(NUM_DEMO_ITEMS)),
+                             2, "bigbatch")
+    assert findings.ok, findings.summary()

@@ -20,7 +20,8 @@ import pytest
 from PIL import Image
 
 from joader.sources.demo import make_demo_data
-from tests.integration.conftest import NUM_DEMO_ITEMS, wait_for
+from tests.integration.conftest import IMAGE_SIZE, NUM_DEMO_ITEMS, wait_for
+from tests.integration.integrity import check_records, read_records, reference
 from tests.integration.trust import client, end, joader_segments, read_line, rss_bytes, run_client
 
 pytestmark = pytest.mark.timeout(240)
@@ -281,3 +282,38 @@ def test_default_workers_follow_cpu_affinity(demo_root: Path, tmp_path: Path) ->
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+def test_a_client_that_cannot_read_the_arena_holds_no_job_slot(demo_root: Path, start_joaderd: Any,
+                                                             tmp_path: Path) -> None:
+    """Issue 27, finding 5d: over TCP (no peer credentials), a client of another user attached
+    jobs whose arena it could not read, and kept them (a notebook goes on after an error): each
+    held a --max-jobs slot and a share of the cache from the host's owner, for as long as its
+    process lived. Now its dataset fails at once, naming the fix, and its job is removed; a raw
+    client that keeps a lease but never sends a request loses the job within its lease. The
+    owner's job then attaches and reads every sample right."""
+    server = start_joaderd({"demo": demo_root}, cache_items=NUM_DEMO_ITEMS, listen="127.0.0.1:0",
+                           extra=["--max-jobs", "2"])
+    other = client(server.address, "other-user", "--jobs", "2", stdin=True)
+    raw = client(server.address, "attach-only", stdin=True)
+    try:
+        results = read_line(other)["results"]
+        assert [r["ok"] for r in results] == [False, False], results
+        assert all(r["class"] == "UntrustedServerError" and "run the job as that user" in r["message"]
+                   for r in results), results
+        read_line(raw)  # attached, heartbeating, never asking
+        ended = read_line(raw, timeout_s=30)["ended"]  # lease_s is 3 s
+        assert "sent no request within 3 s of attaching" in ended, ended
+        assert not server.status()["jobs"]
+        records = tmp_path / "owner.jsonl"
+        owner = subprocess.run(
+            [sys.executable, "-m", "tests.integration.integrity_job", "--address", server.address,
+             "--records", str(records), "--epochs", "1"],
+            cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
+        assert owner.returncode == 0, owner.stderr[-3000:]
+        findings = check_records(read_records(records), reference(demo_root, IMAGE_SIZE),
+                                 set(range(NUM_DEMO_ITEMS)), 1, "owner")
+        assert findings.ok, findings.summary()
+    finally:
+        for proc in (other, raw):
+            end(proc)

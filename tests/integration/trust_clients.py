@@ -210,6 +210,10 @@ async def _many_jobs(args: argparse.Namespace) -> None:
                     all_attached.set()
                 return {"attached": False, "code": error.code().name, "details": error.details(),
                         "class": dict(error.trailing_metadata() or ()).get("joader-error")}
+            # As a JoaderDataset's lease keeper does: a request at once, or joaderd removes a job
+            # whose client sent none within its lease (attaching 256 jobs may take that long).
+            await stub.Next(joader_pb2.NextRequest(job_id=reply.job_id, job_secret=reply.job_secret,
+                                                   max_items=0, pid=os.getpid()), timeout=60)
             attached += 1
             if attached == args.jobs:
                 all_attached.set()
@@ -230,6 +234,48 @@ async def _many_jobs(args: argparse.Namespace) -> None:
             if call is not None:
                 call.cancel()
     _emit({"results": results, "jobs_in_status": len(status["jobs"])})
+
+
+def other_user(args: argparse.Namespace) -> None:
+    """A training script of another user over TCP (a notebook: it keeps its datasets, and goes
+    on after an error). Another uid is simulated: the tests run as root, who may read any file,
+    and another account cannot run this checkout's interpreter."""
+    os.getuid = lambda: 65534  # type: ignore[assignment]  # what ArenaReader checks the arena against
+    kept, results = [], []
+    for _ in range(args.jobs):
+        try:
+            kept.append(_dataset(args))
+            results.append({"ok": True})
+        except Exception as error:  # noqa: BLE001  reported to the test
+            results.append({"ok": False, "class": type(error).__name__, "message": str(error)})
+    _emit({"results": results})
+    sys.stdin.read()
+
+
+def attach_only(args: argparse.Namespace) -> None:
+    """Attaches a job and keeps its lease with heartbeats, but never sends a request: a client
+    that cannot, or does not, read."""
+    from joader.proto import joader_pb2
+
+    stop = time.monotonic() + 600
+
+    def requests() -> Any:
+        yield joader_pb2.AttachRequest(source=args.source, name="attach-only", batch_size=args.batch_size)
+        while time.monotonic() < stop:
+            time.sleep(0.2)
+            yield joader_pb2.AttachRequest(heartbeat=True)
+
+    responses = _stub(args.address).Attach(requests())
+    first = next(responses)
+    _emit({"job_id": first.job_id})
+    try:
+        for _ in responses:
+            pass
+        _emit({"ended": "stream closed"})
+    except Exception as error:  # noqa: BLE001  reported to the test
+        details = getattr(error, "details", None)
+        _emit({"ended": details() if callable(details) else str(error)})
+    sys.stdin.read()
 
 
 def main() -> None:
@@ -256,7 +302,7 @@ def main() -> None:
     commands = {
         "reseed": reseed, "two-iterators": two_iterators, "read": read, "hijack": hijack,
         "big-indices": big_indices, "many-jobs": many_jobs, "next-then-exit": next_then_exit,
-        "raise-then-hold": raise_then_hold,
+        "raise-then-hold": raise_then_hold, "other-user": other_user, "attach-only": attach_only,
     }
     commands[args.command](args)
 

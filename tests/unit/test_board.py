@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -44,3 +47,38 @@ def test_tokens_survive_a_resize_of_the_board() -> None:
         assert board.claim_pass(key=5, slot=1, pid=2) == token
     finally:
         board.close()
+
+
+def test_a_reply_marked_after_the_dataset_closed_is_dropped_quietly(tmp_path: Path) -> None:
+    """Issue 27, finding 5b: a reply that arrives after `JoaderDataset.close()` is still marked
+    by its gRPC callback, on another thread. The board looked its size up on the closed
+    descriptor (`OSError: [Errno 9] Bad file descriptor`, printed by 5 of 36 clean closes
+    mid-epoch); with the descriptor's number reused meanwhile, it would have mapped another
+    file. After a close, what a reader would note is dropped, and no other file is touched."""
+    board = Board.create()
+    board.size_for(16)
+    board.mark([1, 2], 1)
+    board.close()
+    reused = tmp_path / "reused"
+    reused.write_bytes(b"\0" * 64)
+    fd = os.open(reused, os.O_RDWR)  # most likely the board's old descriptor number
+    try:
+        errors: list[BaseException] = []
+
+        def callback() -> None:  # as `Reader._mark` and a hand-off receipt do it
+            try:
+                board.note_pass(1, 5)
+                board.mark([3], 1)
+                board.note_served(2)
+                board.note_receipt(0, 7)
+            except BaseException as error:  # noqa: BLE001  reported below
+                errors.append(error)
+
+        thread = threading.Thread(target=callback)
+        thread.start()
+        thread.join()
+        assert not errors, errors
+        assert reused.read_bytes() == b"\0" * 64
+        assert Board.created(board.key) is None
+    finally:
+        os.close(fd)

@@ -1172,3 +1172,53 @@ def test_a_continued_pass_serves_a_worker_whose_partner_ended_before_the_restart
         if reply.end_of_epoch:
             break
     assert sorted(order) == [20, 21, 22, 23]
+
+
+def test_a_handoff_batch_larger_than_the_copies_budget_is_dealt_with_copy_now() -> None:
+    """Issue 27, finding 3: two hand-off workers (each keeps its batch in progress pinned, as
+    arena offsets, until the batch is whole and the training loop copied it) read batches of 20
+    from a cache of 24 items, whose copies budget is 12. Worker 0's first reply (12 items, all
+    its queue holds) left its batch unfinished; it then had to acknowledge first, which it never
+    could, and worker 1 had to wait for worker 0's turn: the job got no item for good. Now a
+    reply whose batch cannot be finished within the budget says copy_now (the worker copies and
+    acknowledges at once), a reader's own unfinished batch never makes it wait, and the epoch is
+    read through, exactly once, in the loop's turn."""
+    registry, pool, _ = make_registry(num_slots=24, lease_s=1000.0)
+    size = 20
+    job = attach(registry, "demo", BitMap(range(NUM_ITEMS)), "big", size)
+    for worker in (0, 1):  # both workers of the DataLoader ask at its start
+        nxt(registry, job.job_id, 1, size, [], worker_id=worker, pid=10 + worker, num_workers=2)
+    assert (job.cache_share, job.queue_capacity) == (24, 12)
+    order: list[int] = []
+    pinned_batch: dict[int, list[int]] = {0: [], 1: []}  # offsets held until the batch is whole
+    batch: dict[int, list[int]] = {0: [], 1: []}
+    acks: dict[int, list[int]] = {0: [], 1: []}
+    done = {0: False, 1: False}
+    batches: list[tuple[int, list[int]]] = []
+    for _ in range(200):
+        pump(registry, pool)
+        for worker in (0, 1):
+            if done[worker]:
+                continue
+            reply = nxt(registry, job.job_id, 1, size, acks[worker], worker_id=worker, pid=10 + worker,
+                        num_workers=2)
+            acks[worker] = []
+            done[worker] = reply.end_of_epoch
+            if reply.copy_now:
+                acks[worker] += reply.item_ids  # copied out by the worker: acknowledged at once
+            else:
+                pinned_batch[worker] += reply.item_ids
+            assert job.ranks[0].handed_out <= job.cache_share
+            for item_id in reply.item_ids:
+                batch[worker].append(item_id)
+                if len(batch[worker]) == size:  # whole: the loop takes it and copies it out
+                    batches.append((worker, batch[worker]))
+                    acks[worker] += [i for i in pinned_batch[worker] if i in batch[worker]]
+                    pinned_batch[worker] = [i for i in pinned_batch[worker] if i not in batch[worker]]
+                    batch[worker] = []
+            order += reply.item_ids
+        if all(done.values()):
+            break
+    assert all(done.values()), f"the epoch hung after {len(order)} items"
+    assert sorted(order) == list(range(NUM_ITEMS))
+    assert [worker for worker, _ in batches] == [0, 1, 0]  # the loop's turn
