@@ -69,7 +69,6 @@ def test_a_reply_marked_after_the_dataset_closed_is_dropped_quietly(tmp_path: Pa
             try:
                 board.note_pass(1, 5)
                 board.mark([3], 1)
-                board.note_served(2)
                 board.note_receipt(0, 7)
             except BaseException as error:  # noqa: BLE001  reported below
                 errors.append(error)
