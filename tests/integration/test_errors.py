@@ -112,23 +112,27 @@ def test_restart_after_a_crash_removes_the_dead_servers_arena(demo_root: Path, s
     os.kill(crashed.proc.pid, signal.SIGKILL)
     crashed.proc.wait()
     assert arena.exists()  # nothing ran to remove it
-    wait_for(lambda: not _decode_workers_of(crashed.proc.pid), 15, "orphaned decode workers to exit")
+    wait_for(lambda: not _processes_mapping(arena.name), 15, "orphaned decode workers to exit")
     restarted = start_joaderd({"demo": demo_root}, cache_items=16)
     assert not arena.exists()
     assert arena.name in restarted.log()
     assert arena.name not in joader_segments()
 
 
-def _decode_workers_of(pid: int) -> list[int]:
-    workers = []
-    for stat in Path("/proc").glob("[0-9]*/cmdline"):
+def _processes_mapping(name: str) -> list[int]:
+    """The processes that still map or hold open the arena file `name` (the dead server's
+    decode workers and forker): not every joaderd process on the machine, which another
+    server's would be."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            cmdline = stat.read_bytes()
+            held = name in (proc / "maps").read_text(errors="replace") or any(
+                name in os.readlink(fd) for fd in (proc / "fd").iterdir())
         except OSError:
             continue
-        if b"joader.server" in cmdline and int(stat.parent.name) != pid:
-            workers.append(int(stat.parent.name))
-    return workers
+        if held:
+            found.append(int(proc.name))
+    return found
 
 
 _API_SCRIPT = r"""

@@ -169,3 +169,5 @@ def test_a_job_whose_joaderd_died_for_good_says_it_stopped(demo_root: Path, star
     err = (home / "orphan.err").read_text()
     assert f"joaderd at {server.address} stopped while job" in err, err[-3000:]
     assert "See joaderd's log" in err and "Start one with" not in err, err[-3000:]
+    # Nobody started joaderd again, which would have removed the killed one's arena: as its admin would.
+    Path(server.info["arena_path"]).unlink(missing_ok=True)
