@@ -10,11 +10,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,25 +21,11 @@ import pytest
 
 from joader.launch import JoaderdProcess, JoaderdStartError
 from joader.sources.demo import make_demo_data
-from tests.integration.integrity import reference
-from tests.integration.processes import Clients
+from tests.support.integrity import reference
+from tests.support.processes import IMAGE_SIZE, ITEM_NBYTES, NUM_DEMO_ITEMS, Clients
 
-NUM_DEMO_ITEMS = 160
 SIMJOB = Path(__file__).resolve().parents[2] / "bench" / "simjob.py"  # a test and bench helper, not shipped
-IMAGE_SIZE = 64  # small prepared images keep the tests fast; the demo and benches use 256
-ITEM_NBYTES = 3 * IMAGE_SIZE * IMAGE_SIZE
 
-
-def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.1) -> Any:
-    """Polls `predicate` until it returns something truthy; fails the test after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(interval_s)
 
 
 class Joaderd:
@@ -171,12 +155,3 @@ def start_joaderd() -> Iterator[Any]:
         finally:
             server.cleanup()
     assert not problems, "\n".join(problems)
-
-
-def finish(proc: subprocess.Popen[bytes], timeout_s: float = 120) -> int:
-    try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        pytest.fail(f"job {proc.args} did not finish within {timeout_s:g} s")

@@ -16,7 +16,7 @@ from joader import JoaderDataset
 from joader.errors import InvalidArgumentError, UnknownSourceError
 from joader.sources.demo import corrupt_jpeg
 from tests.conftest import joader_segments
-from tests.integration.conftest import NUM_DEMO_ITEMS, finish, wait_for
+from tests.support.processes import NUM_DEMO_ITEMS, finish, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from joader.sources.imagefolder import list_image_folder
-from tests.integration.conftest import NUM_DEMO_ITEMS
+from tests.support.processes import NUM_DEMO_ITEMS
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -21,12 +21,11 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import NUM_DEMO_ITEMS
-from tests.integration.integrity import check_records, read_records
-from tests.integration.processes import Client, Clients, free_port
+from tests.support.integrity import check_records, read_records
+from tests.support.processes import NUM_DEMO_ITEMS, Client, Clients, free_port
 
 pytestmark = pytest.mark.slow
-JOB = "tests.integration.framework_jobs"
+JOB = "tests.support.framework_jobs"
 RANKS = 2
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import NUM_DEMO_ITEMS, finish, wait_for
+from tests.support.processes import NUM_DEMO_ITEMS, finish, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 

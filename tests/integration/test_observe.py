@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.conftest import NUM_DEMO_ITEMS, finish, wait_for
+from tests.support.processes import NUM_DEMO_ITEMS, finish, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 

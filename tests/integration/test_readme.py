@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import NUM_DEMO_ITEMS
-from tests.integration.processes import Clients, free_port
+from tests.support.processes import NUM_DEMO_ITEMS, Clients, free_port
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 BLOCK = re.compile(r"<!-- readme-check: (\w+) -->\n```python\n(.*?)```", re.S)

@@ -3,7 +3,7 @@ torchdata's StatefulDataLoader), joaderd restarted under running jobs, fixed see
 DataLoader conventions (`targets`, `len`).
 
 Every test starts a real joaderd; every job is a real process running
-`python -m tests.integration.real_clients CMD`, which writes a JSON report of the indices it
+`python -m tests.support.real_clients CMD`, which writes a JSON report of the indices it
 consumed per epoch (and, with `--progress`, one fsynced line per batch). The pytest process never
 opens a gRPC channel nor imports torch.distributed. Each client process and all its descendants
 carry a tag in their environment; after each test none may be left (they are killed and the test
@@ -23,8 +23,7 @@ from typing import Any
 import pytest
 
 from joader.sources.imagefolder import list_image_folder
-from tests.integration.conftest import wait_for
-from tests.integration.processes import Client, Clients
+from tests.support.processes import Client, Clients, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -2,7 +2,7 @@
 a user stage returning float32, list-file and tar-shard sources equal to the ImageFolder item by
 item, and two sources of different item sizes in one cache of bytes.
 
-Clients run as `python -m tests.integration.stage_clients CMD` and write what they received to
+Clients run as `python -m tests.support.stage_clients CMD` and write what they received to
 `.npz` files; this process compares pixels without ever opening a gRPC channel.
 """
 
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_client(server: Any, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     result = subprocess.run(
-        [sys.executable, "-m", "tests.integration.stage_clients", *args, "--address", server.address],
+        [sys.executable, "-m", "tests.support.stage_clients", *args, "--address", server.address],
         capture_output=True, text=True, timeout=150, cwd=ROOT, env={**os.environ, **(env or {})},
     )
     assert result.returncode == 0, f"client failed:\n{result.stderr[-4000:]}\njoaderd log:\n{server.log()[-3000:]}"

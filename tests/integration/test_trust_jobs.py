@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from joader.sources.demo import corrupt_jpeg, make_demo_data
-from tests.integration.conftest import NUM_DEMO_ITEMS, wait_for
-from tests.integration.trust import client, end, read_line, rss_bytes, run_client
+from tests.support.processes import NUM_DEMO_ITEMS, wait_for
+from tests.support.trust import client, end, read_line, rss_bytes, run_client
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -8,7 +8,8 @@ is exact, not statistical: one repeated or missing item in any epoch fails the t
 from __future__ import annotations
 
 import pytest
-from sampling_scenarios import run_mixed
+
+from tests.support.sampling_scenarios import run_mixed
 
 pytestmark = pytest.mark.timeout(60)
 

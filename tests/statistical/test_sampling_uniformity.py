@@ -17,11 +17,11 @@ import random
 
 import pytest
 from pyroaring import BitMap
-from sampling_scenarios import run_mixed
 from scipy import stats
 
 from joader.sampling import IndependentSampler
 from joader.sampling.checks import EpochRecorder, permutation_chi2, position_table
+from tests.support.sampling_scenarios import run_mixed
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,6 +20,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TAG_VAR = "JOADER_TEST_TAG"
+NUM_DEMO_ITEMS = 160  # the integration tests' demo source (conftest's `demo_root`)
+IMAGE_SIZE = 64  # small prepared images keep the tests fast; the demo and benches use 256
+ITEM_NBYTES = 3 * IMAGE_SIZE * IMAGE_SIZE
 # What a torchrun or a caller's environment could leak into a client that must not see it.
 _SCRUBBED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
              "MASTER_PORT", "TORCHELASTIC_RUN_ID", "JOADER_ADDRESS")
@@ -105,9 +108,9 @@ class Clients:
         return client
 
     def start(self, command: str, server: Any, name: str, *args: str) -> Client:
-        """`python -m tests.integration.real_clients COMMAND` against `server`."""
+        """`python -m tests.support.real_clients COMMAND` against `server`."""
         client_args = self._args(command, server, name, args)
-        return self.popen(name, [sys.executable, "-m", "tests.integration.real_clients", *client_args])
+        return self.popen(name, [sys.executable, "-m", "tests.support.real_clients", *client_args])
 
     def torchrun(self, command: str, server: Any, name: str, *args: str, nproc: int = 2) -> Client:
         """The same under `torch.distributed.run` with `nproc` ranks; reports `NAME-RANK.json`."""
@@ -116,7 +119,7 @@ class Clients:
         return self.popen(name, [
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
             "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-            "-m", "tests.integration.real_clients", *client_args,
+            "-m", "tests.support.real_clients", *client_args,
         ])
 
     def _args(self, command: str, server: Any, name: str, args: tuple[str, ...]) -> list[str]:
@@ -166,4 +169,22 @@ class Clients:
                 pass
         assert not left, f"client processes left behind 15 s after their test: {left}"
 
+def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.1) -> Any:
+    """Polls `predicate` until it returns something truthy; fails the test after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(interval_s)
 
+
+def finish(proc: subprocess.Popen[bytes], timeout_s: float = 120) -> int:
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"job {proc.args} did not finish within {timeout_s:g} s")

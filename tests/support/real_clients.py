@@ -1,6 +1,6 @@
 """Training programs of the issue-8 tests (`test_real_jobs.py`), each run as its own process:
 
-    python -m tests.integration.real_clients CMD --address A --out REPORT.json ...
+    python -m tests.support.real_clients CMD --address A --out REPORT.json ...
 
 They are what real training scripts do: DDP under `torchrun` (gloo, CPU), checkpoints through
 `ds.state_dict()` or torchdata's `StatefulDataLoader`, a crash right after a checkpoint, a fixed

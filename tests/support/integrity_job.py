@@ -1,7 +1,7 @@
 """A training job that records every sample it receives, for the content checks of fault tests
 and of the chaos soak (`bench/chaos.py`).
 
-    python -m tests.integration.integrity_job --address A --records FILE [--workers N]
+    python -m tests.support.integrity_job --address A --records FILE [--workers N]
         [--batched] [--transform] [--reseed] [--epochs E] [--indices a:b[:c]] [--sleep S]
         [--state CHECKPOINT] [--setup-s S] [--stop-after-batches N] [--shm-full]
 

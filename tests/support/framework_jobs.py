@@ -1,8 +1,8 @@
 """Training scripts written the way each framework's users write them, for `test_frameworks`.
 
-    python -m tests.integration.framework_jobs lightning  --address A --source S --out DIR ...
-    torchrun ... -m tests.integration.framework_jobs accelerate --address A ... [--unprepared]
-    torchrun ... -m tests.integration.framework_jobs stateful   --address A ... [--checkpoint F]
+    python -m tests.support.framework_jobs lightning  --address A --source S --out DIR ...
+    torchrun ... -m tests.support.framework_jobs accelerate --address A ... [--unprepared]
+    torchrun ... -m tests.support.framework_jobs stateful   --address A ... [--checkpoint F]
 
 Each rank records every sample its training step receives (epoch, index, label, crc32 of the
 pixels), one JSON line per sample in `DIR/records-<rank>.jsonl`, flushed per step, so that the
@@ -67,7 +67,7 @@ def _kill_everything() -> None:
     """SIGKILL to every process of the run, this one last: the test tags each run's processes
     in their environment (torchrun's ranks each have a session of their own, so a process
     group is not the run)."""
-    from tests.integration.processes import TAG_VAR, tagged_pids
+    from tests.support.processes import TAG_VAR, tagged_pids
 
     for pid in tagged_pids(os.environ[TAG_VAR]):
         if pid != os.getpid():

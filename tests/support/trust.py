@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def client(address: str, command: str, *args: str, stdin: bool = False) -> subprocess.Popen[str]:
-    """Starts `python -m tests.integration.trust_clients COMMAND` in its own process group."""
+    """Starts `python -m tests.support.trust_clients COMMAND` in its own process group."""
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.trust_clients", command, "--address", address, *args],
+        [sys.executable, "-m", "tests.support.trust_clients", command, "--address", address, *args],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
     )

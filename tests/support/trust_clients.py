@@ -1,4 +1,4 @@
-"""Client programs the fault tests run as their own processes: `python -m tests.integration.trust_clients CMD`.
+"""Client programs the fault tests run as their own processes: `python -m tests.support.trust_clients CMD`.
 
 Each prints one JSON line with what it saw, so the test (which never opens a gRPC channel itself:
 its unit tests fork) can check it. Some are ordinary training scripts doing ordinary things

@@ -21,12 +21,12 @@ from joader.stages import (
 
 pytestmark = pytest.mark.timeout(60)
 
-HERE = Path(__file__).resolve().parent
+SUPPORT = Path(__file__).resolve().parents[2] / "support"
 
 
 @pytest.fixture(autouse=True)
 def _importable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(HERE))  # userstage_example lives next to this file
+    monkeypatch.syspath_prepend(str(SUPPORT))  # userstage_example lives in tests/support
 
 
 def _png(width: int = 40, height: int = 30) -> bytes:

@@ -1,7 +1,7 @@
 """A user stage that kills its decode worker on some files (`os._exit`), as a native decoder
 crash or an OOM kill would, and is joader's center-crop on every other file.
 
-    stage = "tests.integration.crash_stage:factory"
+    stage = "tests.support.crash_stage:factory"
     options = { size = 64, crash_on = ["class_0/img_0003.jpg", ...] }
 """
 

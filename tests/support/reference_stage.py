@@ -1,7 +1,7 @@
 """The reference the `pil` decoder must equal: joader's first shared stage, kept as a test oracle.
 
 It was `joader.sources.stage` until the stages became `joader.stages` (issue 9); the built-in
-`center-crop` stage with decoder "pil" reproduces it bit for bit (tests/unit/test_stages.py).
+`center-crop` stage with decoder "pil" reproduces it bit for bit (tests/unit/stages/test_image.py).
 
 Read, decode, RGB, resize the shorter side to S, center-crop S x S, uint8 CHW.
 

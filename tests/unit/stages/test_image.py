@@ -7,12 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import reference_stage as today
 from PIL import Image
 
 from joader.errors import DecodeError
 from joader.sources.demo import corrupt_jpeg, make_demo_data
 from joader.stages import ItemSpec, Stage, build_stage
+from tests.support import reference_stage as today
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -179,8 +179,8 @@ def run_rank(rank: int, store_path: str, workers: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-_CHILD = "import sys; from tests.unit.test_loader import run_rank; run_rank(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4])"
-_ROOT = Path(__file__).resolve().parents[2]
+_CHILD = "import sys; from tests.unit.client.test_loader import run_rank; run_rank(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4])"
+_ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("workers", [0, 2])

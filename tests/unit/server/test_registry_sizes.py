@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 from pyroaring import BitMap
-from test_registry import NUM_ITEMS, FakeClock, attach, make_registry, nxt
 
 from joader.server.registry import Registry, RegistryConfig, Source
 from joader.stages import ItemSpec
+from tests.unit.server.test_registry import NUM_ITEMS, FakeClock, attach, make_registry, nxt
 
 pytestmark = pytest.mark.timeout(60)
 

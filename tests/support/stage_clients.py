@@ -1,4 +1,4 @@
-"""Client programs for the stage and source tests: `python -m tests.integration.stage_clients CMD`.
+"""Client programs for the stage and source tests: `python -m tests.support.stage_clients CMD`.
 
 Each writes what it received to an `.npz` file (the test compares pixels in its own process,
 which never opens a gRPC channel), and prints one JSON line.
