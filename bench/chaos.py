@@ -2,7 +2,7 @@
 
     python bench/chaos.py [--duration-s 1200] [--seed 0] [--quick] [--episode-s 150]
 
-It proves content, not counts. A real joaderd serves generated JPEGs; jobs run as separate processes (`tests/integration/integrity_job.py`, a real
+It proves content, not counts. A real joaderd serves generated JPEGs; jobs run as separate processes (`tests/support/integrity_job.py`, a real
 torch DataLoader over JoaderDataset) in every mode: num_workers 0 and 2, plain and
 `batched=True`, with and without a transform, the dataset asking in the loader's batch size or
 its own, hand-off workers (workers, batched, no transform),
@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 from joader.launch import JoaderdProcess  # noqa: E402
 from joader.sources.demo import make_demo_data  # noqa: E402
-from tests.integration.integrity import (  # noqa: E402
+from tests.support.integrity import (  # noqa: E402
     Findings,
     check_records,
     complete_epochs,
@@ -256,7 +256,7 @@ class Soak:
         return run
 
     def launch(self, run: Run) -> None:
-        command = [sys.executable, "-m", "tests.integration.integrity_job", "--address", self.address,
+        command = [sys.executable, "-m", "tests.support.integrity_job", "--address", self.address,
                    "--records", str(run.records), "--name", f"{run.mode.name}-{run.number}",
                    "--indices", run.mode.indices, "--epochs", str(run.epochs), "--sleep", str(run.mode.sleep_s),
                    "--batch-size", str(BATCH), "--timeout-s", "120", *run.mode.options]

@@ -21,7 +21,7 @@ socket after 0.1-1.5 s: mid-epoch, or exactly when a rank of that host reads the
 an epoch (the next epoch's plain start is then the first thing the restarted joaderd sees).
 
 Checked for every job: every sample's pixels and label against a decode made here, outside
-joaderd (`tests/integration/integrity.py`), and each epoch exactly once over the union of its
+joaderd (`tests/support/integrity.py`), and each epoch exactly once over the union of its
 ranks (no duplicates, none missing). `JOADER_VERIFY=1` is set for the ranks. A job that exits
 non-zero or does not finish within `--job-timeout-s` is failed. It prints and writes
 (bench/results/chaos-hosts-*.json): samples checked, wrong pixels and labels, duplicated,
@@ -54,8 +54,8 @@ from chaos import Summary  # noqa: E402
 
 from joader.launch import JoaderdProcess  # noqa: E402
 from joader.sources.demo import make_demo_data  # noqa: E402
-from tests.integration.integrity import Findings, check_records, read_records, reference  # noqa: E402
-from tests.integration.processes import free_port  # noqa: E402
+from tests.support.integrity import Findings, check_records, read_records, reference  # noqa: E402
+from tests.support.processes import free_port  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 WORLD = 3  # ranks per job: 1 + 2 (or 2 + 1) over the two hosts

@@ -4,7 +4,7 @@ epoch, and how much slower are its epochs than clean ones?
 
 A real joaderd serves `--items` (1,200) demo JPEGs (500x375, generated once under
 $JOADER_BENCH_DATA, /tmp/joader-bench-data) through the user stage of
-`tests/integration/crash_stage.py`: joader's center-crop, except that on the chosen files it
+`tests/support/crash_stage.py`: joader's center-crop, except that on the chosen files it
 calls `os._exit`, as a native decoder's crash or an OOM kill would. For each fraction of bad
 files (0%, 1%, 5%, 10%; the files picked with a fixed seed), a real job (`bench/simjob.py`: a
 DataLoader over `JoaderDataset`, `on_error="skip"`) reads 3 epochs. Reported per fraction:
@@ -72,7 +72,7 @@ def start_server(root: Path, crash_on: list[str], cache_bytes: int, workers: int
     config = workdir / "joaderd.toml"
     names = ", ".join(json.dumps(p) for p in crash_on)
     config.write_text(f"[sources.demo]\npath = {json.dumps(str(root))}\n"
-                      f'stage = "tests.integration.crash_stage:factory"\n'
+                      f'stage = "tests.support.crash_stage:factory"\n'
                       f"options = {{ size = {IMAGE_SIZE}, crash_on = [{names}] }}\n")
     args = ["--listen", f"unix:{workdir / 'joaderd.sock'}", "--config", str(config),
             "--cache-size", str(cache_bytes), "--workers", str(workers), "--log-level", "INFO"]

@@ -3,7 +3,7 @@ second, every sample checked (pixels, label, exactly once per epoch).
 
     python bench/restart_storm.py [--runs 8] [--mode batched|plain|workers] [--seed 0]
 
-Each run: a real joaderd over 240 generated JPEGs, one `tests/integration/integrity_job.py`
+Each run: a real joaderd over 240 generated JPEGs, one `tests/support/integrity_job.py`
 job (160 items, 3 epochs, batch 8, 0.05 s per step, checkpoints with num_workers=0) and, until
 the job ends, joaderd killed after 0-0.15 s or 0.05-1.2 s (even odds) and restarted after
 0.05-1 s. Restarts that land between an epoch's last reply and its acknowledgement are what
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from joader.launch import JoaderdProcess  # noqa: E402
 from joader.sources.demo import make_demo_data  # noqa: E402
-from tests.integration.integrity import Findings, check_records, read_records, reference  # noqa: E402
+from tests.support.integrity import Findings, check_records, read_records, reference  # noqa: E402
 
 ITEMS, EPOCHS, SIZE = 160, 3, 32
 
@@ -46,7 +46,7 @@ def one_run(seed: int, mode: str, data: Path, expected: dict) -> tuple[bool, str
             stdout=work / f"joaderd-{i}.log", ready_timeout_s=60, env=env)
 
     options = {"batched": ["--batched"], "plain": ["--follow-loader"], "workers": ["--workers", "2"]}[mode]
-    command = [sys.executable, "-m", "tests.integration.integrity_job", "--address", address, "--records",
+    command = [sys.executable, "-m", "tests.support.integrity_job", "--address", address, "--records",
                str(work / "records.jsonl"), "--name", "storm", "--indices", f"0:{ITEMS}", "--epochs", str(EPOCHS),
                "--sleep", "0.05", "--batch-size", "8", "--timeout-s", "120", *options]
     if mode != "workers":

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from joader.launch import JoaderdProcess  # noqa: E402
 from joader.sources.demo import make_demo_data  # noqa: E402
-from tests.integration.integrity import Findings, check_records, read_records, reference  # noqa: E402
+from tests.support.integrity import Findings, check_records, read_records, reference  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 JOBS = 4
@@ -97,7 +97,7 @@ def one_run(number: int, args: argparse.Namespace, data: Path, expected: dict, w
             if k:
                 time.sleep(args.stagger_s)
             records = home / f"trial{k}.jsonl"
-            command = [sys.executable, "-m", "tests.integration.integrity_job", "--address", address,
+            command = [sys.executable, "-m", "tests.support.integrity_job", "--address", address,
                        "--source", "photos", "--records", str(records), "--name", f"trial{k}",
                        "--epochs", str(args.epochs), "--batch-size", str(BATCH), "--follow-loader",
                        "--sleep", "0.01", "--timeout-s", "120", "--setup-s", f"{rng.uniform(0, 2 * args.setup_s):.2f}"]
