@@ -135,7 +135,8 @@ class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
     def submit(self, task_id: int, source_index: int, item_id: int, offset: int, capacity: int) -> None:
         """Queue one item for preparation into `capacity` bytes at `offset`; never blocks.
 
-        Capacity 0: size first (the module docstring): the result says how many bytes it needs.
+        Capacity 0: size first (the module docstring, "Exact sizes"): the result says how many bytes
+        it needs.
         """
         if not 0 <= source_index < len(self._sources):
             raise InvalidArgumentError(f"decode pool: no source with index {source_index}")

@@ -56,7 +56,7 @@ class DecodeSubmitter(Protocol):
 
     # Optional (a pool without them gets no probes and no size-first tasks: an item's first
     # decode is then given its stage's bound):
-    # sizes_first: bool   (submit takes capacity 0: the result says the size, module docstring)
+    # sizes_first: bool   (submit takes capacity 0: the result says the size, `joader.server.item_sizes`)
     # def probe(self, source_index: int, item_ids: Sequence[int]) -> None
     # def take_sizes(self) -> list[tuple[int, int, int]]   (source index, item id, bytes or 0)
 
@@ -218,7 +218,7 @@ class ItemCache:
 
     def dispatch(self, pool: DecodeSubmitter, limit: int, source_index: Callable[[Source], int]) -> None:
         """Hands waiting items to the pool, earliest due first, while fewer than `limit` run,
-        each given exactly its bytes when known (module docstring); takes the probes' answers
+        each given exactly its bytes when known (`range_kind`); takes the probes' answers
         first and asks for the sizes of items that started waiting since."""
         self._dispatcher = (pool, limit, source_index)
         self.sizes.probe(pool, source_index, self.items)
@@ -298,7 +298,7 @@ class ItemCache:
 
         `refcount(item)` counts the jobs that still need it, for the policy; `shape`, `dtype`
         and `nbytes` describe what the worker wrote at the item's offset. A result that is not
-        ok with `nbytes` larger than the item was given did not fit (module docstring): the item
+        ok with `nbytes` larger than the item was given did not fit (`joader.server.item_sizes`): the item
         waits for a decode again, and None is returned (nothing settled).
         """
         item = self.items.get(key)
@@ -310,7 +310,7 @@ class ItemCache:
         capacity = self._capacity.pop(key)
         if not ok and nbytes > capacity:
             # Nothing was written: size first, or it outgrew the exact size it was given (its
-            # file changed since). Its worker keeps it; placed again at once (module docstring).
+            # file changed since). Its worker keeps it; placed again at once (`joader.server.item_sizes`).
             if capacity:
                 self.allocator.free(item.offset)
                 self.sizes.misfit(key)

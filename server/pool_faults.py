@@ -9,8 +9,8 @@ Faults are found by `get_result` (the one consumer thread) and handled here:
   worker is killed and replaced, and the task becomes a suspect too.
 - replacements are never given up: in a crash loop (more than ten deaths that nothing explains
   within a minute) each next one waits longer, 1 s doubling to 30 s, until a minute passes
-  without one (`joader.server.replacement`). Meanwhile tasks wait: a pool fault is not a file
-  fault. Only when the forker itself is gone (no worker can ever be started again) do pending
+  without one (`joader.server.replacement`, NOTE [ Crash loops slow down, never stop ]).
+  Meanwhile tasks wait: a pool fault is not a file fault. Only when the forker itself is gone (no worker can ever be started again) do pending
   tasks fail.
 - a slow forker is not a gone one (`joader.server.pool_spawning`).
 - a dead worker is replaced only while the pool is below its target (`num_workers`), and a
@@ -118,7 +118,8 @@ class FaultHandling:
         self._probes.extendleft(reversed([t for t in queued if isinstance(t, Probe)]))
         tasks = [t for t in queued if isinstance(t, DecodeTask)]
         # Whether a file explains the death (module docstring, "Suspects"); not presumed while
-        # the pool is in a crash loop of deaths nothing explains.
+        # the pool is in a crash loop of deaths nothing explains. See NOTE [ Only deaths nothing
+        # explains count ] in replacement.py.
         explained = running is not None and not self._replacement.crash_loop
         if isinstance(running, DecodeTask):
             running.attempts += 1
