@@ -72,7 +72,11 @@ _STAGED_KEYS = 4096  # items remembered as kept by a worker (far more than worke
 
 
 class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
-    """Worker processes preparing items into the arena; see the module docstring."""
+    """Worker processes preparing items into the arena; see the module docstring.
+
+    Its state is set up here, grouped by the part that owns it; each part's class (the bases)
+    says what it owns and holds the methods that change it. The internal methods (`_name`) run
+    with `_lock` held, taken by the public ones (or in `__init__`, before any other thread)."""
 
     sizes_first = True  # `submit` takes capacity 0: prepare, keep, answer with the size
 
@@ -90,29 +94,34 @@ class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
         self.arena_bytes = arena_bytes
         self._sources = tuple(sources)
         self._lock = threading.RLock()
+        self._closed = False
+        # dispatch and results (this module)
         self._tasks: dict[int, DecodeTask] = {}  # submitted, no final result taken yet
         self._pending: deque[DecodeTask] = deque()  # not sent to a worker yet
-        self._probes: deque[Probe] = deque()  # not sent to a worker yet (sent before `_pending`)
-        self._probe_ids = count()
-        self._sizes: list[tuple[int, int, int]] = []  # (source index, item id, bytes or 0), not taken yet
         # (source index, item id) -> index of the worker keeping its prepared array (did not fit)
         self._staged: OrderedDict[tuple[int, int], int] = OrderedDict()
         self._ready: deque[DecodeResult] = deque()
         self._workers: dict[int, Worker] = {}  # by worker index; retiring ones too, until stopped
-        self._born = 0  # workers started so far
-        self._resizes: deque[str] = deque(maxlen=RESIZE_LOG)
         self._selector = selectors.DefaultSelector()
+        # probes (pool_probes.py)
+        self._probes: deque[Probe] = deque()  # not sent to a worker yet (sent before `_pending`)
+        self._probe_ids = count()
+        self._sizes: list[tuple[int, int, int]] = []  # (source index, item id, bytes or 0), not taken yet
+        # resizing (pool_resizing.py; `num_workers` above)
+        self._resizes: deque[str] = deque(maxlen=RESIZE_LOG)
+        # faults (pool_faults.py)
         self._replacement = ReplacementPolicy()
         self._suspects: deque[DecodeTask] = deque()  # the suspect lane's tasks not sent yet
         self._suspect_ids: set[int] = set()  # task ids in the lane, waiting or running
         self._quarantined: set[tuple[int, int]] = set()  # (source index, item id) that failed so
         self._probation: Worker | None = None
-        self._forker_gone = False
-        self._owed: OwedSpawn | None = None  # a spawn request the forker has not answered yet
         self._replaced = 0
         self._retried = 0
         self._timed_out = 0
-        self._closed = False
+        # spawning (pool_spawning.py)
+        self._born = 0  # workers started so far
+        self._forker_gone = False
+        self._owed: OwedSpawn | None = None  # a spawn request the forker has not answered yet
         self._control, self._forker_pid = start_forker(arena_path, self._sources)
         self._selector.register(self._control, selectors.EVENT_READ, None)
         try:
