@@ -1,7 +1,7 @@
 """Adaptive decode workers (`joaderd --workers auto`, the default): A-Dloader's knob for a shared pool.
 
 A fixed pool of decode workers is wrong both ways on a shared host. Too few, and jobs stall on
-data while cores sit idle; too many (the old default, every CPU), and while the jobs are
+data while cores sit idle; too many (every CPU), and while the jobs are
 compute-bound, the decode bursts take cores from the training processes they serve. So joaderd
 measures every `period_s` and moves the pool one worker at a time:
 

@@ -16,45 +16,11 @@ the item's bytes whenever they are known. When no hole fits, victims are evicted
 until one does; with everything pinned, decoding waits for acknowledgements. Victims are chosen
 by RefCnt weighted by the jobs' speeds when the registry sets `reuse_hazard` (`RefCntPolicy.victim`).
 
-Exact sizes. A variable stage's item (`resize:S` keeps the aspect ratio) used to be given the
-stage's upper bound (`Source.max_item_bytes`, 3 x S x 8S for resize) and shrunk when it landed.
-With several decodes in flight the freed tails became holes between items, too small for the
-next bound: with `resize:160` over 400 photos (42 MiB prepared) a 64 MiB cache made its first
-eviction at 17% full, held 39% after 3 epochs with 97% of its free bytes in crumbs, and decoded
-each item 2.35 times (bench/cache_fill.py; now: 66% full, nothing evicted, 1 decode per item).
-Now a decode is given exactly its item's bytes, found in one of three ways, cheapest first:
-- the size memory: every item's size, per source (a uint32 array), from the first time it is
-  known; every later decode of it (after an eviction) is exact at once.
-- a *probe* (`DecodePool.probe`): when an item of a stage that can read its output size from a
-  file header (`ImageStage.item_nbytes`) starts waiting for its decode, a decode worker reads
-  that header, off the registry's lock; the answer is taken at the next `dispatch`. Decodes go
-  earliest due first and items usually wait well ahead of their turn (the jobs' lookahead), so
-  the answer is usually there first: for 90-93% of first decodes in bench/cache_fill.py (65%
-  with a cache whose share per job is a dozen items, where decodes start just in time).
-- *size first* (`DecodeSubmitter.sizes_first`): an item whose size is still unknown at its turn
-  (its probe is out and a worker would otherwise idle; a header the stage cannot read; a user
-  stage, which has no header to read) is sent with no range at all. Its worker prepares it,
-  keeps the array and answers with its size (a result that did not fit: ok False, nbytes > 0);
-  `file_result` allocates exactly that and dispatches the placement at once, which the pool
-  sends to the worker that kept the array: one extra round trip, no second decode.
-A stage whose bound is the size of nearly every item (`bound_is_nominal`: `center-crop`
-without upscale, S x S x C but for images smaller than S) gets neither: a first decode is given
-the bound, and the rare smaller item is shrunk when it lands. A pool that has neither (the unit
-tests' fakes) gets the bound for an item's first decode, as before. A head whose probe is out
-waits for it only while every worker has a decode to run: a result will dispatch again soon, and
-the wait costs nothing then.
-
-Why not a round trip in the middle of every decode (the worker reads the header, asks, waits for
-an offset, decodes): the allocation must happen under the registry's lock, which the results
-thread takes only to file a result; a worker waiting for an offset would sit idle, and be killed
-by the decode timeout when everything is pinned. Size first waits for nothing: the worker goes on
-with its next task, and an item that cannot be placed yet waits in the demand like any other.
-
-A size can be wrong when a file changes on disk after it was read: a smaller item is shrunk; a
-larger one is not written, and comes back as "did not fit" like size first. Its decode failed:
-it moves DECODING -> FAILED -> WAITING at once (the states' usual transitions; no failure is
-counted or reported) and is placed again with the size it needs; after `MISFITS` such results in
-a row (a stage whose output size changes from call to call) it is given the bound, which ends it.
+Exact sizes (`joader.server.item_sizes`): a decode is given exactly its item's bytes whenever
+they are known: from the size memory, from a probe of the file's header, or, size first, from a
+result that did not fit (the worker keeps the prepared item and the cache places it then).
+`dispatch` chooses each decode's range (`range_kind`); `_capacity` books what each decode in
+flight was given.
 
 Plain logic, no lock: the `Registry` calls it under its own lock.
 """
@@ -63,18 +29,16 @@ from __future__ import annotations
 
 import heapq
 import logging
-import math
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 from pyroaring import BitMap
 
 from joader.cache.allocator import ByteAllocator
 from joader.cache.policy import RefCntPolicy
 from joader.errors import InvariantError
+from joader.server.item_sizes import ItemSizes, bound_is_nominal, range_kind
 from joader.server.records import Item, ItemState, Source
 
 logger = logging.getLogger(__name__)
@@ -92,15 +56,9 @@ class DecodeSubmitter(Protocol):
 
     # Optional (a pool without them gets no probes and no size-first tasks: an item's first
     # decode is then given its stage's bound):
-    # sizes_first: bool   (submit takes capacity 0: the result says the size, module docstring)
+    # sizes_first: bool   (submit takes capacity 0: the result says the size, `joader.server.item_sizes`)
     # def probe(self, source_index: int, item_ids: Sequence[int]) -> None
     # def take_sizes(self) -> list[tuple[int, int, int]]   (source index, item id, bytes or 0)
-
-
-PROBES_AHEAD = 512  # items whose probe may be out at once
-MISFITS = 2  # an item that outgrew its exact size this often in a row is given its bound
-_NO_SIZE = 0  # in a size table: not known
-_MAX_SIZE = 2**32 - 1  # sizes are kept as uint32; a larger item is always given its bound
 
 
 @dataclass
@@ -151,14 +109,10 @@ class ItemCache:
         # `retry_failed_s` (not a lookup: its entry was counted when it was queued)
         self.retried_at_use = 0
         self.decode_s = 0.0
-        # Exact sizes (module docstring): per source (by key_base), each item's bytes once known
-        # (0: not yet), from a probe or a decode; the bytes each decode in flight was given.
-        self._sizes: dict[int, np.ndarray] = {}
-        self._to_probe: deque[int] = deque()  # keys waiting for a decode, size unknown, not probed yet
-        self._probing: set[int] = set()  # keys whose probe is out
-        self._probed_sources: dict[int, Source] = {}  # pool source index -> source, for probe answers
+        # Exact sizes (`joader.server.item_sizes`): the size memory, probes, misfits; and the
+        # bytes each decode in flight was given.
+        self.sizes = ItemSizes()
         self._capacity: dict[int, int] = {}  # key -> bytes allocated for its decode (DECODING items; 0: size first)
-        self._misfits: dict[int, int] = {}  # key -> times in a row it outgrew an exact size
         self._dispatcher: tuple[DecodeSubmitter, int, Callable[[Source], int]] | None = None
         self.decodes_exact = 0  # decodes given exactly their item's bytes (known, or fixed-size)
         self.decodes_sized_first = 0  # sent with no range: prepared, kept, placed once its size came
@@ -184,7 +138,7 @@ class ItemCache:
             item = self.items[key] = Item(source, item_id)
             item.due_s = due_s
             heapq.heappush(self._demand, (due_s, round_seq, key))
-            self._want_size(item)
+            self.sizes.want(item)
             lookups.misses += 1
         elif item.state is ItemState.READY:
             if consumed:
@@ -197,7 +151,7 @@ class ItemCache:
                 item.move(ItemState.WAITING)
                 item.due_s = due_s
                 heapq.heappush(self._demand, (due_s, round_seq, key))
-                self._want_size(item)
+                self.sizes.want(item)
                 self.items_retried += 1
                 lookups.misses += 1
             else:
@@ -225,7 +179,7 @@ class ItemCache:
         item.move(ItemState.WAITING)
         item.due_s = due_s
         heapq.heappush(self._demand, (due_s, 0, item.key))
-        self._want_size(item)
+        self.sizes.want(item)
         self.items_retried += 1
         self.retried_at_use += 1
         return True
@@ -264,10 +218,10 @@ class ItemCache:
 
     def dispatch(self, pool: DecodeSubmitter, limit: int, source_index: Callable[[Source], int]) -> None:
         """Hands waiting items to the pool, earliest due first, while fewer than `limit` run,
-        each given exactly its bytes when known (module docstring); takes the probes' answers
+        each given exactly its bytes when known (`range_kind`); takes the probes' answers
         first and asks for the sizes of items that started waiting since."""
         self._dispatcher = (pool, limit, source_index)
-        self._probe(pool, source_index)
+        self.sizes.probe(pool, source_index, self.items)
         demand = self._demand
         while demand and pool.in_flight < limit:
             key = demand[0][2]
@@ -278,20 +232,25 @@ class ItemCache:
             if item.pins == 0:  # every job that wanted it left before it was decoded
                 heapq.heappop(demand)
                 del self.items[key]
-                self._misfits.pop(key, None)
+                self.sizes.fitted(key)
                 self.decodes_cancelled += 1
                 continue
             source = item.source
             bound = source.max_item_bytes
-            known = self.known_size(source, item.item_id)
-            if known and self._misfits.get(key, 0) < MISFITS:
-                how, nbytes, offset = "exact", known, self._allocate(known)
-            elif key in self._probing and pool.in_flight >= pool.num_workers:
+            known = self.sizes.known(source, item.item_id)
+            how = range_kind(
+                known=known, misfits=self.sizes.misfits(key),
+                size_coming_while_busy=self.sizes.probing(key) and pool.in_flight >= pool.num_workers,
+                can_size_first=(getattr(pool, "sizes_first", False) and not known
+                                and not bound_is_nominal(source)))
+            if how == "exact":
+                nbytes, offset = known, self._allocate(known)
+            elif how == "wait":
                 return  # its size is coming, and every worker has a decode meanwhile
-            elif getattr(pool, "sizes_first", False) and not known and not bound_is_nominal(source):
-                how, nbytes, offset = "sized_first", 0, -1  # no range yet: the result says its size
+            elif how == "sized_first":
+                nbytes, offset = 0, -1  # no range yet: the result says its size
             else:
-                how, nbytes, offset = "at_bound", bound, self._allocate(bound)
+                nbytes, offset = bound, self._allocate(bound)
             if offset is None:
                 return  # everything cached is pinned: decoding waits for acknowledgements
             heapq.heappop(demand)
@@ -309,56 +268,8 @@ class ItemCache:
     # ----------------------------------------------------------------------------- sizes
 
     def known_size(self, source: Source, item_id: int) -> int:
-        """The item's exact bytes if known (a probe or a decode said so), else 0; a fixed-size
-        stage's items are always known."""
-        if source.stage.spec.shape is not None:
-            return source.max_item_bytes
-        sizes = self._sizes.get(source.key_base)
-        return int(sizes[item_id]) if sizes is not None else _NO_SIZE
-
-    def _remember(self, source: Source, item_id: int, nbytes: int) -> None:
-        if nbytes > min(_MAX_SIZE, source.max_item_bytes) or source.stage.spec.shape is not None:
-            return  # never more than the bound: a decode is never given more
-        sizes = self._sizes.get(source.key_base)
-        if sizes is None:
-            sizes = self._sizes[source.key_base] = np.zeros(source.num_items, np.uint32)
-        sizes[item_id] = max(1, nbytes)  # an empty item still takes one unit of the arena
-
-    def _want_size(self, item: Item) -> None:
-        """`item` waits for a decode: ask for its size if its stage can read it from a header
-        (and its bound is not the size nearly every item has: `bound_is_nominal`)."""
-        source = item.source
-        if (source.stage.spec.shape is None and callable(getattr(source.stage, "item_nbytes", None))
-                and not bound_is_nominal(source)
-                and item.key not in self._probing and self.known_size(source, item.item_id) == _NO_SIZE):
-            self._to_probe.append(item.key)
-
-    def _probe(self, pool: DecodeSubmitter, source_index: Callable[[Source], int]) -> None:
-        """Takes the probes' answers, then sends probes for waiting items (up to `PROBES_AHEAD`
-        out at once, in the order they started waiting: roughly the order they are due)."""
-        take: Callable[[], list[tuple[int, int, int]]] | None = getattr(pool, "take_sizes", None)
-        probe: Callable[[int, Sequence[int]], None] | None = getattr(pool, "probe", None)
-        if take is None or probe is None:
-            self._to_probe.clear()
-            return
-        for index, item_id, nbytes in take():
-            source = self._probed_sources[index]
-            self._probing.discard(source.key_base + item_id)
-            if nbytes > 0:
-                self._remember(source, item_id, nbytes)
-        batches: dict[int, list[int]] = {}
-        while self._to_probe and len(self._probing) < PROBES_AHEAD:
-            key = self._to_probe.popleft()
-            item = self.items.get(key)
-            if (item is None or item.state is not ItemState.WAITING or key in self._probing
-                    or self.known_size(item.source, item.item_id) != _NO_SIZE):
-                continue
-            index = source_index(item.source)
-            self._probed_sources[index] = item.source
-            batches.setdefault(index, []).append(item.item_id)
-            self._probing.add(key)
-        for index, ids in batches.items():
-            probe(index, ids)
+        """The item's exact bytes if known, else 0 (`ItemSizes.known`)."""
+        return self.sizes.known(source, item_id)
 
     def _allocate(self, nbytes: int) -> int | None:
         """A range of `nbytes`, evicting in RefCnt order until a hole fits; None when every
@@ -387,7 +298,7 @@ class ItemCache:
 
         `refcount(item)` counts the jobs that still need it, for the policy; `shape`, `dtype`
         and `nbytes` describe what the worker wrote at the item's offset. A result that is not
-        ok with `nbytes` larger than the item was given did not fit (module docstring): the item
+        ok with `nbytes` larger than the item was given did not fit (`joader.server.item_sizes`): the item
         waits for a decode again, and None is returned (nothing settled).
         """
         item = self.items.get(key)
@@ -399,22 +310,22 @@ class ItemCache:
         capacity = self._capacity.pop(key)
         if not ok and nbytes > capacity:
             # Nothing was written: size first, or it outgrew the exact size it was given (its
-            # file changed since). Its worker keeps it; placed again at once (module docstring).
+            # file changed since). Its worker keeps it; placed again at once (`joader.server.item_sizes`).
             if capacity:
                 self.allocator.free(item.offset)
-                self._misfits[key] = self._misfits.get(key, 0) + 1
+                self.sizes.misfit(key)
                 self.decodes_refitted += 1
                 logger.info("source %s: item %d outgrew its size (%s); placing it again",
                             source.name, item.item_id, error)
             item.offset = -1
-            self._remember(source, item.item_id, nbytes)
+            self.sizes.remember(source, item.item_id, nbytes)
             item.move(ItemState.FAILED)  # its decode failed, and is tried again at once:
             item.move(ItemState.WAITING)  # the usual transitions, no failure counted or reported
             heapq.heappush(self._demand, (item.due_s, 0, key))
             if self._dispatcher is not None:
                 self.dispatch(*self._dispatcher)  # the registry dispatches only after settled items
             return None  # not settled: its waiters wait on
-        self._misfits.pop(key, None)
+        self.sizes.fitted(key)
         watch = source.watch
         if watch is not None:
             if not ok and watch.park(key, error):
@@ -428,7 +339,7 @@ class ItemCache:
             item.shape, item.dtype, item.nbytes = tuple(shape), dtype, nbytes
             item.checksum = checksum
             self.allocator.shrink(item.offset, max(nbytes, 1))
-            self._remember(source, item.item_id, nbytes)
+            self.sizes.remember(source, item.item_id, nbytes)
             self.policy.insert(key, refcount(item), pinned=item.pins)
             source.cached_ids.add(item.item_id)
             if source.failed.pop(item.item_id, None) is not None:
@@ -491,7 +402,7 @@ class ItemCache:
             item = self.items.get(key)
             if item is not None and item.state is ItemState.WAITING:
                 heapq.heappush(self._demand, (item.due_s, 0, key))
-                self._want_size(item)
+                self.sizes.want(item)
 
     def drop_source(self, source: Source) -> int:
         """Evicts every cached, unpinned item of `source` (its data changed on disk); returns
@@ -578,20 +489,3 @@ class ItemCache:
             wanted = {key: n for key, n in expected_pins.items() if n}
             assert actual == wanted, f"pins differ: cache {actual}, jobs {wanted}"
 
-
-def bound_is_nominal(source: Source) -> bool:
-    """Whether the stage's bound is the size of nearly every item: its `nominal_shape` (the
-    shape items have but for images smaller than S: `center-crop` without upscale) fills the
-    bound exactly. Such an item's first decode is given the bound at once: no probe (a second
-    read of the file and a round trip per item, about 0.1 ms of a worker's 1.6 ms decode, for
-    nothing) and no size-first round trip; the rare smaller item is shrunk when it lands, and
-    its size remembered for its later decodes."""
-    nominal = getattr(source.stage, "nominal_shape", None)
-    if not nominal:
-        return False
-    spec = source.stage.spec
-    try:
-        itemsize = np.dtype(spec.dtype).itemsize
-    except TypeError:
-        return False
-    return math.prod(nominal) * itemsize == spec.max_nbytes

@@ -1,24 +1,19 @@
 """When the decode pool may replace a dead worker: a crash loop is slowed down, never given up on.
 
 Workers die for reasons that pass: an OOM burst, a native decoder crashing on a few files, a
-user stage that calls `os._exit`, ten decode timeouts in a row. The pool used to stop replacing
-after ten replacements in a minute, for good: joaderd then sat at zero workers forever and every
-decode failed, which `on_error="skip"` turned into epochs silently missing every uncached item.
-A pool fault is not a file fault. So replacements go on, with a delay that grows while the loop
-lasts (`first_backoff_s`, doubling up to `max_backoff_s`) and resets once no replacement was
-needed for `healthy_after_s`; the tasks wait meanwhile.
+user stage that calls `os._exit`, ten decode timeouts in a row. A pool fault is not a file
+fault, so replacements go on (see NOTE [ Crash loops slow down, never stop ]), with a delay that
+grows while the loop lasts (`first_backoff_s`, doubling up to `max_backoff_s`) and resets once no
+replacement was needed for `healthy_after_s`; the tasks wait meanwhile.
 
 Only deaths that nothing explains count. A worker killed by a file (a native decoder's crash, a
 user stage's `os._exit`, a decode past its timeout) is the file's fault: the pool retries that
 file away from the healthy queue and quarantines it after its second death
-(`joader.server.decode_pool`, "Suspects"), and replaces the worker at once, without asking this
+(`joader.server.pool_faults`, "Suspects"), and replaces the worker at once, without asking this
 policy. When the file's retry succeeds after all, the death was not its fault after all: the
 pool charges it here afterwards (`charge`), so that deaths with no file to blame (an OOM killer,
-a broken environment) still slow replacements down however they are spread over the tasks.
-
-# NOTE: issue 27 finding 1. Every death used to count here: with 1% of 1,200 files crashing the
-# stage, 24 deaths a pass put the pool in backoff (up to 30 s) for deaths the files fully
-# explained, the pool sat at 0 of 2 workers, and with 5% and 10% jobs died of TimeoutError.
+a broken environment) still slow replacements down however they are spread over the tasks
+(see NOTE [ Only deaths nothing explains count ]).
 
 Pure: the clock is an argument of every call.
 """
@@ -27,6 +22,18 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+
+# NOTE [ Crash loops slow down, never stop ]
+# A policy that stopped replacing after ten replacements in a minute, for good, left joaderd at
+# zero workers forever: every decode failed, which `on_error="skip"` turned into epochs silently
+# missing every uncached item. Replacements therefore never stop; a crash loop only spaces them.
+#
+# NOTE [ Only deaths nothing explains count ]
+# Were every death counted here, files that crash the stage would put the pool in backoff for
+# deaths they fully explain: with 1% of 1,200 files crashing the stage, 24 deaths a pass put the
+# pool in backoff (up to 30 s), it sat at 0 of 2 workers, and with 5% and 10% jobs died of
+# TimeoutError (issue 27, finding 1). The pool asks this policy only for deaths nothing explains,
+# and charges (`charge`) a presumed file death whose file then decodes.
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,8 @@ class ReplacementPolicy:
         self._last = max(self._last, now)
 
     def allow(self, now: float) -> bool:
+        """Whether a replacement may start now; records it if so. Never False for good: NOTE
+        [ Crash loops slow down, never stop ]."""
         self._expire(now)
         if self._backoff_s:
             if now < self.retry_at():

@@ -18,7 +18,7 @@ import pytest
 
 from joader.cache.arena import Arena
 from joader.errors import InvalidArgumentError, JoaderError
-from joader.server import decode_pool
+from joader.server import pool_spawning
 from joader.server.decode_pool import DecodePool, DecodeResult, PoolConfig, SourceSpec
 from joader.sources.demo import corrupt_jpeg, make_demo_data
 from joader.sources.imagefolder import SourceListing, list_image_folder
@@ -618,7 +618,7 @@ def test_a_slow_forker_is_waited_for_and_the_pool_recovers(
     and replacement goes on until the pool is back at its target. Before the fix the timeout
     counted as the forker gone: no worker ever started again, the late answer (and its worker's
     socket) was dropped, and every task failed with "no decode worker is left"."""
-    monkeypatch.setattr(decode_pool, "SPAWN_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(pool_spawning, "SPAWN_TIMEOUT_S", 1.0)
     before = _children()
     spec = spec_of(listing)
     with (
@@ -659,7 +659,7 @@ def test_a_late_worker_the_pool_no_longer_needs_is_stopped(
 ) -> None:
     """The forker answers a replacement's request after the pool was shrunk to the workers it
     has: the late worker is stopped (and reaped by the forker), not leaked, not adopted."""
-    monkeypatch.setattr(decode_pool, "SPAWN_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(pool_spawning, "SPAWN_TIMEOUT_S", 1.0)
     before = _children()
     spec = spec_of(listing)
     with (

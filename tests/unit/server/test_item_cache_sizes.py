@@ -1,4 +1,4 @@
-"""Exact sizes in the item cache (server/item_cache.py, "Exact sizes"): probes, size first, the
+"""Exact sizes in the item cache (server/item_sizes.py): probes, size first, the
 size memory, files that change size, and the bound for pools and stages that can do neither.
 
 Driven with a fake decode pool that answers probes and "decodes" (files results) only when the
@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from joader.server.item_cache import MISFITS, ItemCache
+from joader.server.item_cache import ItemCache
+from joader.server.item_sizes import MISFITS
 from joader.server.records import ItemState, Source
 from joader.stages import ItemSpec
 

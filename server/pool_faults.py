@@ -1,0 +1,252 @@
+"""Faults: dead and hung workers, suspects, the probation worker, quarantine, crash loops.
+
+Faults are found by `get_result` (the one consumer thread) and handled here:
+
+- a worker that dies (EOF on its socket: an OOM kill, a crash in a native decoder) is replaced,
+  and the task it was running becomes a *suspect* (below). Tasks it had queued but not started
+  go back to the head of the queue without counting an attempt.
+- a task running longer than `decode_timeout_s` (a hung NFS read, a pathological file): its
+  worker is killed and replaced, and the task becomes a suspect too.
+- replacements are never given up: in a crash loop (more than ten deaths that nothing explains
+  within a minute) each next one waits longer, 1 s doubling to 30 s, until a minute passes
+  without one (`joader.server.replacement`, NOTE [ Crash loops slow down, never stop ]).
+  Meanwhile tasks wait: a pool fault is not a file fault. Only when the forker itself is gone (no worker can ever be started again) do pending
+  tasks fail.
+- a slow forker is not a gone one (`joader.server.pool_spawning`).
+- a dead worker is replaced only while the pool is below its target (`num_workers`), and a
+  worker that was retiring (`joader.server.pool_resizing`) is not replaced at all: replacing
+  keeps the size that was asked for, it never undoes a shrink.
+
+Suspects. A decode fault is either a file's or the pool's, and each is treated as such (see
+NOTE [ Suspects run alone ]):
+
+- a task whose worker died (or timed out) while running it leaves the healthy queue for the
+  *suspect lane*: it is retried alone, in a worker of its own (the *probation worker*, forked
+  when a suspect waits and stopped when none does; not a member of the pool, never given a
+  healthy task or a probe, one task at a time so that its death names exactly one file).
+- a suspect that dies (or times out) there is quarantined: it fails with the reason, as a
+  corrupt file does (`on_error="skip"` skips it, `"raise"` raises), after its second death. The
+  pool remembers it: when the cache asks for it again (after `--retry-failed-s`) it goes
+  straight to the lane, so a quarantined file never kills a member again; once it decodes, it is
+  forgotten.
+- a suspect that decodes there was innocent: its first death was the pool's (an OOM kill, a
+  signal from outside) and is charged to the replacement policy then.
+- replacements for deaths a suspect explains (a member running a task, the probation worker
+  running a suspect) start at once, without asking the policy: only deaths nothing explains (an
+  idle worker, an innocent suspect) slow replacements down. While the pool is in such a crash
+  loop, a new death is not presumed to be a file's: its replacement waits like the others, and
+  its task still goes to the lane.
+- suspects are not counted in `in_flight` (the registry's limit on decodes), so the healthy
+  queue keeps every member busy whatever the lane holds: healthy items never wait behind
+  suspects.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from itertools import count
+
+from joader.server.pool_records import DecodeResult, DecodeTask, Probe, Worker
+from joader.server.pool_spawning import NoWorker
+from joader.sources.safe_open import display_path
+
+__all__ = ["FaultHandling"]
+
+logger = logging.getLogger("joader.server.decode_pool")  # the pool's log, whichever part writes
+
+# NOTE [ Suspects run alone ]
+# A task whose worker died is retried in the probation worker, alone, and never first in line
+# in the healthy queue. First in line, each fresh worker would take the file that killed the last
+# one, and every death would count toward the crash-loop backoff: with 1% of 1,200 files crashing
+# the stage, the first epoch took 153 s instead of 2.6 s (the pool at 0 of 2 workers most of the
+# time), and with 5% and 10% the job died of TimeoutError (issue 27, finding 1). Alone, a death
+# names exactly one file, and the deaths a file explains do not slow replacements down.
+
+
+class FaultHandling:
+    """The `DecodePool`'s part that handles dead and hung workers and runs the suspect lane (see
+    the module docstring). State it owns: `_suspects` (the lane's tasks not sent yet),
+    `_suspect_ids` (waiting or running), `_quarantined` ((source index, item id) that failed
+    so), `_probation` (the probation worker), `_replacement` (the crash-loop policy) and the
+    counts `_replaced`, `_retried`, `_timed_out`."""
+
+    def _check_timeouts(self) -> None:
+        now = time.monotonic()
+        limit = self.config.decode_timeout_s
+        for worker in list(self._workers.values()):
+            if worker.tasks and now - worker.started_s > limit:
+                task = worker.tasks[0]
+                self._timed_out += 1
+                logger.error(
+                    "decode pool: %sworker pid %d spent more than %g s (--decode-timeout-s) on %s; "
+                    "killing it", "retiring " if worker.retiring else "", worker.pid, limit,
+                    self._describe(task),
+                )
+                try:
+                    os.kill(worker.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self._worker_died(worker, "killed after the decode timeout", failure=(
+                    f"decoding {display_path(self._path(task))} took longer than {limit:g} s "
+                    f"(--decode-timeout-s) {self.config.max_attempts} times; the file or its storage hangs"
+                ))
+
+    def _worker_died(self, worker: Worker, how: str, *, failure: str | None = None) -> None:
+        """Replaces `worker` if the pool is below its target (never a retiring one); its running
+        task is retried, or failed (with `failure` as the reason if given) once it was present at
+        `max_attempts` deaths; its queued tasks go back to the queue."""
+        if self._workers.get(worker.index) is not worker:
+            return
+        del self._workers[worker.index]
+        try:
+            self._selector.unregister(worker.sock)
+        except (KeyError, ValueError):
+            pass
+        worker.sock.close()
+        if failure is None:
+            logger.error("decode pool: %sworker pid %d died (%s)",
+                         "retiring " if worker.retiring else "", worker.pid, how)
+        self._forget_staged(worker)
+        queued = list(worker.tasks)
+        running = queued.pop(0) if queued else None
+        if isinstance(running, Probe):
+            self._drop_probe(running)  # not retried: the decodes will read those files themselves
+        # the rest was never started: first in line again, in their order
+        self._probes.extendleft(reversed([t for t in queued if isinstance(t, Probe)]))
+        tasks = [t for t in queued if isinstance(t, DecodeTask)]
+        # Whether a file explains the death (module docstring, "Suspects"); not presumed while
+        # the pool is in a crash loop of deaths nothing explains. See NOTE [ Only deaths nothing
+        # explains count ] in replacement.py.
+        explained = running is not None and not self._replacement.crash_loop
+        if isinstance(running, DecodeTask):
+            running.attempts += 1
+            running.reason = failure or (
+                f"the decode worker died {running.attempts} times while preparing "
+                f"{display_path(self._path(running))} ({how}), the last time alone; the file crashes "
+                "the decoder or the stage - check it (or remove it from the source)"
+            )
+            if worker.probation and running.attempts >= self.config.max_attempts:
+                self._quarantine(running)
+            elif worker.probation:  # not its last chance yet: again, still alone
+                self._suspects.appendleft(running)
+            else:
+                self._retried += 1
+                if running.task_id not in self._suspect_ids:
+                    # never first in line again: see NOTE [ Suspects run alone ]
+                    running.presumed = explained
+                    self._to_lane(running)
+                    logger.warning("decode pool: %s is a suspect now: retried alone, away from the "
+                                   "other decodes", self._describe(running))
+                else:  # cannot happen: suspects run in the probation worker only
+                    self._suspects.appendleft(running)
+        elif worker.probation:  # idle: nothing explains it (a member's replacement asks the policy)
+            self._replacement.charge(time.monotonic())
+        if worker.probation:
+            self._probation = None
+        self._pending.extendleft(reversed(tasks))
+        if not self._closed and not worker.probation:
+            # a no-op if it was retiring: the pool is at its target
+            self._fill(replacing=True, explained=explained and not worker.retiring)
+        self._dispatch()
+
+    def _quarantine(self, task: DecodeTask) -> None:
+        """A suspect that killed the probation worker: fails as a file, and is remembered."""
+        self._quarantined.add(task.key)
+        logger.error("decode pool: quarantined %s: it killed a decode worker %d times, the last time "
+                     "alone; reported as a failed item", self._describe(task), task.attempts)
+        self._fail(task, task.reason)
+
+    def _to_lane(self, task: DecodeTask) -> None:
+        """`task` is a suspect now: retried alone, in the probation worker (module docstring)."""
+        self._suspects.append(task)
+        self._suspect_ids.add(task.task_id)
+
+    def _run_suspect(self) -> None:
+        """Sends the lane's next suspect to the probation worker (forked if there is none, at
+        once unless the pool is in a crash loop), or stops that worker when the lane is empty."""
+        worker = self._probation
+        if not self._suspects:
+            if worker is not None and not worker.tasks:
+                self._stop(worker)
+            return
+        if self._closed or (worker is not None and worker.tasks):
+            return
+        if worker is None:
+            if self._forker_gone or self._owed is not None:
+                return  # gone; or the owed answer comes first (`_late_worker`)
+            if self._replacement.crash_loop and not self._may_replace():
+                return  # `_replace_deferred` comes back when the policy allows
+            try:
+                worker = self._spawn(next(i for i in count() if i not in self._workers), probation=True)
+            except NoWorker:
+                return  # logged; tried again later (`_late_worker`, `_dispatch`)
+            except OSError as error:
+                self._forker_lost(f"cannot start a probation worker: {error}")
+                return
+        task = self._suspects.popleft()
+        if not self._send(worker, task):
+            self._suspects.appendleft(task)
+            self._worker_died(worker, "its socket closed")
+
+    def _settle_suspect(self, task: DecodeTask, result: DecodeResult) -> None:
+        """A suspect's result from the probation worker: it did not kill the worker this time
+        (decoded, failed as a file, or did not fit its range), so its death was not its fault."""
+        if task.presumed:
+            task.presumed = False
+            self._replacement.charge(time.monotonic())
+            logger.warning("decode pool: %s did not kill the probation worker; the death while a "
+                           "member ran it counts as one nothing explains", self._describe(task))
+        if result.ok and task.key in self._quarantined:
+            self._quarantined.discard(task.key)
+            logger.info("decode pool: %s decodes again; no longer quarantined", self._describe(task))
+
+    def _may_replace(self) -> bool:
+        """Whether a replacement may start now (`joader.server.replacement`); entering a crash
+        loop is logged once, with when the pool will try again."""
+        was = self._replacement.crash_loop
+        allowed = self._replacement.allow(time.monotonic())
+        if not allowed and not was and self._replacement.crash_loop:
+            logger.critical(
+                "decode pool: %d workers replaced within %g s (a crash loop? see the deaths above); "
+                "replacing the next ones more slowly, from %g s up to %g s apart. %d of %d workers "
+                "left; decodes wait meanwhile", self._replacement.config.max_per_window,
+                self._replacement.config.window_s, self._replacement.config.first_backoff_s,
+                self._replacement.config.max_backoff_s, len(self._members()), self.num_workers)
+        return allowed
+
+    def _replace_deferred(self) -> None:
+        """Replacements (and a probation worker) a crash loop delayed, once their time has come
+        (called every slice)."""
+        if self._replacement.update(time.monotonic()):
+            logger.warning("decode pool: no worker died for %g s; the crash loop is over",
+                           self._replacement.config.healthy_after_s)
+        if self._closed or self._forker_gone:
+            return
+        if self._owed is not None:  # nothing starts before its answer (`_late_worker`)
+            self._remind_owed()
+            return
+        if time.monotonic() < self._replacement.retry_at():
+            return
+        if len(self._members()) < self.num_workers:
+            self._fill(replacing=True)
+            self._dispatch()
+        elif self._suspects and self._probation is None:
+            self._dispatch()
+
+    def _fail(self, task: DecodeTask, reason: str) -> None:
+        self._ready.append(DecodeResult(task.task_id, False, reason, self._path(task), 0.0))
+
+    def _fail_all(self, reason: str) -> None:
+        while self._probes:
+            self._drop_probe(self._probes.popleft())
+        while self._pending:
+            task = self._pending.popleft()
+            self._fail(task, f"cannot decode {display_path(self._path(task))}: {reason}")
+
+    def _fail_suspects(self, reason: str) -> None:
+        while self._suspects:
+            task = self._suspects.popleft()
+            self._fail(task, f"cannot decode {display_path(self._path(task))}: {reason}")

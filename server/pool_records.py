@@ -1,0 +1,150 @@
+"""The records the decode pool's modules share: its configuration, results and statistics, and
+the tasks, probes and workers it keeps books of.
+
+The pool (`joader.server.decode_pool`) is split by concern; every part works on these records:
+
+- `DecodeTask`: one item to prepare into a range of the arena (capacity 0: *size first*);
+- `Probe`: items whose exact sizes the cache asked for (`joader.server.pool_probes`);
+- `Worker`: joaderd's end of one decode worker: its socket and the tasks sent to it, the head
+  being the one it runs. A worker is a *member* of the pool (gets healthy tasks), *retiring*
+  (`joader.server.pool_resizing`), or the *probation worker* (`joader.server.pool_faults`).
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from joader.server.decode_worker import MAX_MESSAGE, PROBE
+
+__all__ = ["DecodeResult", "DecodeTask", "PoolConfig", "PoolStats", "Probe", "SourceSpec", "Worker",
+           "recv_nowait"]
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """What a worker needs to prepare items of one source (inherited through fork, never
+    pickled): the items (`joader.sources.base.ItemSource`) and the stage (`joader.stages.Stage`)."""
+
+    source: Any
+    stage: Any
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    task_id: int
+    ok: bool
+    error: str | None  # set when ok is False: names the file and the reason
+    path: str
+    decode_s: float
+    shape: tuple[int, ...] = ()  # of the prepared item, when ok
+    dtype: str = ""
+    # its bytes, when ok; when not ok and > 0: the item did not fit the range it was given (size
+    # first: none; or its file changed since its size was read), nothing was written, the worker
+    # keeps the prepared array, and the item needs this many
+    nbytes: int = 0
+    checksum: int = 0  # zlib.crc32 of the bytes written into the arena (clients may verify)
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    num_workers: int
+    decode_timeout_s: float = 60.0
+    tasks_per_worker: int = 2  # sent ahead, so that a worker never idles between tasks
+    max_attempts: int = 2
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A snapshot for `joader status`. Retiring workers (`joader.server.pool_resizing`) are counted
+    only in `workers_retiring`: `workers_alive`, `workers_busy` and `worker_pids` are the pool's
+    members, `workers_configured` its target."""
+
+    workers_configured: int
+    workers_alive: int
+    workers_busy: int
+    workers_replaced: int
+    tasks_retried: int
+    tasks_timed_out: int
+    worker_pids: tuple[int, ...]
+    workers_retiring: int = 0  # finishing the tasks they have, then stopped
+    resizes: tuple[str, ...] = ()  # "21:04:05 workers 2 -> 3 (reason)", the most recent last
+    crash_loop: bool = False  # over ten deaths nothing explains within a minute: replacements slowed
+    restart_in_s: float = 0.0  # when the next delayed replacement starts (0: none waiting)
+    suspects: int = 0  # tasks in the suspect lane (waiting or running in the probation worker)
+    quarantined: int = 0  # files that killed a worker twice, the last time alone (they fail)
+    probation_pid: int = 0  # the probation worker (0: none running)
+
+
+class DecodeTask:
+    """One item to prepare into `capacity` bytes at `offset` of the arena (the message a worker
+    runs), with what its faults have shown so far (`joader.server.pool_faults`)."""
+
+    __slots__ = ("attempts", "capacity", "item_id", "offset", "presumed", "reason", "source_index", "task_id")
+
+    def __init__(self, task_id: int, source_index: int, item_id: int, offset: int, capacity: int) -> None:
+        self.task_id = task_id
+        self.source_index = source_index
+        self.item_id = item_id
+        self.offset = offset
+        self.capacity = capacity
+        self.attempts = 0  # deaths or timeouts of workers while running it
+        self.reason = ""
+        # its first death was presumed its own (the worker replaced without asking the policy):
+        # charged to the policy if it then decodes
+        self.presumed = False
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.source_index, self.item_id
+
+    def message(self) -> bytes:
+        return pickle.dumps((self.task_id, self.source_index, self.item_id, self.offset, self.capacity))
+
+
+class Probe:
+    """Up to `PROBE_BATCH` items of one source whose exact sizes the cache asked for
+    (`joader.server.pool_probes`)."""
+
+    __slots__ = ("item_ids", "probe_id", "source_index")
+
+    def __init__(self, probe_id: int, source_index: int, item_ids: tuple[int, ...]) -> None:
+        self.probe_id = probe_id
+        self.source_index = source_index
+        self.item_ids = item_ids
+
+    def message(self) -> bytes:
+        return pickle.dumps((PROBE, self.probe_id, self.source_index, self.item_ids))
+
+
+class Worker:
+    """joaderd's end of one decode worker: its socket and the tasks sent to it."""
+
+    __slots__ = ("born", "index", "pid", "probation", "retiring", "sock", "started_s", "tasks")
+
+    def __init__(self, index: int, pid: int, sock: socket.socket, born: int, probation: bool = False) -> None:
+        self.index = index
+        self.pid = pid
+        self.sock = sock
+        self.born = born  # the pool's count of workers started before this one: larger is newer
+        self.tasks: deque[DecodeTask | Probe] = deque()  # sent, unfinished; the head is the one running
+        self.started_s = 0.0  # when the head task started
+        self.retiring = False  # gets no new task; stopped once `tasks` is empty
+        self.probation = probation  # runs suspects only, one at a time; not a member of the pool
+
+
+def recv_nowait(sock: socket.socket) -> bytes | None:
+    """One message, b"" at EOF (or a broken socket), None if there is none now.
+
+    Never blocks: `_spawn` (which may run on the submitting thread, when a send finds a worker
+    dead) can take the message select saw before the consumer thread got the lock.
+    """
+    try:
+        return sock.recv(MAX_MESSAGE, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
