@@ -90,7 +90,7 @@ def snapshot(registry: Registry, now: float) -> dict[str, Any]:
             "cancelled": cache.decodes_cancelled,  # every job that wanted it left first
             "in_flight": cache.decodes_in_flight(),
             "retried": cache.items_retried,  # requests for an item that had failed
-            # how each decode's range was chosen (server/item_cache.py, "Exact sizes"): exactly
+            # how each decode's range was chosen (server/item_sizes.py): exactly
             # its item's bytes, known from a probe or an earlier decode (or a fixed-size stage);
             # size first (no range: the worker kept the item and said its size, then it was
             # placed); its stage's bound (shrunk when it landed). Refitted: outgrew an exact

@@ -125,7 +125,7 @@ class ImageStage:
         in about 30 us, neither decoding a pixel. joaderd's decode workers call this ahead of
         the decode (a *probe*, `joader.server.decode_worker`) so that the cache can give the
         decode exactly its bytes instead of the stage's bound (3 x S x 8S for resize), whose
-        freed tails were holes too small for the next bound (`joader.server.item_cache`).
+        freed tails were holes too small for the next bound (`joader.server.item_sizes`).
 
         None when the header cannot be read (a corrupt or truncated file, not an image, a
         decompression bomb): the decode then goes size first (placed once prepared), and fails
