@@ -16,7 +16,7 @@ TOML (`--config FILE`), every key optional, command-line flags win:
     rank_attach_timeout_s = 60 # a job whose ranks do not all attach within this long ends
     max_jobs = 1024            # jobs attached at once; more are refused
     pacing = "deadline"        # decode by when jobs read, evict by speed; "rounds": the old order
-    epoch_align = "first"      # a late job's first epoch takes a running job's rest first; "off"; "always" (see README)
+    epoch_align = "first"      # a late job's first epoch takes a running job's rest first; "off"; "always" (see docs/decisions.md, "Epoch alignment")
     ready_file = "/run/joaderd.ready"   # JSON written once joaderd serves (joader.launch)
     metrics_listen = "127.0.0.1:9400"  # Prometheus /metrics (off by default; loopback unless allow_remote)
 

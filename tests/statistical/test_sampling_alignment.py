@@ -93,7 +93,7 @@ def test_consecutive_epochs_stay_independent_shuffles(align: str) -> None:
 
 def test_power_always_aligning_freezes_a_partition_and_is_caught() -> None:
     """The opt-in mode: every round shared, and the same half first in every epoch of the job
-    that joined late (the figure the README quotes)."""
+    that joined late (the figure docs/decisions.md quotes)."""
     runs = _long_run("always")
     z_same, z_rho = cross_epoch_z(runs["b"][1:])
     print(f"align=always, job b: same-half z {z_same:+.1f}, rank z {z_rho:+.1f}")
