@@ -53,7 +53,7 @@ from joader.errors import (
     superseded_message,
 )
 from joader.server.item_cache import ItemCache
-from joader.server.records import Job, NextArgs, Pass, Rank, Resume, Source
+from joader.server.records import Job, NextArgs, PassBook, Rank, Resume, Source
 from joader.server.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -368,7 +368,7 @@ class JobTable:
                 f"job {job.job_id}: rank {args.rank} is outside 0..{job.world_size - 1}")
         return job.ranks[args.rank]
 
-    def claim(self, job: Job, rank: Rank, args: NextArgs) -> Pass:
+    def claim(self, job: Job, rank: Rank, args: NextArgs) -> PassBook:
         """The pass a request belongs to; a new token, or fresh workers, start a new one."""
         if not 1 <= args.resume_parts <= MAX_RESUME_PARTS:
             raise InvalidArgumentError(
@@ -382,7 +382,7 @@ class JobTable:
         pass_.num_workers = max(pass_.num_workers, args.num_workers)
         return pass_
 
-    def _claim(self, job: Job, rank: Rank, args: NextArgs) -> Pass:
+    def _claim(self, job: Job, rank: Rank, args: NextArgs) -> PassBook:
         if job.restart_reports is not None:
             args = self._after_restart(job, rank, args)
         pass_ = rank.passes.get(args.token)
@@ -417,7 +417,7 @@ class JobTable:
         self._report_resume(job, rank, args, epoch)
         return pass_
 
-    def _relabel(self, job: Job, rank: Rank, pass_: Pass, epoch: int) -> None:
+    def _relabel(self, job: Job, rank: Rank, pass_: PassBook, epoch: int) -> None:
         """A reader with a checkpoint joined a pass that readers without one started (the
         DataLoader workers of one iterator ask in any order) before anything was handed out:
         the pass resumes `epoch`, and its earlier readers count as having consumed nothing."""
@@ -532,12 +532,12 @@ class JobTable:
             self._scheduler.start_resumed(job, resume.epoch, consumed)
             job.wake()
 
-    def _start_pass(self, job: Job, rank: Rank, args: NextArgs, epoch: int) -> Pass:
+    def _start_pass(self, job: Job, rank: Rank, args: NextArgs, epoch: int) -> PassBook:
         current = rank.current
         if current is not None and not current.superseded:
             self.supersede(job, rank, current)
         rank.claimed_epoch = epoch
-        pass_ = Pass(args.token, epoch, {args.worker_id: args.pid})
+        pass_ = PassBook(args.token, epoch, {args.worker_id: args.pid})
         old = rank.passes.pop(args.token, None)
         if old is not None:
             self.release_outstanding(rank, old)
@@ -548,7 +548,7 @@ class JobTable:
             self.release_outstanding(rank, rank.passes.pop(oldest))
         return pass_
 
-    def supersede(self, job: Job, rank: Rank, pass_: Pass) -> None:
+    def supersede(self, job: Job, rank: Rank, pass_: PassBook) -> None:
         """A newer pass took over: `pass_` may read no more; its unread share is dropped."""
         pass_.superseded = True
         for pid in pass_.members.values():
@@ -571,7 +571,7 @@ class JobTable:
             self._scheduler.abandon_if_done(job, epoch)
         job.wake()
 
-    def acknowledge(self, job: Job, rank: Rank, pass_: Pass, acks: Iterable[int], worker_id: int = 0) -> None:
+    def acknowledge(self, job: Job, rank: Rank, pass_: PassBook, acks: Iterable[int], worker_id: int = 0) -> None:
         """Releases the copies `acks` names (of `pass_`, a pass of `rank`, sent by its reader
         `worker_id`); the rank may then pin more of its queue (the caller runs
         `Scheduler.pin_ahead`)."""
@@ -593,7 +593,7 @@ class JobTable:
             rank.handed_out -= 1
             self._cache.release(key)
 
-    def release_outstanding(self, rank: Rank, pass_: Pass) -> None:
+    def release_outstanding(self, rank: Rank, pass_: PassBook) -> None:
         """Releases every copy `pass_` (a pass of `rank`) still holds."""
         for key, count in pass_.outstanding.items():
             for _ in range(count):
@@ -603,10 +603,10 @@ class JobTable:
         pass_.held.clear()
         pass_.release_at_s = None
 
-    def _superseded(self, job: Job, pass_: Pass | None) -> str:
+    def _superseded(self, job: Job, pass_: PassBook | None) -> str:
         return superseded_message(job.job_id, pass_.epoch if pass_ is not None else None)
 
-    def superseded_error(self, job: Job, pass_: Pass) -> PassSupersededError:
+    def superseded_error(self, job: Job, pass_: PassBook) -> PassSupersededError:
         return PassSupersededError(self._superseded(job, pass_))
 
     # ----------------------------------------------------------------------------- checks

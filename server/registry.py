@@ -41,7 +41,17 @@ from joader.errors import (
 from joader.server.containment import contained, is_bookkeeping_error
 from joader.server.item_cache import DecodeSubmitter, ItemCache
 from joader.server.jobs import JobTable, printable_name
-from joader.server.records import Batch, Item, ItemState, Job, NextArgs, NextCall, Rank, Source
+from joader.server.records import (
+    Batch,
+    Item,
+    ItemState,
+    Job,
+    NextArgs,
+    NextCall,
+    PassBook,
+    Rank,
+    Source,
+)
 from joader.server.scheduler import Scheduler
 from joader.server.source_watch import stopped_error
 from joader.server.status import snapshot
@@ -617,7 +627,7 @@ class Registry:
             count += 1
         return count
 
-    def _take_ready(self, job: Job, rank: Rank, pass_: Any, max_items: int, worker_id: int = 0,
+    def _take_ready(self, job: Job, rank: Rank, pass_: PassBook, max_items: int, worker_id: int = 0,
                     batch_items: int = 0) -> Batch | None:
         """Hands out the ready head of the rank's queue, up to `max_items`, to reader
         `worker_id`, which collates batches of `batch_items` (0: unknown)."""
