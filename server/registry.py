@@ -41,6 +41,7 @@ from joader.errors import (
 from joader.server.containment import contained, is_bookkeeping_error
 from joader.server.item_cache import DecodeSubmitter, ItemCache
 from joader.server.jobs import JobTable, printable_name
+from joader.server.passes import PassTable
 from joader.server.records import (
     Batch,
     Item,
@@ -52,6 +53,7 @@ from joader.server.records import (
     Rank,
     Source,
 )
+from joader.server.resumes import Resumes
 from joader.server.scheduler import Scheduler
 from joader.server.source_watch import stopped_error
 from joader.server.status import snapshot
@@ -133,6 +135,9 @@ class Registry:
         self.jobs = JobTable(self.cache, self._scheduler, lease_s=self.config.lease_s,
                              max_jobs=self.config.max_jobs, clock=clock,
                              rank_attach_timeout_s=self.config.rank_attach_timeout_s)
+        self.resumes = Resumes(self._scheduler, clock)
+        self.passes = PassTable(self.cache, self._scheduler, self.resumes, lease_s=self.config.lease_s,
+                                clock=clock)
         self._stopped = False
         self._failure: str | None = None
         self._started_s = clock()
@@ -180,8 +185,8 @@ class Registry:
             job, _ = self.jobs.attach(source, dataset, name, batch_size, rank=rank,
                                       world_size=world_size, drop_last=drop_last, seed=seed)
             if restart_report is not None:
-                self.jobs.report_restart(job, rank, *restart_report)
-            self.jobs.settle_restart(job)  # the last rank of a restarted job: it resumes now
+                self.resumes.report_restart(job, rank, *restart_report)
+            self.resumes.settle_restart(job)  # the last rank of a restarted job: it resumes now
             if job.reading:
                 job.wake()  # the last rank came: the waiting ones may start
             self._resize_queues()
@@ -303,7 +308,7 @@ class Registry:
             if args.job_id not in self.jobs.jobs and (error := stopped_error(self._sources.values(), args.job_id)):
                 raise error
             job = self.jobs.lookup(args.job_id, args.secret)
-            rank = self.jobs.rank_of(job, args)
+            rank = self.passes.rank_of(job, args)
             now = self._clock()
             rank.last_seen_s = now
             rank.requested = True
@@ -311,13 +316,13 @@ class Registry:
             if args.stall is not None:
                 job.stall.report(args.stall[0], (rank.index, args.token), *args.stall[1:])
             if known is not None and args.acks:
-                self.jobs.acknowledge(job, rank, known, args.acks, args.worker_id)
+                self.passes.acknowledge(job, rank, known, args.acks, args.worker_id)
                 if self._scheduler.pin_ahead(job, rank, now):
                     job.wake()  # another reader of the rank may be waiting for these
                 self._cond.notify_all()
             if args.max_items == 0:  # acknowledge only: also for a pass that was superseded
                 return Batch(known.epoch if known else 0, False, [], [], [], [])
-            pass_ = self.jobs.claim(job, rank, args)
+            pass_ = self.passes.claim(job, rank, args)
             if pass_ is not known:
                 self._recheck_failures(job, rank, pass_.epoch, len(rank.queue))
                 if job.source.watch is not None:
@@ -352,7 +357,7 @@ class Registry:
             if self.jobs.jobs.get(job.job_id) is not job:
                 raise stopped_error([job.source], job.job_id) or UnknownJobError(self.jobs.gone_message(job.job_id))
             if pass_.superseded:
-                raise self.jobs.superseded_error(job, pass_)
+                raise self.passes.superseded_error(job, pass_)
             epoch = pass_.epoch
             now = self._clock()
             if self._scheduler.pin_ahead(job, rank, now):

@@ -22,9 +22,9 @@ from joader.errors import (
     UnknownJobError,
     UnknownSourceError,
 )
-from joader.server.jobs import decide_restart
 from joader.server.records import Batch, Job
 from joader.server.registry import Registry, RegistryConfig, Source, max_indices_bytes
+from joader.server.resumes import decide_restart
 from joader.sources.imagefolder import SourceListing
 
 pytestmark = pytest.mark.timeout(60)
