@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, Any
 from pyroaring import BitMap
 
 from joader.errors import InvalidArgumentError, UnknownJobError
+from joader.server import dealing
 from joader.server.containment import contained
+from joader.server.dealing import Turn
 from joader.server.records import Batch, ItemState, Job, NextArgs, NextCall, PassBook, Rank
 from joader.server.source_watch import stopped_error
 
@@ -94,13 +96,13 @@ class NextProtocol:
             self._cond.notify_all()
             job.wakers.add(waker)
             pass_.asking[args.worker_id] += 1
-            max_items = min(args.max_items, self.config.max_items_per_request)
+            max_items, max_batches = dealing.request_limits(args.max_items, args.max_batches,
+                                                            self.config.max_items_per_request)
             if max_items > job.batch_size:
                 # A reader asks in its DataLoader's batch size, which the dataset learns only
                 # when the loader first fetches: the lookahead follows, in whole batches.
                 job.batch_size = max_items
                 self._resize_queues()
-            max_batches = max(1, min(args.max_batches, self.config.max_items_per_request // max(1, max_items)))
             return NextCall(job, rank, pass_, max_items, now, now + self.config.next_wait_s, waker,
                             max_batches=max_batches, worker_id=args.worker_id)
 
@@ -128,21 +130,10 @@ class NextProtocol:
                     pass_.ended.add(call.worker_id)
                     job.wake()  # a reader waiting for this one's turn
                 return Batch(epoch, True, [], [], [], [])
-            wanted = min(call.max_items, left if left is not None else call.max_items)
-            # Whole batches: a reply holds `max_items` items (the rest of the epoch at its end),
-            # so each DataLoader worker collates whole batches and an epoch has exactly
-            # len(loader) of them. Only a queue smaller than a batch (a cache too small for
-            # the jobs' batch sizes) forces partial replies, after `linger_s`.
-            # A reader that got part of a batch (a short reply) is next given the rest of that
-            # batch, not a reply that runs into its next one: a hand-off worker's batches stay
-            # whole, and the loop's turn (`_out_of_turn`) stays in step with them.
-            in_batch = _in_batch(pass_.served[call.worker_id], call.max_items)
-            rest = call.max_items - in_batch
-            wanted = min(wanted, rest)
-            partial_ok = wanted > job.queue_capacity
-            wanted = min(wanted, job.queue_capacity)
+            want = dealing.want(batch_items=call.max_items, left=left,
+                                served=pass_.served[call.worker_id], queue_capacity=job.queue_capacity)
             self._recheck_failures(job, rank, epoch, call.max_items * call.max_batches)
-            ready = self._count_ready(rank, epoch, wanted)
+            ready = self._count_ready(rank, epoch, want.wanted)
             if job.resume is not None and epoch >= job.resume.epoch:
                 # NOTE: a resumed epoch still gathering its reports drops every queue and deals
                 # its rest anew when it starts (`start_resumed`): an item of it (or of a later
@@ -151,16 +142,16 @@ class NextProtocol:
             if ready and call.linger_until_s is None:
                 call.linger_until_s = now + self.config.linger_s
             linger = call.linger_until_s
-            lingered = partial_ok and linger is not None and now >= linger
-            if ((ready >= wanted or (ready and (lingered or self._stopped)))
-                    and not self._out_of_turn(call) and not self._must_acknowledge_first(call, wanted)):
-                size = rest if in_batch else self._reply_size(call, rank, epoch, left, ready)
+            lingered = want.partial_ok and linger is not None and now >= linger
+            if (dealing.ready_to_reply(ready=ready, wanted=want.wanted, lingered=lingered, stopped=self._stopped)
+                    and self._turn(call) is Turn.GO and not self._must_acknowledge_first(call, want.wanted)):
+                size = want.rest if want.in_batch else self._reply_size(call, rank, epoch, left, ready)
                 batch = self._take_ready(job, rank, pass_, size, call.worker_id, call.max_items)
                 assert batch is not None
                 return batch
             if now >= call.deadline_s or self._stopped:
                 return self._empty(job, rank, epoch, now)
-            wake_s = linger if partial_ok and linger is not None else call.deadline_s
+            wake_s = linger if want.partial_ok and linger is not None else call.deadline_s
             return max(0.0, min(call.deadline_s, wake_s) - now)
 
     def _empty(self, job: Job, rank: Rank, epoch: int, now: float) -> Batch:
@@ -194,105 +185,42 @@ class NextProtocol:
                         f"{idle:.0f} s and its share is ready; this rank waits for it"), False, idle
         return "", False, 0.0
 
-    def _out_of_turn(self, call: NextCall) -> bool:
-        """Whether the call's reader must wait for another reader of its pass to be dealt first.
-
-        A DataLoader takes its workers' batches in turn (worker 0's first, worker 1's first,
-        ..., worker 0's second): batch b of worker w is the loop's batch b * W + w. A batch
-        dealt before the loop's earlier ones sits unread in a suspended worker, holding cache.
-        Beside a job that stopped reading with its copies out, the cache left to a job was one
-        batch: worker 0 was dealt its next batch while the loop waited for worker 1's, which
-        then had nowhere to decode into (the job got no item for good, 1 run in 5). So a pass
-        whose readers said how many they are (`num_workers`) is dealt in the loop's order:
-        the reader whose next batch comes first in it is served first; a reader whose part
-        ended no longer counts. Readers that did not say (older clients) are dealt by fewest
-        copies held (`_after_another`).
-        """
+    def _turn(self, call: NextCall) -> Turn:
+        """Whether the call's reader is served now (`dealing.turn`); a reader it defers to is
+        woken to take its turn."""
         pass_ = call.pass_
-        workers = pass_.num_workers
-        if workers <= 1 or pass_.continued:
-            # NOTE: a pass a restart interrupted has no turn here: counted from zero, a worker
-            # whose part ended on the dead server (it never asks again) came first for good,
-            # and the worker holding the epoch's last batch waited for it.
-            return self._after_another(call)
-        size = max(1, call.max_items)
-
-        def place(worker: int) -> int:
-            return (pass_.served[worker] // size) * workers + worker
-
-        mine = place(call.worker_id)
-        return any(place(worker) < mine for worker in range(workers)
-                   if worker != call.worker_id and worker not in pass_.ended)
-
-    def _after_another(self, call: NextCall) -> bool:
-        """Whether another reader of the call's pass, waiting now, holds fewer unacknowledged
-        copies: it is served first (its poll is woken), and this call waits.
-
-        A DataLoader's training loop takes its workers' batches in turn. Served first come, one
-        worker (whose requests go out before it yields) was dealt four batches while the other
-        waited with none: three of them filled a cache of three batches, held unacknowledged in
-        the DataLoader's queue and in a reply the first worker would read only after the loop
-        took the second worker's batch, which could not be decoded. Dealing to the reader
-        holding least keeps the workers' batches in step with the order the loop reads them.
-        """
-        pass_ = call.pass_
-        mine = pass_.held[call.worker_id]
-        if not mine:
-            return False
-        for worker, calls in pass_.asking.items():
-            if calls and worker != call.worker_id and pass_.held[worker] < mine:
-                for waker in list(call.job.wakers):
-                    if waker is not call.waker:  # waking this call too would spin it
-                        waker()
-                return True
-        return False
+        verdict = dealing.turn(worker_id=call.worker_id, batch_items=call.max_items,
+                               num_workers=pass_.num_workers, continued=pass_.continued,
+                               served=pass_.served, ended=pass_.ended, held=pass_.held,
+                               asking=pass_.asking)
+        if verdict is Turn.DEFER:
+            for waker in list(call.job.wakers):
+                if waker is not call.waker:  # waking this call too would spin it
+                    waker()
+        return verdict
 
     def _must_acknowledge_first(self, call: NextCall, size: int) -> bool:
-        """Whether this reader must wait for acknowledgements before a reply that would take
-        its rank beyond its copies budget: it holds more unacknowledged copies than another
-        reader of the rank (a DataLoader worker), which the training loop will wait for first.
-
-        A worker whose prefetch slots are full is suspended: a reply reaching it then sits
-        unread (`copy_now` cannot act) until the training loop takes one of its batches, and
-        the loop takes its workers' batches in turn. Worker 0 of a fresh DataLoader was dealt
-        four batches before worker 1 first asked; the loop then waited for worker 1, whose
-        batch had no slot left to decode into. Fresh workers ask one by one, so the workers of
-        the rank's recent passes count too (holding nothing, until they ask).
-        """
+        """`dealing.must_acknowledge_first` for the call's reader and rank."""
         job, rank, pass_ = call.job, call.rank, call.pass_
-        mine = pass_.held[call.worker_id]
-        if not mine or rank.handed_out + size <= _copies_budget(job):
-            return False
-        # NOTE: a reader whose copies all belong to its batch in progress would wait for good:
-        # they are acknowledged only once that batch is whole, which needs this very reply (a
-        # batch of 300 in a cache of 85 items hung 8 runs in 8, issue 27). Its replies say
-        # `copy_now` instead when its batch cannot be finished within the budget (`_take_ready`).
-        if mine <= _in_batch(pass_.served[call.worker_id], call.max_items):
-            return False
-        readers = set(pass_.members).union(range(max(len(p.members) for p in rank.passes.values())))
-        return any(pass_.held[worker] < mine for worker in readers if worker != call.worker_id)
+        return dealing.must_acknowledge_first(
+            worker_id=call.worker_id, size=size, batch_items=call.max_items, held=pass_.held,
+            served=pass_.served, members=pass_.members,
+            recent_readers=max(len(p.members) for p in rank.passes.values()),
+            handed_out=rank.handed_out, budget=dealing.copies_budget(job.cache_share, job.queue_capacity))
 
     def _reply_size(self, call: NextCall, rank: Rank, epoch: int, left: int | None, ready: int) -> int:
-        """How many items the reply takes once its first batch is ready: further whole batches
-        (up to `max_batches`) that are ready now, never a wait for them. Beside other jobs on
-        the source, only from what the rank's queue holds beyond its capacity: a queue drained
-        below it would make this job join the next rounds alone while the others' queues are
-        full (fewer shared rounds). A job alone on its source takes what is ready. Either way,
-        only while the rank's handed-out copies stay within its share less its lookahead
-        (`_copies_budget`): extra batches dealt into a cache its copies nearly fill left its
-        other readers (DataLoader workers, which the training loop reads in turn) nothing to
-        decode into, and the loop hung."""
-        size = call.max_items
+        """How many items the reply takes once its first batch is ready (`dealing.reply_bound`,
+        then `dealing.whole_batches` of what is ready of that)."""
         job = call.job
-        keep = job.queue_capacity if len(job.source.job_ids) > 1 else 0
-        spare = len(rank.queue) - size - keep
-        extra = min(call.max_batches - 1, spare // size) if ready >= size else 0
-        extra = min(extra, (_copies_budget(job) - rank.handed_out) // size - 1)
-        if extra <= 0:
+        size = call.max_items
+        most = dealing.reply_bound(
+            batch_items=size, max_batches=call.max_batches, queue_len=len(rank.queue),
+            keep=job.queue_capacity if len(job.source.job_ids) > 1 else 0, ready=ready,
+            handed_out=rank.handed_out, budget=dealing.copies_budget(job.cache_share, job.queue_capacity),
+            left=left)
+        if most <= size:
             return size
-        most = size * (1 + extra) if left is None else min(size * (1 + extra), left)
-        available = self._count_ready(rank, epoch, most)
-        return most if available == most else max(size, available - available % size)
+        return dealing.whole_batches(batch_items=size, most=most, available=self._count_ready(rank, epoch, most))
 
     def _left(self, job: Job, rank: Rank, epoch: int) -> int | None:
         """Items of `epoch` the rank has yet to receive; None while that is not known yet."""
@@ -454,34 +382,7 @@ class NextProtocol:
         job.items_shared += shared
         self.items_reused += reused
         self._cond.notify_all()  # the queue has room again
-        # More copies out than its share allows: this reader must copy the items and
-        # acknowledge them at once, not hand them on (to the training process) and acknowledge
-        # later, or the rank's next replies find nothing decoded.
-        budget = _copies_budget(job)
-        copy_now = rank.handed_out > budget
-        # NOTE: nor may a reader hold copies of a batch it cannot finish within the budget: a
-        # hand-off worker keeps its batch in progress pinned until the batch is whole and the
-        # training process copied it, so a batch larger than the budget (300 items, a cache
-        # of 85) could never be completed, and the job hung until timeout_s. Such replies say
-        # copy_now: the worker copies them out and acknowledges them at once, and the batch is
-        # served through the worker's memory.
-        in_batch = _in_batch(pass_.served[worker_id], batch_items)
-        if in_batch and rank.handed_out + batch_items - in_batch > budget:
-            copy_now = True
+        copy_now = dealing.copy_now(handed_out=rank.handed_out,
+                                    budget=dealing.copies_budget(job.cache_share, job.queue_capacity),
+                                    served=pass_.served[worker_id], batch_items=batch_items)
         return dataclasses.replace(batch, end_of_epoch=self._left(job, rank, epoch) == 0, copy_now=copy_now)
-
-
-
-def _copies_budget(job: Job) -> int:
-    """Handed-out, unacknowledged copies one rank of `job` may hold before its replies say
-    `copy_now`: its share of the cache less its lookahead, which its queue needs to keep
-    reading."""
-    return max(1, job.cache_share - job.queue_capacity)
-
-
-def _in_batch(served: int, batch_items: int) -> int:
-    """Items a reader has of its batch in progress, after `served` items in batches of
-    `batch_items` (0: its batches are not known; none)."""
-    return served % batch_items if batch_items > 0 else 0
-
-

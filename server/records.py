@@ -180,7 +180,7 @@ class PassBook:
     release_at_s: float | None = None  # superseded: release unacknowledged copies then
     held: Counter[int] = field(default_factory=Counter)  # worker id -> its unacknowledged copies
     asking: Counter[int] = field(default_factory=Counter)  # worker id -> its Next calls in progress
-    # The DataLoader's turn (`Registry._out_of_turn`): how many workers read the pass, the
+    # The DataLoader's turn (`dealing.turn`): how many workers read the pass, the
     # items each was dealt, and the workers whose part of the epoch ended.
     num_workers: int = 0
     served: Counter[int] = field(default_factory=Counter)
