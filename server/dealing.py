@@ -124,12 +124,14 @@ def turn(*, worker_id: int, batch_items: int, num_workers: int, continued: bool,
     its `Next` calls waiting now. See NOTE [ The loop's turn ] and
     NOTE [ No turn after a restart ].
     """
-    if continued or num_workers <= 1:  # readers that did not say how many they are (older clients)
+    if continued:
         mine = held.get(worker_id, 0)
         if mine and any(calls and worker != worker_id and held.get(worker, 0) < mine
                         for worker, calls in asking.items()):
             return Turn.DEFER
         return Turn.GO
+    if num_workers <= 1:
+        return Turn.GO  # one reader: no turn to keep
     mine = loop_place(served.get(worker_id, 0), batch_items, num_workers, worker_id)
     if any(loop_place(served.get(worker, 0), batch_items, num_workers, worker) < mine
            for worker in range(num_workers) if worker != worker_id and worker not in ended):
@@ -195,17 +197,18 @@ def ready_to_reply(*, ready: int, wanted: int, lingered: bool, stopped: bool) ->
 
 
 def reply_bound(*, batch_items: int, max_batches: int, queue_len: int, keep: int, ready: int,
-                handed_out: int, budget: int, left: int | None) -> int:
+                handed_out: int, budget: int, left: int | None) -> int | None:
     """The most items a reply whose first batch is ready may take: further whole batches up to
     `max_batches`, leaving `keep` items queued (the queue's capacity beside other jobs on the
     source, else 0) and the rank's copies within `budget`; capped at the epoch's rest (`left`).
-    `batch_items` when it takes no extra batch. See NOTE [ Extra batches ]."""
+    None when it takes no extra batch (the reply is one batch). `ready`: the ready items at the
+    queue's head, counted up to one batch. See NOTE [ Extra batches ]."""
     size = batch_items
     spare = queue_len - size - keep
     extra = min(max_batches - 1, spare // size) if ready >= size else 0
     extra = min(extra, (budget - handed_out) // size - 1)
     if extra <= 0:
-        return size
+        return None
     most = size * (1 + extra)
     return most if left is None else min(most, left)
 

@@ -218,7 +218,7 @@ class NextProtocol:
             keep=job.queue_capacity if len(job.source.job_ids) > 1 else 0, ready=ready,
             handed_out=rank.handed_out, budget=dealing.copies_budget(job.cache_share, job.queue_capacity),
             left=left)
-        if most <= size:
+        if most is None:
             return size
         return dealing.whole_batches(batch_items=size, most=most, available=self._count_ready(rank, epoch, most))
 
