@@ -6,15 +6,28 @@ world size; the first creates the job, the others join it. Every rank holds its 
 lease keeper's stream); when any rank's lease ends the whole job goes, and the other ranks are
 told why at their next request (DDP cannot go on without a rank anyway). A job with no rank
 attached any more ends too: at once when its last attached rank closes its lease, and after
-`rank_attach_timeout_s` when some of its ranks never attach. Otherwise a half-attached job
-lingered for good, and the next run of the same name was split between it and a new job (one
-rank joined the stale job and read the whole epoch alone). A rank arriving for an ended job (or
+`rank_attach_timeout_s` when some of its ranks never attach (NOTE [ A job with no rank
+attached ends ]). A rank arriving for an ended job (or
 for a rank that closed) starts a new job.
 
 Who may read a job: whoever holds its secret, which `attach` returns to the lease holders only
 (`status` lists job ids, never secrets). What a rank reads is its passes' business
 (`server/passes.py`), and which epoch a pass reads after a checkpoint or a restart the resumes'
 (`server/resumes.py`).
+
+NOTE [ A job with no rank attached ends ]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A half-attached job that stays registered captures the next run of its name: that run's ranks
+are split between it and a new job, and one rank joins the stale job and reads the whole epoch
+alone. So a job ends once no rank of it is attached (`close_rank`), and when its missing ranks
+do not come within `rank_attach_timeout_s` (`expire`).
+
+NOTE [ A client that never asks ]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Heartbeats alone keep a job registered whose client cannot read the arena (another user's, over
+TCP), holding a --max-jobs slot and a share of the cache for good (issue 27). A JoaderDataset's
+lease keeper checks the arena and sends a request at once; a rank whose client sends none
+within its lease of attaching is removed (`expire`).
 """
 
 from __future__ import annotations
@@ -145,8 +158,8 @@ class JobTable:
 
     def close_rank(self, job: Job, index: int) -> str | None:
         """Rank `index` is done (closed its lease on purpose). Returns why the job ends, if it
-        must: no rank of it is attached any more (every rank closed, or the others never came:
-        nobody could ever read the job again, and the next run must not join it)."""
+        must: no rank of it is attached any more (every rank closed, or the others never came).
+        See NOTE [ A job with no rank attached ends ]."""
         rank = job.ranks[index]
         rank.attached = False
         rank.closed = True
@@ -182,11 +195,7 @@ class JobTable:
                     expired.append((job, f"{what}no request for {self.lease_s:g} s, nor a heartbeat (lease expired)"))
                     break
                 if rank.attached and not rank.requested and rank.attached_s < deadline:
-                    # NOTE: heartbeats alone kept a job whose client could not read the arena
-                    # (another user's, over TCP) registered for good, holding a --max-jobs slot
-                    # and a share of the cache (issue 27). A JoaderDataset's lease keeper checks
-                    # the arena and sends a request at once; a client that cannot, or never
-                    # does, loses the job within its lease.
+                    # See NOTE [ A client that never asks ].
                     expired.append((job, (
                         f"{what}its client sent no request within {self.lease_s:g} s of attaching "
                         "(a client that cannot read joaderd's arena, e.g. another user's over TCP, "

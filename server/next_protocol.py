@@ -158,8 +158,8 @@ class NextProtocol:
         """An empty reply, saying what holds the job up when it is another rank: one not
         attached yet, or one that has not asked for items while this one's queue is empty
         (a job's epoch is dealt to its ranks in turn, so one rank's unread share stops the
-        rounds). A script that reads on one rank only waited out its whole timeout, then
-        blamed the cache or the decoders."""
+        rounds). Without the reason, a script that reads on one rank only waits out its whole
+        timeout, then blames the cache or the decoders."""
         waiting, never, waiting_s = self._held_up_by(job, rank, now)
         if not waiting and job.source.watch is not None:
             waiting = job.source.watch.waiting_reason(now)  # its folder is away

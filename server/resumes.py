@@ -13,6 +13,14 @@ readers then only say which pass they are: a pass some reader of which received 
 dead server continues its epoch (`NextArgs.continue_epoch`); any other pass is a new pass, the
 rank's next epoch after the one its keeper reported, whatever rank, worker or epoch number asks
 for it (`Resumes.after_restart`, used by `PassTable.claim`).
+
+NOTE [ The keepers decide a restart ]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The lease keepers' reports decide a restart's resume, never the readers'. A reader reports only
+when its loop asks, and a DDP loop may be blocked in a collective that waits for another rank's
+resumed epoch. And a reader can only guess whether its pass is new or interrupted from epoch
+numbers, which a plain start of the next epoch also carries: taken for a resume, the start of
+epoch 2 made the job wait for a report that never came, or deal epoch 2 twice (issue 27).
 """
 
 from __future__ import annotations
@@ -46,12 +54,8 @@ def decide_restart(reports: dict[int, tuple[int, BitMap]], world_size: int) -> R
 
     The newest reported epoch resumes: a rank that reported an older one had received its
     whole share of that one (DDP ranks step together; an epoch's last batch is read by every
-    rank before any starts the next), and its next new pass reads the resumed epoch. Why the
-    keepers and never the readers: a reader reports only when its loop asks, and a DDP loop
-    may be blocked in a collective that waits for another rank's resumed epoch; and a reader
-    can only guess whether its pass is new or interrupted from epoch numbers, which a plain
-    start of the next epoch also carries (issue 27: the start of epoch 2 was taken for a
-    resume, and the job waited for a report that never came, or dealt epoch 2 twice)."""
+    rank before any starts the next), and its next new pass reads the resumed epoch. See
+    NOTE [ The keepers decide a restart ]."""
     epoch = max((e for e, _ in reports.values()), default=0)
     if epoch <= 0:
         return None
