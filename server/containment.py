@@ -1,14 +1,19 @@
 """Containment: a bug in one job's bookkeeping ends that job, never the server.
 
-Every job on the host depends on one joaderd. A broken invariant (a refcount below zero, a pin
-released twice, a missing key) used to escape the scheduler thread, whose supervisor then
-stopped joaderd: one job's bad books cost every job its server (issue 27: a 4-trial sweep lost
-its joaderd in 3 of 6 runs). Now the entry points of the `Registry` are wrapped by `contained`:
-an error that is not one joader raises on purpose (a `JoaderError` other than `InvariantError`)
+Every job on the host depends on one joaderd (see NOTE [ One job's books, one job's loss ]).
+The entry points of the `Registry` are wrapped by `contained`: an error that is not one joader raises on purpose (a `JoaderError` other than `InvariantError`)
 ends the jobs the call was working for, loudly (joaderd's log has the traceback, status counts
 it, the job's next request gets `JobEndedError` with the reason), and the cache's pins and
 refcounts are rebuilt from the jobs left (`ItemCache.resync`). Only an error that containment
 itself cannot undo (the books of the jobs left disagree too) still stops joaderd.
+
+NOTE [ One job's books, one job's loss ]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A broken invariant (a refcount below zero, a pin released twice, a missing key) that escapes a
+supervised thread makes the supervisor stop joaderd, and one job's bad books then cost every
+job on the host its server: a 4-trial sweep lost its joaderd in 3 of 6 runs that way (issue
+27). Such an error is a bug in the books of the jobs the call worked for, so it ends those jobs
+and the cache is recounted from the others.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Jobs, their ranks, passes and leases.
+"""Jobs, their ranks and leases.
 
 A *job* is one DSA job: a dataset read by `world_size` ranks (the processes of one DDP job, or
 one process). The ranks of one job attach one by one with the same name, source, indices and
@@ -6,98 +6,54 @@ world size; the first creates the job, the others join it. Every rank holds its 
 lease keeper's stream); when any rank's lease ends the whole job goes, and the other ranks are
 told why at their next request (DDP cannot go on without a rank anyway). A job with no rank
 attached any more ends too: at once when its last attached rank closes its lease, and after
-`rank_attach_timeout_s` when some of its ranks never attach. Otherwise a half-attached job
-lingered for good, and the next run of the same name was split between it and a new job (one
-rank joined the stale job and read the whole epoch alone). A rank arriving for an ended job (or
+`rank_attach_timeout_s` when some of its ranks never attach (NOTE [ A job with no rank
+attached ends ]). A rank arriving for an ended job (or
 for a rank that closed) starts a new job.
 
 Who may read a job: whoever holds its secret, which `attach` returns to the lease holders only
-(`status` lists job ids, never secrets). Within a rank, a *pass* (one `iter()` of the dataset,
-shared by the DataLoader workers of that iterator) reads one epoch. A new pass supersedes the
-rank's current one; the old pass's next request raises `PassSupersededError` instead of ending
-quietly. Passes are named by a token the client derives from the workers' base seed; since that
-seed repeats whenever a user re-seeds torch, a known token arriving from a *new process* in a
-worker slot the pass already has is a new pass too (fresh workers), not a continuation.
+(`status` lists job ids, never secrets). What a rank reads is its passes' business
+(`server/passes.py`), and which epoch a pass reads after a checkpoint or a restart the resumes'
+(`server/resumes.py`).
 
-A pass may *resume* an epoch from a checkpoint: its readers report the items they consumed;
-once every rank's readers reported, the epoch goes on without them (`Scheduler.start_resumed`).
+NOTE [ A job with no rank attached ends ]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A half-attached job that stays registered captures the next run of its name: that run's ranks
+are split between it and a new job, and one rank joins the stale job and reads the whole epoch
+alone. So a job ends once no rank of it is attached (`close_rank`), and when its missing ranks
+do not come within `rank_attach_timeout_s` (`expire`).
 
-After a joaderd restart the decision is not the readers' (`decide_restart`): each rank's lease
-keeper re-attaches with its client board's newest epoch and what the rank received of it, and
-once every rank attached, the newest reported epoch resumes without those items, at once. The
-readers then only say which pass they are: a pass some reader of which received items from the
-dead server continues its epoch (`NextArgs.continue_epoch`); any other pass is a new pass, the
-rank's next epoch after the one its keeper reported, whatever rank, worker or epoch number asks
-for it.
+NOTE [ A client that never asks ]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Heartbeats alone keep a job registered whose client cannot read the arena (another user's, over
+TCP), holding a --max-jobs slot and a share of the cache for good (issue 27). A JoaderDataset's
+lease keeper checks the arena and sends a request at once; a rank whose client sends none
+within its lease of attaching is removed (`expire`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hmac
 import logging
 import random
 import re
 import secrets
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from pyroaring import BitMap
 
-from joader.errors import (
-    InvalidArgumentError,
-    PassSupersededError,
-    TooManyJobsError,
-    UnknownJobError,
-    superseded_message,
-)
+from joader.errors import InvalidArgumentError, TooManyJobsError, UnknownJobError
 from joader.server.item_cache import ItemCache
-from joader.server.records import Job, NextArgs, Pass, Rank, Resume, Source
+from joader.server.passes import release_outstanding
+from joader.server.records import Job, Rank, Source
+from joader.server.resumes import resume_waiting
 from joader.server.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
-_MAX_PASSES_PER_RANK = 8
-_MAX_RETIRED_PER_RANK = 256
 _MAX_REMOVED_REMEMBERED = 4096
 MAX_WORLD_SIZE = 4096
-# Readers of one rank a resume may say report (`resume_parts`): DataLoader workers of one
-# process. More is no real configuration (and the client refuses such a state, too).
-MAX_RESUME_PARTS = 1024
-
-
-@dataclasses.dataclass(frozen=True)
-class RestartResume:
-    """What a restarted joaderd resumes, decided from the lease keepers' reports alone."""
-
-    epoch: int  # the epoch that goes on
-    consumed: list[BitMap]  # per rank: what it received of `epoch` (none if it reported an older one)
-    claimed: list[int]  # per rank: the epoch its next new pass follows
-    behind: list[int]  # ranks whose keeper reported an older epoch (their pass of it is over)
-
-
-def decide_restart(reports: dict[int, tuple[int, BitMap]], world_size: int) -> RestartResume | None:
-    """The restart's resume, from each rank's keeper report: rank -> (the newest epoch its
-    readers received items of, those items); a rank that reported nothing received nothing.
-    None: no rank received anything, the job starts afresh.
-
-    The newest reported epoch resumes: a rank that reported an older one had received its
-    whole share of that one (DDP ranks step together; an epoch's last batch is read by every
-    rank before any starts the next), and its next new pass reads the resumed epoch. Why the
-    keepers and never the readers: a reader reports only when its loop asks, and a DDP loop
-    may be blocked in a collective that waits for another rank's resumed epoch; and a reader
-    can only guess whether its pass is new or interrupted from epoch numbers, which a plain
-    start of the next epoch also carries (issue 27: the start of epoch 2 was taken for a
-    resume, and the job waited for a report that never came, or dealt epoch 2 twice)."""
-    epoch = max((e for e, _ in reports.values()), default=0)
-    if epoch <= 0:
-        return None
-    consumed = [BitMap(reports[r][1]) if r in reports and reports[r][0] == epoch else BitMap()
-                for r in range(world_size)]
-    claimed = [max(reports[r][0] if r in reports else 0, epoch - 1) for r in range(world_size)]
-    behind = [r for r in range(world_size) if r in reports and 0 < reports[r][0] < epoch]
-    return RestartResume(epoch, consumed, claimed, behind)
 
 
 class JobTable:
@@ -202,14 +158,14 @@ class JobTable:
 
     def close_rank(self, job: Job, index: int) -> str | None:
         """Rank `index` is done (closed its lease on purpose). Returns why the job ends, if it
-        must: no rank of it is attached any more (every rank closed, or the others never came:
-        nobody could ever read the job again, and the next run must not join it)."""
+        must: no rank of it is attached any more (every rank closed, or the others never came).
+        See NOTE [ A job with no rank attached ends ]."""
         rank = job.ranks[index]
         rank.attached = False
         rank.closed = True
         self._scheduler.drop_queue(rank, lambda entry: True)
         for pass_ in rank.passes.values():
-            self.release_outstanding(rank, pass_)
+            release_outstanding(self._cache, rank, pass_)
         logger.info("job %s: rank %d closed", job.job_id, index)
         if any(r.attached for r in job.ranks):
             return None
@@ -239,11 +195,7 @@ class JobTable:
                     expired.append((job, f"{what}no request for {self.lease_s:g} s, nor a heartbeat (lease expired)"))
                     break
                 if rank.attached and not rank.requested and rank.attached_s < deadline:
-                    # NOTE: heartbeats alone kept a job whose client could not read the arena
-                    # (another user's, over TCP) registered for good, holding a --max-jobs slot
-                    # and a share of the cache (issue 27). A JoaderDataset's lease keeper checks
-                    # the arena and sends a request at once; a client that cannot, or never
-                    # does, loses the job within its lease.
+                    # See NOTE [ A client that never asks ].
                     expired.append((job, (
                         f"{what}its client sent no request within {self.lease_s:g} s of attaching "
                         "(a client that cannot read joaderd's arena, e.g. another user's over TCP, "
@@ -252,7 +204,7 @@ class JobTable:
                     break
                 for pass_ in rank.passes.values():
                     if pass_.release_at_s is not None and pass_.release_at_s <= now:
-                        self.release_outstanding(rank, pass_)
+                        release_outstanding(self._cache, rank, pass_)
                         if self._scheduler.pin_ahead(job, rank, now):
                             job.wake()
         return expired
@@ -266,7 +218,7 @@ class JobTable:
 
     def waiting(self, job: Job, now: float) -> dict[str, object] | None:
         """What keeps the job from reading, for status: ranks not attached yet, or a resumed
-        epoch still gathering its readers' reports (which rank, how many of how many)."""
+        epoch still gathering its readers' reports (`resume_waiting`)."""
         if not job.all_attached:
             missing = [r.index for r in job.ranks if not (r.attached or r.closed)]
             return {
@@ -275,25 +227,7 @@ class JobTable:
                            f"ends if they do not attach within {self.rank_attach_timeout_s:g} s"),
                 "since_s": round(now - job.created_s, 3), "limit_s": self.rank_attach_timeout_s,
             }
-        resume = job.resume
-        if resume is None:
-            return None
-        ranks = []
-        for index in range(job.world_size):
-            reports = sum(1 for r, _ in resume.reports if r == index)
-            ranks.append({"rank": index, "reports": reports, "parts": resume.parts.get(index)})
-        short = [
-            f"rank {r['rank']}: {r['reports']} of {r['parts']}" if r["parts"] is not None
-            else f"rank {r['rank']}: no report yet"
-            for r in ranks if r["parts"] is None or r["reports"] < r["parts"]
-        ]
-        return {
-            "for": "resume_reports", "epoch": resume.epoch, "ranks": ranks,
-            "detail": (f"epoch {resume.epoch} resumes once every reader reported what it consumed "
-                       f"({'; '.join(short)}); resume_parts must be the rank's number of readers "
-                       "(its DataLoader's num_workers, or 1)"),
-            "since_s": round(now - resume.started_s, 3),
-        }
+        return resume_waiting(job, now)
 
     def remove(self, job_id: str, reason: str) -> Job | None:
         """Forgets a job and releases everything it held; None if it was already gone."""
@@ -306,7 +240,7 @@ class JobTable:
         for rank in job.ranks:
             self._scheduler.drop_queue(rank, lambda entry: True)
             for pass_ in rank.passes.values():
-                self.release_outstanding(rank, pass_)
+                release_outstanding(self._cache, rank, pass_)
         self._scheduler.remove(job, self.jobs)
         return job
 
@@ -359,255 +293,6 @@ class JobTable:
 
     def removed_reason(self, job_id: str) -> str:
         return self._removed.get(job_id, "removed")
-
-    # ----------------------------------------------------------------------------- passes
-
-    def rank_of(self, job: Job, args: NextArgs) -> Rank:
-        if not 0 <= args.rank < job.world_size:
-            raise InvalidArgumentError(
-                f"job {job.job_id}: rank {args.rank} is outside 0..{job.world_size - 1}")
-        return job.ranks[args.rank]
-
-    def claim(self, job: Job, rank: Rank, args: NextArgs) -> Pass:
-        """The pass a request belongs to; a new token, or fresh workers, start a new one."""
-        if not 1 <= args.resume_parts <= MAX_RESUME_PARTS:
-            raise InvalidArgumentError(
-                f"job {job.job_id}: resume_parts {args.resume_parts} is not a number of readers of "
-                f"one rank (1..{MAX_RESUME_PARTS}); it counts the DataLoader workers that report a "
-                "part of the resumed epoch: load a state_dict this client saved, with the "
-                "DataLoader's num_workers unchanged")
-        if (args.token, args.pid) in rank.retired:
-            raise PassSupersededError(self._superseded(job, rank.passes.get(args.token)))
-        pass_ = self._claim(job, rank, args)
-        pass_.num_workers = max(pass_.num_workers, args.num_workers)
-        return pass_
-
-    def _claim(self, job: Job, rank: Rank, args: NextArgs) -> Pass:
-        if job.restart_reports is not None:
-            args = self._after_restart(job, rank, args)
-        pass_ = rank.passes.get(args.token)
-        if pass_ is not None and not pass_.superseded:
-            member = pass_.members.get(args.worker_id)
-            if member is None or member == args.pid:
-                pass_.members[args.worker_id] = args.pid
-                if 0 < args.resume_epoch != pass_.epoch and not rank.handed[pass_.epoch]:
-                    self._relabel(job, rank, pass_, args.resume_epoch)
-                self._report_resume(job, rank, args, pass_.epoch)
-                return pass_
-            # The same token from a new process in a worker slot the pass already has: fresh
-            # DataLoader workers whose base seed repeated (the user re-seeded torch). A new pass.
-            logger.info(
-                "job %s: worker %d of pass %x is a new process (pid %d, was %d): a new pass",
-                job.job_id, args.worker_id, args.token, args.pid, member,
-            )
-        continued = False
-        if args.resume_epoch > 0:  # a checkpoint
-            epoch = args.resume_epoch
-        elif pass_ is None and 0 < args.continue_epoch <= rank.claimed_epoch:
-            # A pass a restart interrupted (this server never saw its token). A known token
-            # from a new process is fresh workers: a new pass, whatever it says.
-            current = rank.current
-            if current is not None and not current.superseded and current.epoch > args.continue_epoch:
-                raise PassSupersededError(self._superseded(job, None))  # a newer pass runs
-            epoch, continued = args.continue_epoch, True
-        else:
-            epoch = rank.claimed_epoch + 1
-        pass_ = self._start_pass(job, rank, args, epoch)
-        pass_.continued = continued
-        self._report_resume(job, rank, args, epoch)
-        return pass_
-
-    def _relabel(self, job: Job, rank: Rank, pass_: Pass, epoch: int) -> None:
-        """A reader with a checkpoint joined a pass that readers without one started (the
-        DataLoader workers of one iterator ask in any order) before anything was handed out:
-        the pass resumes `epoch`, and its earlier readers count as having consumed nothing."""
-        logger.info("job %s: pass %x resumes epoch %d", job.job_id, pass_.token, epoch)
-        pass_.epoch = epoch
-        rank.claimed_epoch = epoch
-        resume = job.resume = Resume(epoch, self._clock())
-        for worker_id in pass_.members:
-            resume.reports[(rank.index, worker_id)] = BitMap()
-
-    def report_restart(self, job: Job, rank_index: int, epoch: int, consumed: BitMap) -> None:
-        """A lease keeper attached rank `rank_index` again after joaderd restarted, with the
-        newest epoch its readers received items of and those items (its client board). Kept
-        until every rank attached (`settle_restart`). The rank's next new pass follows `epoch`
-        from now on, even before then: its numbering is the client's, not this server's."""
-        if not 0 <= rank_index < job.world_size or epoch <= 0:
-            return  # Attach refuses a bad rank; epoch 0: it received nothing, as a fresh rank
-        if job.restart_settled:
-            logger.warning("job %s: a restart report of rank %d came after the job's ranks all "
-                           "attached; ignored", job.job_id, rank_index)
-            return
-        if job.restart_reports is None:
-            job.restart_reports = {}
-        job.restart_reports[rank_index] = (epoch, BitMap(consumed) & job.dataset)
-        rank = job.ranks[rank_index]
-        rank.reported_epoch = epoch
-        rank.claimed_epoch = max(rank.claimed_epoch, epoch)
-
-    def settle_restart(self, job: Job) -> None:
-        """Once every rank attached: the restart's resume (`decide_restart`) starts at once, on
-        the keepers' reports. No reader is waited for, and none can change the decision."""
-        if job.restart_reports is None or job.restart_settled or not job.all_attached:
-            return
-        job.restart_settled = True
-        decision = decide_restart(job.restart_reports, job.world_size)
-        if decision is None:
-            return
-        for rank, claimed in zip(job.ranks, decision.claimed, strict=True):
-            rank.claimed_epoch = max(rank.claimed_epoch, claimed)
-        for index in decision.behind:
-            epoch, received = job.restart_reports[index]
-            if len(received) < job.per_rank:
-                logger.warning(
-                    "job %s: rank %d was still in epoch %d (%d of its %d items) while another rank "
-                    "read epoch %d when joaderd restarted; epoch %d resumes and rank %d's rest of "
-                    "epoch %d is not delivered", job.job_id, index, epoch, len(received), job.per_rank,
-                    decision.epoch, decision.epoch, index, epoch)
-        job.resume = None
-        job.resumed_epoch = decision.epoch
-        self._scheduler.start_resumed(job, decision.epoch, decision.consumed)
-        job.wake()
-
-    def _after_restart(self, job: Job, rank: Rank, args: NextArgs) -> NextArgs:
-        """A request of a restarted job, as what it is: a resume from a reader of an epoch the
-        rank's keeper reported (or older) continues that epoch (the restart decided it); one of
-        a later epoch with nothing consumed is a new pass (a client that numbers its epochs
-        across the restart); a later epoch with items consumed is a checkpoint."""
-        epoch = args.resume_epoch
-        if epoch <= 0:
-            return args
-        if epoch <= max(rank.reported_epoch, job.resumed_epoch):
-            return dataclasses.replace(args, resume_epoch=0, resume_consumed=None, resume_parts=1,
-                                       continue_epoch=epoch)
-        if not args.resume_consumed:
-            return dataclasses.replace(args, resume_epoch=0, resume_consumed=None, resume_parts=1,
-                                       continue_epoch=0)
-        return args
-
-    def _report_resume(self, job: Job, rank: Rank, args: NextArgs, epoch: int) -> None:
-        pending = job.resume
-        if args.resume_epoch <= 0:
-            if pending is None:
-                return
-            if pending.epoch == epoch and (rank.index, args.worker_id) not in pending.reports:
-                # Another reader of the resuming pass with nothing to report: a DataLoader
-                # worker that had yielded no batch before the checkpoint has no saved state.
-                pending.reports[(rank.index, args.worker_id)] = BitMap()
-                self._start_if_complete(job)
-            elif pending.epoch != epoch:
-                # A new pass that resumes nothing: the checkpoint's iterator was dropped before
-                # its readers all reported (StatefulDataLoader does that after a finished
-                # epoch). The job goes on with a whole epoch under the new pass's number.
-                job.resume = None
-                self._scheduler.start_resumed(job, epoch, [BitMap()] * job.world_size)
-                job.wake()
-            return
-        if args.resume_epoch != epoch:
-            return
-        resume = pending
-        if resume is None:
-            if job.resumed_epoch == epoch or any(r.handed[epoch] for r in job.ranks):
-                return  # this epoch already resumed, or is being read: a late report joins it
-            if (job.world_size == 1 and args.resume_parts <= 1 and not args.resume_consumed
-                    and epoch == job.sampler_epoch):
-                return  # nothing to resume: the epoch is whole already
-            resume = job.resume = Resume(epoch, self._clock())
-        elif resume.epoch != epoch:
-            if resume.epoch > epoch:
-                return
-            resume = job.resume = Resume(epoch, self._clock())  # a newer checkpoint replaces an older one
-        resume.parts[rank.index] = max(1, args.resume_parts)
-        consumed = args.resume_consumed if args.resume_consumed is not None else BitMap()
-        resume.reports[(rank.index, args.worker_id)] = consumed
-        self._start_if_complete(job)
-
-    def _start_if_complete(self, job: Job) -> None:
-        resume = job.resume
-        if resume is not None and resume.complete(job.world_size):
-            job.resume = None
-            job.resumed_epoch = resume.epoch
-            consumed = [resume.consumed_by(r) for r in range(job.world_size)]
-            self._scheduler.start_resumed(job, resume.epoch, consumed)
-            job.wake()
-
-    def _start_pass(self, job: Job, rank: Rank, args: NextArgs, epoch: int) -> Pass:
-        current = rank.current
-        if current is not None and not current.superseded:
-            self.supersede(job, rank, current)
-        rank.claimed_epoch = epoch
-        pass_ = Pass(args.token, epoch, {args.worker_id: args.pid})
-        old = rank.passes.pop(args.token, None)
-        if old is not None:
-            self.release_outstanding(rank, old)
-        rank.passes[args.token] = pass_
-        rank.current = pass_
-        while len(rank.passes) > _MAX_PASSES_PER_RANK:
-            oldest = next(iter(rank.passes))
-            self.release_outstanding(rank, rank.passes.pop(oldest))
-        return pass_
-
-    def supersede(self, job: Job, rank: Rank, pass_: Pass) -> None:
-        """A newer pass took over: `pass_` may read no more; its unread share is dropped."""
-        pass_.superseded = True
-        for pid in pass_.members.values():
-            rank.retired[(pass_.token, pid)] = None
-        while len(rank.retired) > _MAX_RETIRED_PER_RANK:
-            del rank.retired[next(iter(rank.retired))]
-        # Its clients may still be copying their last batch out of the arena: their copies stay
-        # pinned until acknowledged, or for one lease at most (a killed DataLoader worker never
-        # acknowledges).
-        pass_.release_at_s = self._clock() + self.lease_s
-        epoch = pass_.epoch
-        share = job.shares.get(epoch)
-        if (share is None or rank.handed[epoch] < share.target[rank.index]) and epoch not in rank.abandoned:
-            logger.info(
-                "job %s: a new pass began before epoch %d ended; dropping its unread items%s",
-                job.job_id, epoch, f" (rank {rank.index})" if job.world_size > 1 else "",
-            )
-            rank.abandoned.add(epoch)
-            self._scheduler.drop_queue(rank, lambda entry: entry.epoch == epoch)
-            self._scheduler.abandon_if_done(job, epoch)
-        job.wake()
-
-    def acknowledge(self, job: Job, rank: Rank, pass_: Pass, acks: Iterable[int], worker_id: int = 0) -> None:
-        """Releases the copies `acks` names (of `pass_`, a pass of `rank`, sent by its reader
-        `worker_id`); the rank may then pin more of its queue (the caller runs
-        `Scheduler.pin_ahead`)."""
-        base = job.source.key_base
-        outstanding = pass_.outstanding
-        held = pass_.held
-        for item_id in acks:
-            key = base + item_id
-            if outstanding[key] <= 0:
-                logger.debug("job %s: ignoring ack of item %d it does not hold", job.job_id, item_id)
-                continue
-            outstanding[key] -= 1
-            if not outstanding[key]:
-                del outstanding[key]
-            # A reader acknowledges what it was handed; should another acknowledge it, some
-            # reader's count still goes down, so the counts keep summing to the copies out.
-            reader = worker_id if held[worker_id] > 0 else next(w for w, n in held.items() if n > 0)
-            held[reader] -= 1
-            rank.handed_out -= 1
-            self._cache.release(key)
-
-    def release_outstanding(self, rank: Rank, pass_: Pass) -> None:
-        """Releases every copy `pass_` (a pass of `rank`) still holds."""
-        for key, count in pass_.outstanding.items():
-            for _ in range(count):
-                self._cache.release(key)
-            rank.handed_out -= count
-        pass_.outstanding.clear()
-        pass_.held.clear()
-        pass_.release_at_s = None
-
-    def _superseded(self, job: Job, pass_: Pass | None) -> str:
-        return superseded_message(job.job_id, pass_.epoch if pass_ is not None else None)
-
-    def superseded_error(self, job: Job, pass_: Pass) -> PassSupersededError:
-        return PassSupersededError(self._superseded(job, pass_))
 
     # ----------------------------------------------------------------------------- checks
 

@@ -1,9 +1,8 @@
 """Deadline-aware preparation: when each queued item will be consumed, from each job's speed.
 
-joaderd used to decode in the order of the rounds that picked items. Beside slow jobs, that
-order makes a fast job wait behind decodes a slow job will not read for seconds (its queue is as
-long as the fast job's, but it drains five times slower). Instead each decode is given a due
-time: the moment its job will reach it, `now + position in the rank's queue / the job's rate`,
+Decoding in the order of the rounds that picked items makes a fast job wait, beside slow jobs,
+behind decodes a slow job will not read for seconds (its queue is as long as the fast job's, but
+it drains five times slower). So each decode is given a due time: the moment its job will reach it, `now + position in the rank's queue / the job's rate`,
 and the decode pool is fed earliest-due first. An item several jobs queued takes the earliest of
 their due times. A job whose rate is not known yet (its first seconds) is treated as fast.
 

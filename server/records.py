@@ -163,10 +163,11 @@ class Entry:
 
 
 @dataclass
-class Pass:
-    """One pass of a client over a job: one `iter()` of the dataset, one epoch of the job.
+class PassBook:
+    """joaderd's books of one pass: who reads it, what each reader holds and was served.
 
-    The DataLoader workers of one pass share its token; each worker is also known by its worker
+    A pass is one `iter()` of a client's dataset in one rank, reading one epoch of the job (the
+    client's own record of it is `joader.client.passes.Pass`). The DataLoader workers of one pass share its token; each worker is also known by its worker
     id and pid. A pass is *superseded* when a newer pass of the same job starts: its requests
     then fail with `PassSupersededError` instead of quietly ending.
     """
@@ -179,7 +180,7 @@ class Pass:
     release_at_s: float | None = None  # superseded: release unacknowledged copies then
     held: Counter[int] = field(default_factory=Counter)  # worker id -> its unacknowledged copies
     asking: Counter[int] = field(default_factory=Counter)  # worker id -> its Next calls in progress
-    # The DataLoader's turn (`Registry._out_of_turn`): how many workers read the pass, the
+    # The DataLoader's turn (`dealing.turn`): how many workers read the pass, the
     # items each was dealt, and the workers whose part of the epoch ended.
     num_workers: int = 0
     served: Counter[int] = field(default_factory=Counter)
@@ -206,8 +207,8 @@ class Rank:
     # After a joaderd restart: the epoch its lease keeper reported (the client board's newest;
     # 0: it had received nothing). A pass interrupted by the restart continues at most this.
     reported_epoch: int = 0
-    passes: dict[int, Pass] = field(default_factory=dict)  # token -> pass, newest last
-    current: Pass | None = None
+    passes: dict[int, PassBook] = field(default_factory=dict)  # token -> pass, newest last
+    current: PassBook | None = None
     retired: dict[tuple[int, int], None] = field(default_factory=dict)  # (token, pid) of old passes
     handed: Counter[int] = field(default_factory=Counter)  # epoch -> items handed out or skipped
     abandoned: set[int] = field(default_factory=set)  # epochs a newer pass cut short
@@ -449,7 +450,7 @@ class NextCall:
 
     job: Job
     rank: Rank
-    pass_: Pass
+    pass_: PassBook
     max_items: int
     started_s: float
     deadline_s: float

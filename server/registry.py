@@ -1,32 +1,28 @@
 """The job registry: jobs, the RefCnt item cache and the scheduler, behind one plain lock.
 
 Its parts, each readable on its own: `ItemCache` (item_cache.py: item states, pins, arena
-bytes, eviction), `JobTable` (jobs.py: jobs, ranks, passes, leases, resumes), `Scheduler`
-(scheduler.py: DSA rounds dealt to the ranks' queues). This module holds the lock and the entry
-points; the gRPC servicer is a thin adapter over it. Three kinds of callers come in:
+bytes, eviction), `JobTable` (jobs.py: jobs, ranks, leases), `PassTable` (passes.py: passes and
+the copies their readers hold), `Resumes` (resumes.py: checkpoint and restart resumes),
+`Scheduler` (scheduler.py: DSA rounds dealt to the ranks' queues). This module holds the lock
+and the jobs' entry points; the gRPC servicer is a thin adapter over it. Three kinds of callers
+come in:
 
-- the scheduler thread (`run_scheduler`) runs rounds, hands decodes to the pool in order of need
-  and expires leases;
-- the results thread files finished decodes into the cache (`file_result`);
+- the scheduler thread (`run_scheduler`, scheduler_thread.py) runs rounds, hands decodes to the
+  pool in order of need and expires leases;
+- the results thread files finished decodes into the cache (`file_result`, filing.py);
 - the servicer calls `attach`, `touch`, `remove_job`, `status` and, for `Next`, the three steps
-  `begin_next` / `poll_next` / `end_next`. None of them blocks: a `Next` that must wait for a
-  decode registers a *waker* (a callable the registry calls, under its lock, when the job's
-  items may have become ready), so an asyncio servicer waits on an event without holding a
-  thread. `next_items` is the blocking form of the same three steps, for tests and tools.
+  `begin_next` / `poll_next` / `end_next` (next_protocol.py). None of them blocks.
 
-Every item a round gives to a rank is in that rank's queue, tagged with the job's epoch; a `Next`
-takes the ready prefix of the queue, so items reach the rank in the sampler's order.
 `check_invariants` compares the cache's books with the jobs' queues and copies (tests call it
 after every step).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,15 +31,22 @@ from pyroaring import BitMap
 from joader.errors import (
     InvalidArgumentError,
     ServerFailedError,
-    UnknownJobError,
     UnknownSourceError,
 )
-from joader.server.containment import contained, is_bookkeeping_error
+from joader.server.containment import contained
+from joader.server.filing import ResultFiling
 from joader.server.item_cache import DecodeSubmitter, ItemCache
 from joader.server.jobs import JobTable, printable_name
-from joader.server.records import Batch, Item, ItemState, Job, NextArgs, NextCall, Rank, Source
+from joader.server.next_protocol import NextProtocol
+from joader.server.passes import PassTable
+from joader.server.records import (
+    Item,
+    Job,
+    Source,
+)
+from joader.server.resumes import Resumes
 from joader.server.scheduler import Scheduler
-from joader.server.source_watch import stopped_error
+from joader.server.scheduler_thread import SchedulerThread
 from joader.server.status import snapshot
 
 __all__ = ["DecodeSubmitter", "Registry", "RegistryConfig", "Source", "max_indices_bytes", "printable_name"]
@@ -93,8 +96,13 @@ class RegistryConfig:
     rank_attach_timeout_s: float = 60.0
 
 
-class Registry:
-    """All jobs, sources and the cache of one joaderd."""
+class Registry(NextProtocol, SchedulerThread, ResultFiling):
+    """All jobs, sources and the cache of one joaderd, behind one lock.
+
+    Its calls live beside it, one concern to a module: `Next` (next_protocol.py), the scheduler
+    thread's turns (scheduler_thread.py), filing decodes and source verdicts (filing.py). This
+    class holds the lock, the jobs' entry points, the cache's shares and containment.
+    """
 
     def __init__(
         self,
@@ -123,6 +131,9 @@ class Registry:
         self.jobs = JobTable(self.cache, self._scheduler, lease_s=self.config.lease_s,
                              max_jobs=self.config.max_jobs, clock=clock,
                              rank_attach_timeout_s=self.config.rank_attach_timeout_s)
+        self.resumes = Resumes(self._scheduler, clock)
+        self.passes = PassTable(self.cache, self._scheduler, self.resumes, lease_s=self.config.lease_s,
+                                clock=clock)
         self._stopped = False
         self._failure: str | None = None
         self._started_s = clock()
@@ -170,8 +181,8 @@ class Registry:
             job, _ = self.jobs.attach(source, dataset, name, batch_size, rank=rank,
                                       world_size=world_size, drop_last=drop_last, seed=seed)
             if restart_report is not None:
-                self.jobs.report_restart(job, rank, *restart_report)
-            self.jobs.settle_restart(job)  # the last rank of a restarted job: it resumes now
+                self.resumes.report_restart(job, rank, *restart_report)
+            self.resumes.settle_restart(job)  # the last rank of a restarted job: it resumes now
             if job.reading:
                 job.wake()  # the last rank came: the waiting ones may start
             self._resize_queues()
@@ -276,538 +287,12 @@ class Registry:
                 if self._scheduler.pin_ahead(job, rank):
                     job.wake()
 
-    # ----------------------------------------------------------------------------- Next
-
-    @contained("Next", lambda registry, args, *_, **__: [args.job_id])
-    def begin_next(self, args: NextArgs, waker: Callable[[], None]) -> NextCall | Batch:
-        """Acknowledges `args.acks` and finds the request's pass (starting one if it is new).
-
-        Returns a finished `Batch` for an acknowledge-only request (`max_items == 0`), else a
-        `NextCall` to `poll_next` and finally `end_next`. `waker` is called when the job's items
-        may have become ready.
-        """
-        if args.max_items < 0:
-            raise InvalidArgumentError(f"job {args.job_id!r}: max_items must be >= 0, got {args.max_items}")
-        with self._cond:
-            self._check_alive()
-            if args.job_id not in self.jobs.jobs and (error := stopped_error(self._sources.values(), args.job_id)):
-                raise error
-            job = self.jobs.lookup(args.job_id, args.secret)
-            rank = self.jobs.rank_of(job, args)
-            now = self._clock()
-            rank.last_seen_s = now
-            rank.requested = True
-            known = rank.passes.get(args.token)
-            if args.stall is not None:
-                job.stall.report(args.stall[0], (rank.index, args.token), *args.stall[1:])
-            if known is not None and args.acks:
-                self.jobs.acknowledge(job, rank, known, args.acks, args.worker_id)
-                if self._scheduler.pin_ahead(job, rank, now):
-                    job.wake()  # another reader of the rank may be waiting for these
-                self._cond.notify_all()
-            if args.max_items == 0:  # acknowledge only: also for a pass that was superseded
-                return Batch(known.epoch if known else 0, False, [], [], [], [])
-            pass_ = self.jobs.claim(job, rank, args)
-            if pass_ is not known:
-                self._recheck_failures(job, rank, pass_.epoch, len(rank.queue))
-                if job.source.watch is not None:
-                    job.source.watch.poke()  # an epoch starts: is its source still the listed one?
-            rank.last_read_s = now
-            if not job.reading:
-                job.reading = True
-                job.reading_since_s = now
-            self._cond.notify_all()
-            job.wakers.add(waker)
-            pass_.asking[args.worker_id] += 1
-            max_items = min(args.max_items, self.config.max_items_per_request)
-            if max_items > job.batch_size:
-                # A reader asks in its DataLoader's batch size, which the dataset learns only
-                # when the loader first fetches: the lookahead follows, in whole batches.
-                job.batch_size = max_items
-                self._resize_queues()
-            max_batches = max(1, min(args.max_batches, self.config.max_items_per_request // max(1, max_items)))
-            return NextCall(job, rank, pass_, max_items, now, now + self.config.next_wait_s, waker,
-                            max_batches=max_batches, worker_id=args.worker_id)
-
-    @contained("Next", lambda registry, call, *_, **__: [call.job.job_id])
-    def poll_next(self, call: NextCall) -> Batch | float:
-        """A batch of ready items of the call's epoch (or its end), or seconds to wait first.
-
-        An empty, not-ended batch once `next_wait_s` passed without a ready item: the client
-        asks again. Raises `PassSupersededError` once a newer pass of the rank started.
-        """
-        with self._cond:
-            self._check_alive()
-            job, rank, pass_ = call.job, call.rank, call.pass_
-            if self.jobs.jobs.get(job.job_id) is not job:
-                raise stopped_error([job.source], job.job_id) or UnknownJobError(self.jobs.gone_message(job.job_id))
-            if pass_.superseded:
-                raise self.jobs.superseded_error(job, pass_)
-            epoch = pass_.epoch
-            now = self._clock()
-            if self._scheduler.pin_ahead(job, rank, now):
-                job.wake()  # the rank's other readers too
-            left = self._left(job, rank, epoch)
-            if left == 0:
-                if call.worker_id not in pass_.ended:
-                    pass_.ended.add(call.worker_id)
-                    job.wake()  # a reader waiting for this one's turn
-                return Batch(epoch, True, [], [], [], [])
-            wanted = min(call.max_items, left if left is not None else call.max_items)
-            # Whole batches: a reply holds `max_items` items (the rest of the epoch at its end),
-            # so each DataLoader worker collates whole batches and an epoch has exactly
-            # len(loader) of them. Only a queue smaller than a batch (a cache too small for
-            # the jobs' batch sizes) forces partial replies, after `linger_s`.
-            # A reader that got part of a batch (a short reply) is next given the rest of that
-            # batch, not a reply that runs into its next one: a hand-off worker's batches stay
-            # whole, and the loop's turn (`_out_of_turn`) stays in step with them.
-            in_batch = _in_batch(pass_.served[call.worker_id], call.max_items)
-            rest = call.max_items - in_batch
-            wanted = min(wanted, rest)
-            partial_ok = wanted > job.queue_capacity
-            wanted = min(wanted, job.queue_capacity)
-            self._recheck_failures(job, rank, epoch, call.max_items * call.max_batches)
-            ready = self._count_ready(rank, epoch, wanted)
-            if job.resume is not None and epoch >= job.resume.epoch:
-                # NOTE: a resumed epoch still gathering its reports drops every queue and deals
-                # its rest anew when it starts (`start_resumed`): an item of it (or of a later
-                # epoch) handed out now would be dealt again. Queued lookahead waits.
-                ready = 0
-            if ready and call.linger_until_s is None:
-                call.linger_until_s = now + self.config.linger_s
-            linger = call.linger_until_s
-            lingered = partial_ok and linger is not None and now >= linger
-            if ((ready >= wanted or (ready and (lingered or self._stopped)))
-                    and not self._out_of_turn(call) and not self._must_acknowledge_first(call, wanted)):
-                size = rest if in_batch else self._reply_size(call, rank, epoch, left, ready)
-                batch = self._take_ready(job, rank, pass_, size, call.worker_id, call.max_items)
-                assert batch is not None
-                return batch
-            if now >= call.deadline_s or self._stopped:
-                return self._empty(job, rank, epoch, now)
-            wake_s = linger if partial_ok and linger is not None else call.deadline_s
-            return max(0.0, min(call.deadline_s, wake_s) - now)
-
-    def _empty(self, job: Job, rank: Rank, epoch: int, now: float) -> Batch:
-        """An empty reply, saying what holds the job up when it is another rank: one not
-        attached yet, or one that has not asked for items while this one's queue is empty
-        (a job's epoch is dealt to its ranks in turn, so one rank's unread share stops the
-        rounds). A script that reads on one rank only waited out its whole timeout, then
-        blamed the cache or the decoders."""
-        waiting, never, waiting_s = self._held_up_by(job, rank, now)
-        if not waiting and job.source.watch is not None:
-            waiting = job.source.watch.waiting_reason(now)  # its folder is away
-        return Batch(epoch, False, [], [], [], [], waiting=waiting, rank_never_read=never, waiting_s=waiting_s)
-
-    def _held_up_by(self, job: Job, rank: Rank, now: float) -> tuple[str, bool, float]:
-        if job.world_size == 1:
-            return "", False, 0.0
-        waiting = self.jobs.waiting(job, now)
-        if waiting is not None:
-            return str(waiting["detail"]), False, 0.0
-        for other in job.ranks:
-            if other is rank or other.closed:
-                continue
-            if other.last_read_s is None:
-                since = now - job.created_s
-                return (f"rank {other.index} of {job.world_size} has not asked for items in the "
-                        f"{since:.0f} s since the job started, and each epoch is dealt to the ranks "
-                        "in turn: every rank must iterate its own JoaderDataset"), True, since
-            idle = now - other.last_read_s
-            if idle > self.config.next_wait_s * 5 and len(other.queue) >= job.queue_capacity:
-                return (f"rank {other.index} of {job.world_size} has not asked for items for "
-                        f"{idle:.0f} s and its share is ready; this rank waits for it"), False, idle
-        return "", False, 0.0
-
-    def _out_of_turn(self, call: NextCall) -> bool:
-        """Whether the call's reader must wait for another reader of its pass to be dealt first.
-
-        A DataLoader takes its workers' batches in turn (worker 0's first, worker 1's first,
-        ..., worker 0's second): batch b of worker w is the loop's batch b * W + w. A batch
-        dealt before the loop's earlier ones sits unread in a suspended worker, holding cache.
-        Beside a job that stopped reading with its copies out, the cache left to a job was one
-        batch: worker 0 was dealt its next batch while the loop waited for worker 1's, which
-        then had nowhere to decode into (the job got no item for good, 1 run in 5). So a pass
-        whose readers said how many they are (`num_workers`) is dealt in the loop's order:
-        the reader whose next batch comes first in it is served first; a reader whose part
-        ended no longer counts. Readers that did not say (older clients) are dealt by fewest
-        copies held (`_after_another`).
-        """
-        pass_ = call.pass_
-        workers = pass_.num_workers
-        if workers <= 1 or pass_.continued:
-            # NOTE: a pass a restart interrupted has no turn here: counted from zero, a worker
-            # whose part ended on the dead server (it never asks again) came first for good,
-            # and the worker holding the epoch's last batch waited for it.
-            return self._after_another(call)
-        size = max(1, call.max_items)
-
-        def place(worker: int) -> int:
-            return (pass_.served[worker] // size) * workers + worker
-
-        mine = place(call.worker_id)
-        return any(place(worker) < mine for worker in range(workers)
-                   if worker != call.worker_id and worker not in pass_.ended)
-
-    def _after_another(self, call: NextCall) -> bool:
-        """Whether another reader of the call's pass, waiting now, holds fewer unacknowledged
-        copies: it is served first (its poll is woken), and this call waits.
-
-        A DataLoader's training loop takes its workers' batches in turn. Served first come, one
-        worker (whose requests go out before it yields) was dealt four batches while the other
-        waited with none: three of them filled a cache of three batches, held unacknowledged in
-        the DataLoader's queue and in a reply the first worker would read only after the loop
-        took the second worker's batch, which could not be decoded. Dealing to the reader
-        holding least keeps the workers' batches in step with the order the loop reads them.
-        """
-        pass_ = call.pass_
-        mine = pass_.held[call.worker_id]
-        if not mine:
-            return False
-        for worker, calls in pass_.asking.items():
-            if calls and worker != call.worker_id and pass_.held[worker] < mine:
-                for waker in list(call.job.wakers):
-                    if waker is not call.waker:  # waking this call too would spin it
-                        waker()
-                return True
-        return False
-
-    def _must_acknowledge_first(self, call: NextCall, size: int) -> bool:
-        """Whether this reader must wait for acknowledgements before a reply that would take
-        its rank beyond its copies budget: it holds more unacknowledged copies than another
-        reader of the rank (a DataLoader worker), which the training loop will wait for first.
-
-        A worker whose prefetch slots are full is suspended: a reply reaching it then sits
-        unread (`copy_now` cannot act) until the training loop takes one of its batches, and
-        the loop takes its workers' batches in turn. Worker 0 of a fresh DataLoader was dealt
-        four batches before worker 1 first asked; the loop then waited for worker 1, whose
-        batch had no slot left to decode into. Fresh workers ask one by one, so the workers of
-        the rank's recent passes count too (holding nothing, until they ask).
-        """
-        job, rank, pass_ = call.job, call.rank, call.pass_
-        mine = pass_.held[call.worker_id]
-        if not mine or rank.handed_out + size <= _copies_budget(job):
-            return False
-        # NOTE: a reader whose copies all belong to its batch in progress would wait for good:
-        # they are acknowledged only once that batch is whole, which needs this very reply (a
-        # batch of 300 in a cache of 85 items hung 8 runs in 8, issue 27). Its replies say
-        # `copy_now` instead when its batch cannot be finished within the budget (`_take_ready`).
-        if mine <= _in_batch(pass_.served[call.worker_id], call.max_items):
-            return False
-        readers = set(pass_.members).union(range(max(len(p.members) for p in rank.passes.values())))
-        return any(pass_.held[worker] < mine for worker in readers if worker != call.worker_id)
-
-    def _reply_size(self, call: NextCall, rank: Rank, epoch: int, left: int | None, ready: int) -> int:
-        """How many items the reply takes once its first batch is ready: further whole batches
-        (up to `max_batches`) that are ready now, never a wait for them. Beside other jobs on
-        the source, only from what the rank's queue holds beyond its capacity: a queue drained
-        below it would make this job join the next rounds alone while the others' queues are
-        full (fewer shared rounds). A job alone on its source takes what is ready. Either way,
-        only while the rank's handed-out copies stay within its share less its lookahead
-        (`_copies_budget`): extra batches dealt into a cache its copies nearly fill left its
-        other readers (DataLoader workers, which the training loop reads in turn) nothing to
-        decode into, and the loop hung."""
-        size = call.max_items
-        job = call.job
-        keep = job.queue_capacity if len(job.source.job_ids) > 1 else 0
-        spare = len(rank.queue) - size - keep
-        extra = min(call.max_batches - 1, spare // size) if ready >= size else 0
-        extra = min(extra, (_copies_budget(job) - rank.handed_out) // size - 1)
-        if extra <= 0:
-            return size
-        most = size * (1 + extra) if left is None else min(size * (1 + extra), left)
-        available = self._count_ready(rank, epoch, most)
-        return most if available == most else max(size, available - available % size)
-
-    def _left(self, job: Job, rank: Rank, epoch: int) -> int | None:
-        """Items of `epoch` the rank has yet to receive; None while that is not known yet."""
-        if job.resume is not None:
-            return None  # a resumed epoch is still gathering its reports
-        share = job.shares.get(epoch)
-        if share is None:
-            return 0 if epoch < job.sampler_epoch else None  # stale, or not begun yet
-        left = max(0, share.target[rank.index] - rank.handed[epoch])
-        if left and epoch in job.sampler_abandoned and not any(e.epoch == epoch for e in rank.queue):
-            return 0  # the job's ranks broke out of this epoch: what was queued is all it gets
-        return left
-
-    @contained("Next", lambda registry, call, *_, **__: [call.job.job_id])
-    def end_next(self, call: NextCall) -> None:
-        with self._cond:
-            call.job.wakers.discard(call.waker)
-            asking = call.pass_.asking
-            asking[call.worker_id] -= 1
-            if asking[call.worker_id] <= 0:
-                del asking[call.worker_id]
-            call.job.wait_s += self._clock() - call.started_s
-
-    def next_items(
-        self,
-        job_id: str,
-        token: int,
-        max_items: int,
-        acks: Iterable[int] = (),
-        *,
-        secret: bytes,
-        worker_id: int = 0,
-        pid: int = 0,
-        rank: int = 0,
-        resume_epoch: int = 0,
-        resume_consumed: BitMap | None = None,
-        resume_parts: int = 1,
-        max_batches: int = 1,
-        stall: tuple[int, float, float, int] | None = None,
-        num_workers: int = 0,
-        continue_epoch: int = 0,
-    ) -> Batch:
-        """`begin_next`, `poll_next` and `end_next`, blocking this thread while it waits."""
-        event = threading.Event()
-        args = NextArgs(job_id, secret, token, max_items, tuple(acks), worker_id, pid, rank,
-                        resume_epoch, resume_consumed, resume_parts, max_batches, stall, num_workers,
-                        continue_epoch)
-        call = self.begin_next(args, event.set)
-        if isinstance(call, Batch):
-            return call
-        try:
-            while True:
-                event.clear()
-                result = self.poll_next(call)
-                if isinstance(result, Batch):
-                    return result
-                event.wait(result)
-        finally:
-            self.end_next(call)
-
-    def _recheck_failures(self, job: Job, rank: Rank, epoch: int, limit: int) -> None:
-        """Failed copies among the next `limit` pinned entries of `epoch`, queued while their
-        file had failed, are decoded again if `retry_failed_s` has passed by now (once per
-        entry): queued as lookahead, maybe an epoch before, they carry an old decision, and a
-        file fixed meanwhile was skipped in the epoch after its fix. Runs when a pass starts
-        (the decodes start early) and when a `Next` is about to hand them out."""
-        items = self.cache.items
-        now = self._clock()
-        seen = 0
-        for position, entry in enumerate(rank.queue):
-            if position >= rank.pinned or seen >= limit:
-                break
-            if entry.epoch != epoch:
-                if entry.epoch > epoch:
-                    break
-                continue
-            seen += 1
-            item = items[entry.key]
-            if item.state is ItemState.FAILED and not entry.rechecked and self.cache.retry_due(item, now):
-                entry.rechecked = True
-                item.waiters.append(job)
-                logger.info("source %s: item %d failed %.1f s ago; decoding it again for job %s",
-                            job.source.name, entry.item_id, now - item.failed_s, job.job_id)
-
-    def _count_ready(self, rank: Rank, epoch: int, limit: int) -> int:
-        """How many items at the head of the queue (of `epoch`, up to `limit`) can be taken:
-        settled and pinned (entries beyond the rank's share are not decoded yet)."""
-        items = self.cache.items
-        count = 0
-        for position, entry in enumerate(rank.queue):
-            if count >= limit or position >= rank.pinned:
-                break
-            if entry.epoch < epoch:
-                continue  # leftovers of an abandoned epoch, dropped when taking
-            if entry.epoch != epoch or not items[entry.key].state.settled:
-                break
-            count += 1
-        return count
-
-    def _take_ready(self, job: Job, rank: Rank, pass_: Any, max_items: int, worker_id: int = 0,
-                    batch_items: int = 0) -> Batch | None:
-        """Hands out the ready head of the rank's queue, up to `max_items`, to reader
-        `worker_id`, which collates batches of `batch_items` (0: unknown)."""
-        queue = rank.queue
-        epoch = pass_.epoch
-        while queue and queue[0].epoch < epoch:  # leftovers of an abandoned epoch
-            entry = queue.popleft()
-            if rank.pinned:
-                rank.pinned -= 1
-                self.cache.release(entry.key)
-        batch = Batch(epoch, False, [], [], [], [])
-        reused = shared = 0
-        source = job.source
-        source_labels = source.listing.labels
-        items = self.cache.items
-        while queue and rank.pinned and len(batch.item_ids) + len(batch.failed) < max_items:
-            entry = queue[0]
-            if entry.epoch != epoch:
-                break
-            item = items[entry.key]
-            if item.state is ItemState.READY:
-                if job.job_id in item.served:
-                    reused += 1
-                else:
-                    if item.served:
-                        shared += 1  # another job's decode
-                    item.served.add(job.job_id)
-                batch.item_ids.append(entry.item_id)
-                batch.labels.append(int(source_labels[entry.item_id]))
-                batch.offsets.append(item.offset)
-                batch.lengths.append(item.nbytes)
-                batch.shapes.append(item.shape)
-                batch.dtypes.append(item.dtype)
-                batch.checksums.append(item.checksum)
-                pass_.outstanding[entry.key] += 1  # the queue's pin now covers the handed-out copy
-                rank.handed_out += 1
-            elif item.state is ItemState.FAILED:
-                batch.failed.append((entry.item_id, source.listing.paths[entry.item_id], source.failed[entry.item_id]))
-                self.cache.release(entry.key)
-            else:
-                break
-            queue.popleft()
-            rank.pinned -= 1
-        item_ids, failed = batch.item_ids, batch.failed
-        if not item_ids and not failed:
-            return None
-        if failed and self._scheduler.pin_ahead(job, rank):  # a skipped item freed its part of the share
-            job.wake()
-        rank.handed[epoch] += len(item_ids) + len(failed)
-        pass_.held[worker_id] += len(item_ids)
-        pass_.served[worker_id] += len(item_ids) + len(failed)
-        if len(pass_.asking) > 1:
-            job.wake()  # a reader of the pass that deferred to this one may take what is left
-        job.rate.add(self._clock(), len(item_ids) + len(failed))
-        job.items_delivered += len(item_ids)
-        job.items_skipped += len(failed)
-        self.items_delivered += len(item_ids)
-        job.items_reused += reused
-        job.items_shared += shared
-        self.items_reused += reused
-        self._cond.notify_all()  # the queue has room again
-        # More copies out than its share allows: this reader must copy the items and
-        # acknowledge them at once, not hand them on (to the training process) and acknowledge
-        # later, or the rank's next replies find nothing decoded.
-        budget = _copies_budget(job)
-        copy_now = rank.handed_out > budget
-        # NOTE: nor may a reader hold copies of a batch it cannot finish within the budget: a
-        # hand-off worker keeps its batch in progress pinned until the batch is whole and the
-        # training process copied it, so a batch larger than the budget (300 items, a cache
-        # of 85) could never be completed, and the job hung until timeout_s. Such replies say
-        # copy_now: the worker copies them out and acknowledges them at once, and the batch is
-        # served through the worker's memory.
-        in_batch = _in_batch(pass_.served[worker_id], batch_items)
-        if in_batch and rank.handed_out + batch_items - in_batch > budget:
-            copy_now = True
-        return dataclasses.replace(batch, end_of_epoch=self._left(job, rank, epoch) == 0, copy_now=copy_now)
-
-    # ----------------------------------------------------------------------------- scheduling
-
-    def run_scheduler(self) -> None:
-        """The scheduler thread: `schedule_once` until `stop`, sleeping when there is no work."""
-        while True:
-            with self._cond:
-                if self._stopped:
-                    return
-                if not self._schedule():
-                    self._cond.wait(0.25)
-
-    def schedule_once(self) -> bool:
-        """Runs a bounded number of rounds, dispatches decodes, expires leases.
-
-        Returns whether any round ran (the caller loops at once if so).
-        """
-        with self._cond:
-            return self._schedule()
-
-    def _schedule(self) -> bool:
-        progressed = False
-        jobs = self.jobs.jobs
-        for source in self._sources.values():
-            for _ in range(self.config.rounds_per_lock):
-                scheduler = self._scheduler
-                try:
-                    ran = scheduler.run_round(source, jobs)
-                except Exception as error:
-                    if not is_bookkeeping_error(error):
-                        raise
-                    ran = True
-                    self._contain(error, scheduler.acting or tuple(source.job_ids),
-                                  f"a DSA round of source {source.name}")
-                    scheduler.acting = ()
-                while scheduler.broken:
-                    job_id, error = scheduler.broken.pop()
-                    self._contain(error, [job_id], f"dealing a DSA round of source {source.name}")
-                if not ran:
-                    break
-                progressed = True
-        self._dispatch()
-        for job, reason in self.jobs.expire():
-            self._remove(job.job_id, reason)
-        if progressed:
-            for job in jobs.values():  # cached picks are ready at once
-                job.wake()
-        return progressed
-
-    def _dispatch(self) -> None:
-        limit = self._pool.num_workers * self.config.decodes_in_flight_per_worker
-        self.cache.dispatch(self._pool, limit, lambda source: self._source_index[source.name])
-
-    # ----------------------------------------------------------------------------- results
-
-    @contained("filing a decode", lambda registry, key, *_, **__: registry.waiting_for(key), reraise=False)
-    def file_result(self, key: int, ok: bool, error: str | None, decode_s: float, *,
-                    shape: tuple[int, ...] = (), dtype: str = "uint8", nbytes: int = 0,
-                    checksum: int = 0) -> None:
-        """Files one finished decode (called by the results thread)."""
-        with self._cond:
-            item = self.cache.file_result(key, ok, error, decode_s, self._needed, shape=shape,
-                                          dtype=dtype, nbytes=nbytes, checksum=checksum)
-            if item is None:
-                return
-            if ok:
-                self._note_size(item)
-            for job in item.waiters:
-                job.wake()
-            item.waiters = []
-            self._dispatch()
-
-    def source_checked(self, source: Source, verdict: Any, seen_seq: int | None = None) -> None:
-        """Files a verdict of the source checker (server/source_watch.py): held items are
-        decoded again, or, for a source changed on disk, its jobs stop and its items go."""
-        with self._cond:
-            settlement = source.watch.settle(verdict, self._clock(), list(source.job_ids), seen_seq)
-            for job_id, reason in settlement.stop_jobs:
-                self._remove(job_id, reason)
-            if settlement.drop:
-                dropped = self.cache.drop_source(source)
-                logger.info("source %s: dropped its %d cached items", source.name, dropped)
-            if settlement.release or settlement.stop_jobs:
-                self.cache.requeue(settlement.release)
-                self._dispatch()
-                self._cond.notify_all()
-
-    def _note_size(self, item: Item) -> None:
-        """Counts images smaller than the stage's size (served as they are: never upscaled
-        unless the source asks), warning at the first and at every power of two."""
-        size = getattr(item.source.stage, "size", None)
-        if not size or len(item.shape) != 3 or min(item.shape[1:]) >= size:
-            return
-        source = item.source
-        source.small_items += 1
-        if source.small_items & (source.small_items - 1) == 0:
-            logger.warning(
-                "source %s: %d image(s) so far smaller than %d px (e.g. %s, %s): served at their "
-                "own size, not upscaled; set upscale = true for the source to upscale them",
-                source.name, source.small_items, size, source.listing.paths[item.item_id],
-                "x".join(map(str, item.shape)),
-            )
-
     def _reuse_hazard(self, key: int) -> float:
         item = self.cache.items[key]
         return self._scheduler.reuse_hazard(item.source, item.item_id, self.jobs.jobs, self._clock())
 
     def _needed(self, item: Item) -> int:
         return self._scheduler.needed(item.source, item.item_id)
-
-    def waiting_for(self, key: int) -> list[str]:
-        """The jobs waiting for the decode of `key` (to end if filing it breaks)."""
-        item = self.cache.items.get(key)
-        return [job.job_id for job in item.waiters] if item is not None else []
 
     def contain(self, error: Exception, job_ids: Sequence[str], where: str) -> str:
         """Ends `job_ids` after a bookkeeping error in `where` (server/containment.py); returns
@@ -879,19 +364,6 @@ class Registry:
         if extra:
             status.update(extra)
         return status
-
-
-def _copies_budget(job: Job) -> int:
-    """Handed-out, unacknowledged copies one rank of `job` may hold before its replies say
-    `copy_now`: its share of the cache less its lookahead, which its queue needs to keep
-    reading."""
-    return max(1, job.cache_share - job.queue_capacity)
-
-
-def _in_batch(served: int, batch_items: int) -> int:
-    """Items a reader has of its batch in progress, after `served` items in batches of
-    `batch_items` (0: its batches are not known; none)."""
-    return served % batch_items if batch_items > 0 else 0
 
 
 def _describe_ids(ids: BitMap) -> str:

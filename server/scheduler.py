@@ -197,10 +197,10 @@ class Scheduler:
         acknowledged); unpins the newest pinned entries beyond it, when the share shrank (jobs
         arrived) or copies went out.
 
-        A pinned entry asks for its item's decode and keeps the item's bytes in the arena.
-        Without this bound a job that stops reading (its lease alive) held its copies and its
-        whole queue, more than its share once other jobs arrived, and they found no slot to
-        decode into. Unpinned entries keep their place in the queue (the DSA picks stand);
+        A pinned entry asks for its item's decode and keeps the item's bytes in the arena. The
+        bound is the share because a job that stops reading (its lease alive) would otherwise
+        hold its copies and its whole queue, more than its share once other jobs arrived, and
+        they would find no slot to decode into. Unpinned entries keep their place in the queue (the DSA picks stand);
         their items may be evicted, and are decoded again when acknowledgements bring them
         within the rank's share: such a job gets no more decodes ahead until it acknowledges.
 
@@ -264,8 +264,8 @@ class Scheduler:
         starting = [j for j in participants if sampler.num_remaining(j) == 0]
         picks = sampler.sample(participants)
         if len(picks) != len(participants) or not all(job_id in picks for job_id in participants):
-            # A sampler bug once gave a sitting-out job a pick: a silent refill, then a refcount
-            # below zero or an item twice in an epoch. Loud and contained instead.
+            # A pick for a job sitting out refills it silently: then a refcount below zero or
+            # an item twice in an epoch. Loud and contained instead (a sampler bug did that).
             raise InvariantError(f"a round for {sorted(participants)} gave picks to {sorted(picks)}")
         if 2 <= len(picks) <= MAX_PAIR_COUNTED_JOBS:
             _count_pairs(source.pair_rounds, picks)
@@ -276,9 +276,10 @@ class Scheduler:
             self._open(job, job.sampler_epoch, [0] * job.world_size)
         self._round_seq += 1
         for job_id, item_id in picks.items():
-            # NOTE: each pick is dealt on its own: a job whose books break here is reported
+            # Each pick is dealt on its own: a job whose books break here is reported
             # (`broken`) and the round goes on for the others, whose picks already left their
-            # remaining sets (stopping half way lost them: an item short, a padding copy twice).
+            # remaining sets (a round stopped half way loses them: an item short, a padding
+            # copy twice). See NOTE [ One job's books, one job's loss ] in containment.py.
             try:
                 self._deal(jobs[job_id], item_id)
             except Exception as error:

@@ -126,8 +126,8 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
         job_id = job.job_id
         self._registry.on_removed(job_id, on_removed)
         # Both set before anything can fail: the `finally` below must know whether the lease
-        # closed on purpose (an unset `closed` was once an UnboundLocalError that hid the real
-        # failure from the client), and why a job that never got its reply was removed.
+        # closed on purpose, and why a job that never got its reply was removed (an unset name
+        # there would raise UnboundLocalError and hide the real failure from the client).
         closed: list[bool] = []
         failure: list[str] = []
         try:

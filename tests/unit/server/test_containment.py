@@ -54,14 +54,14 @@ def test_a_next_that_breaks_ends_its_job_with_the_reason(monkeypatch: pytest.Mon
     pump(registry, pool)
     first = nxt(registry, b.job_id, 1, 4, first.item_ids)
     assert first.item_ids
-    acknowledge = registry.jobs.acknowledge
+    acknowledge = registry.passes.acknowledge
 
     def broken(job, *args, **kwargs):  # type: ignore[no-untyped-def]
         if job.name == "b":
             raise KeyError(12345)  # a missing key in its books, as a bug would
         acknowledge(job, *args, **kwargs)
 
-    monkeypatch.setattr(registry.jobs, "acknowledge", broken)
+    monkeypatch.setattr(registry.passes, "acknowledge", broken)
     with pytest.raises(JobEndedError, match="internal error in Next.*start the job again"):
         nxt(registry, b.job_id, 1, 4, first.item_ids)
     assert sorted(read_epoch(registry, pool, a.job_id, token=1)) == list(range(30))

@@ -22,9 +22,9 @@ from joader.errors import (
     UnknownJobError,
     UnknownSourceError,
 )
-from joader.server.jobs import decide_restart
 from joader.server.records import Batch, Job
 from joader.server.registry import Registry, RegistryConfig, Source, max_indices_bytes
+from joader.server.resumes import decide_restart
 from joader.sources.imagefolder import SourceListing
 
 pytestmark = pytest.mark.timeout(60)
@@ -974,15 +974,17 @@ def test_a_passs_workers_are_dealt_in_the_loops_turn_beside_a_job_holding_the_ca
     assert turns == [1, 0, 1, 0]  # batches 2..5 of the epoch, each to the worker the loop reads next
 
 
-def test_readers_that_do_not_say_their_number_are_dealt_as_before() -> None:
-    """An older client sends no num_workers: worker 0 may take a second batch before worker 1's
-    first (the copies-held rule, `_after_another`, still orders readers that are both asking)."""
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_lone_reader_has_no_turn_to_keep(num_workers: int) -> None:
+    """The training process says num_workers 1 (a request that says nothing counts the same):
+    its reader takes its second batch at once, with no other reader to wait for."""
     registry, pool, _ = make_registry(num_slots=40, lease_s=1000.0)
     job = attach(registry, "demo", BitMap(range(40)), "a", 4)
     pump(registry, pool)
-    first = nxt(registry, job.job_id, 1, 4, [], worker_id=0, pid=10)
+    first = nxt(registry, job.job_id, 1, 4, [], worker_id=0, pid=10, num_workers=num_workers)
     pump(registry, pool)
-    assert len(nxt(registry, job.job_id, 1, 4, first.item_ids, worker_id=0, pid=10).item_ids) == 4
+    assert len(nxt(registry, job.job_id, 1, 4, first.item_ids, worker_id=0, pid=10,
+                   num_workers=num_workers).item_ids) == 4
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -1155,7 +1157,7 @@ def test_a_pending_resume_hands_out_nothing_of_its_epoch_while_it_gathers() -> N
 def test_a_continued_pass_serves_a_worker_whose_partner_ended_before_the_restart() -> None:
     """Two DataLoader workers read epoch 2; worker 0 had received its part's end when joaderd
     restarted, worker 1 still needed the epoch's last batch. Worker 0 never asks the restarted
-    joaderd. The loop's turn (`_out_of_turn`) counted on the new server from zero, so worker 0's
+    joaderd. The loop's turn (`dealing.turn`) counted on the new server from zero, so worker 0's
     "next batch" came first and worker 1 waited for it for good (`bench/restart_storm.py
     --mode workers`: the job sat with its last batch queued for ten minutes). A pass a restart
     interrupted is dealt without the turn: what each worker was served is on the dead server."""

@@ -1,0 +1,88 @@
+"""The scheduler thread: DSA rounds, decode dispatch and lease expiry, in bounded turns.
+
+Each turn holds the registry's lock for at most `rounds_per_lock` rounds per source, so `Next`
+calls and filed decodes get the lock between turns. A round that breaks a job's books ends
+that job (`Registry.contain`), and the round goes on for the others.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from joader.server.containment import is_bookkeeping_error
+
+if TYPE_CHECKING:
+    from joader.server.item_cache import DecodeSubmitter, ItemCache
+    from joader.server.jobs import JobTable
+    from joader.server.registry import RegistryConfig
+    from joader.server.scheduler import Scheduler
+
+
+class SchedulerThread:
+    """The `Registry`'s scheduling turns (a part of it: the registry's one lock guards them)."""
+
+    # Set by `Registry.__init__` (server/registry.py) and guarded by its lock, `_cond`:
+    config: RegistryConfig
+    cache: ItemCache
+    jobs: JobTable
+    _cond: threading.Condition
+    _clock: Callable[[], float]
+    _scheduler: Scheduler
+    _stopped: bool
+    _pool: DecodeSubmitter
+    _sources: dict[str, Any]
+    _source_index: dict[str, int]
+    _contain: Callable[[Exception, Sequence[str], str], str]
+    _remove: Callable[[str, str], bool]
+
+    def run_scheduler(self) -> None:
+        """The scheduler thread: `schedule_once` until `stop`, sleeping when there is no work."""
+        while True:
+            with self._cond:
+                if self._stopped:
+                    return
+                if not self._schedule():
+                    self._cond.wait(0.25)
+
+    def schedule_once(self) -> bool:
+        """Runs a bounded number of rounds, dispatches decodes, expires leases.
+
+        Returns whether any round ran (the caller loops at once if so).
+        """
+        with self._cond:
+            return self._schedule()
+
+    def _schedule(self) -> bool:
+        progressed = False
+        jobs = self.jobs.jobs
+        for source in self._sources.values():
+            for _ in range(self.config.rounds_per_lock):
+                scheduler = self._scheduler
+                try:
+                    ran = scheduler.run_round(source, jobs)
+                except Exception as error:
+                    if not is_bookkeeping_error(error):
+                        raise
+                    ran = True
+                    self._contain(error, scheduler.acting or tuple(source.job_ids),
+                                  f"a DSA round of source {source.name}")
+                    scheduler.acting = ()
+                while scheduler.broken:
+                    job_id, error = scheduler.broken.pop()
+                    self._contain(error, [job_id], f"dealing a DSA round of source {source.name}")
+                if not ran:
+                    break
+                progressed = True
+        self._dispatch()
+        for job, reason in self.jobs.expire():
+            self._remove(job.job_id, reason)
+        if progressed:
+            for job in jobs.values():  # cached picks are ready at once
+                job.wake()
+        return progressed
+
+    def _dispatch(self) -> None:
+        limit = self._pool.num_workers * self.config.decodes_in_flight_per_worker
+        self.cache.dispatch(self._pool, limit, lambda source: self._source_index[source.name])

@@ -1,0 +1,141 @@
+"""The scheduler (server/scheduler.py): DSA rounds dealt to the ranks' queues, epoch shares and
+padding, pinning within a rank's share, and how far ahead it prepares. Driven directly, without
+a registry: a job table attaches the jobs, the test sets what the registry would."""
+
+from __future__ import annotations
+
+import pytest
+from pyroaring import BitMap
+
+from joader.server.records import Job
+from tests.unit.server._books import books
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _reading(job: Job, capacity: int = 64, share: int = 1000) -> Job:
+    """What the registry sets once the job's ranks all attached and one asked for items."""
+    for rank in job.ranks[1:]:
+        rank.attached = True
+    job.reading = True
+    job.queue_capacity = capacity
+    job.cache_share = share
+    return job
+
+
+def _run_rounds(scheduler, source, jobs: dict[str, Job], limit: int = 1000) -> int:  # type: ignore[no-untyped-def]
+    rounds = 0
+    while rounds < limit and scheduler.run_round(source, jobs):
+        rounds += 1
+    return rounds
+
+
+def _epoch(job: Job, rank: int, epoch: int) -> list[int]:
+    return [entry.item_id for entry in job.ranks[rank].queue if entry.epoch == epoch]
+
+
+@pytest.mark.parametrize(("drop_last", "each"), [(False, 4), (True, 3)])
+def test_an_epoch_is_dealt_evenly_to_the_ranks_with_padding_or_drop_last(drop_last: bool, each: int) -> None:
+    """10 items, 3 ranks: ceil(10 / 3) = 4 each, the 2 missing copies padded from the epoch's
+    first picks (as DistributedSampler repeats its first indices); under drop_last 3 each, the
+    pick nobody needs dropped."""
+    table, scheduler, source, _ = books()
+    job, _ = table.attach(source, BitMap(range(10)), "ddp", 4, world_size=3, drop_last=drop_last, seed=5)
+    _reading(job)
+    job.ranks[0].claimed_epoch = 0  # no pass yet: only the first epoch is prepared
+    _run_rounds(scheduler, source, table.jobs)
+    parts = [_epoch(job, r, 1) for r in range(3)]
+    assert [len(p) for p in parts] == [each] * 3
+    delivered = [i for part in parts for i in part]
+    if drop_last:
+        assert len(set(delivered)) == 9
+    else:
+        assert set(delivered) == set(range(10))
+        assert len(delivered) - len(set(delivered)) == 2  # two padding copies
+        firsts = [parts[r][0] for r in range(3)]  # the epoch's first picks, one per rank
+        assert {i for i in delivered if delivered.count(i) > 1} <= set(firsts)
+    assert job.shares[1].complete
+
+
+def test_a_fresh_epoch_is_dealt_round_robin() -> None:
+    table, scheduler, source, _ = books()
+    job, _ = table.attach(source, BitMap(range(12)), "ddp", 4, world_size=2, seed=5)
+    _reading(job)
+    _run_rounds(scheduler, source, table.jobs)
+    share = job.shares[1]
+    assert share.target == [6, 6] and share.assigned == [6, 6]
+    # picks alternate: rank 0 got picks 0, 2, 4, ... of the sampler's order
+    assert len(_epoch(job, 0, 1)) == len(_epoch(job, 1, 1)) == 6
+
+
+def test_the_sampler_prepares_one_epoch_ahead_of_the_newest_pass_at_most() -> None:
+    """A dataset smaller than the queue: without a bound the sampler ran dozens of epochs ahead
+    of its reader."""
+    table, scheduler, source, _ = books()
+    job, _ = table.attach(source, BitMap(range(6)), "tiny", 64, seed=5)
+    _reading(job)
+    _run_rounds(scheduler, source, table.jobs)
+    assert {e.epoch for e in job.ranks[0].queue} == {1}  # no pass yet: epoch 1 only
+    job.ranks[0].claimed_epoch = 1  # a pass reads epoch 1: epoch 2 may be prepared
+    _run_rounds(scheduler, source, table.jobs)
+    assert sorted(_epoch(job, 0, 2)) == list(range(6))
+    assert {e.epoch for e in job.ranks[0].queue} == {1, 2}
+    assert not scheduler.run_round(source, table.jobs)
+
+
+def test_a_job_takes_part_only_while_it_reads_with_every_rank_attached_and_its_queue_low() -> None:
+    table, scheduler, source, _ = books()
+    job, _ = table.attach(source, BitMap(range(40)), "a", 4, world_size=2, seed=5)
+    assert not scheduler.run_round(source, table.jobs)  # not reading
+    job.reading = True
+    job.queue_capacity, job.cache_share = 4, 100
+    assert not scheduler.run_round(source, table.jobs)  # rank 1 not attached
+    job.ranks[1].attached = True
+    rounds = _run_rounds(scheduler, source, table.jobs)
+    # each rank fills to its capacity (4) and the round that tips the second over stops it
+    assert [len(r.queue) for r in job.ranks] == [4, 4] and rounds == 8
+
+
+def test_a_rank_pins_the_head_of_its_queue_within_its_share_only() -> None:
+    """Queued is not pinned: a rank pins (and asks decodes for) the head of its queue while its
+    pinned entries plus its unacknowledged copies stay within its share; a smaller share
+    unpins the newest pinned entries."""
+    table, scheduler, source, _ = books()
+    job, rank = table.attach(source, BitMap(range(40)), "a", 4, seed=5)
+    _reading(job, capacity=20, share=6)
+    _run_rounds(scheduler, source, table.jobs)
+    assert len(rank.queue) == 20 and rank.pinned == 6
+    rank.handed_out = 2  # two copies out, unacknowledged (as a Next would leave them)
+    scheduler.pin_ahead(job, rank)
+    assert rank.pinned == 4
+    job.cache_share = 3  # jobs arrived: the share shrank
+    scheduler.pin_ahead(job, rank)
+    assert rank.pinned == 1
+    rank.handed_out = 0
+    job.cache_share = 100
+    scheduler.pin_ahead(job, rank)
+    assert rank.pinned == 20  # the whole queue, in order
+    assert [scheduler._cache.items[e.key].pins for e in rank.queue] == [1] * 20
+
+
+def test_jobs_on_one_source_share_rounds_and_their_pairs_are_counted() -> None:
+    table, scheduler, source, _ = books()
+    a, _ = table.attach(source, BitMap(range(20)), "a", 4, seed=5)
+    b, _ = table.attach(source, BitMap(range(20)), "b", 4, seed=6)
+    for job in (a, b):
+        _reading(job, capacity=8)
+    _run_rounds(scheduler, source, table.jobs)
+    rounds, shared = source.pair_rounds[tuple(sorted((a.job_id, b.job_id)))]
+    assert rounds >= 8 and shared == rounds  # identical datasets: every round gives both the same item
+    assert _epoch(a, 0, 1) == _epoch(b, 0, 1)
+
+
+def test_a_resumed_epoch_is_dealt_without_what_was_consumed() -> None:
+    table, scheduler, source, _ = books()
+    job, rank = table.attach(source, BitMap(range(12)), "a", 4, world_size=2, seed=5)
+    _reading(job)
+    scheduler.start_resumed(job, 3, [BitMap([0, 1, 2]), BitMap([3])])
+    assert job.sampler_epoch == 3 and job.shares[3].target == [6 - 3, 6 - 1]
+    _run_rounds(scheduler, source, table.jobs)
+    got = _epoch(job, 0, 3) + _epoch(job, 1, 3)
+    assert sorted(got) == list(range(4, 12)) and len(_epoch(job, 0, 3)) == 3
