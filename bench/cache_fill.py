@@ -9,7 +9,7 @@ real joaderd (`joader.launch.JoaderdProcess`) for a few (stage, cache size) scen
 the Status RPC after every few items and at the end of each epoch.
 
 Data: `--items` (400) photo-like JPEGs of varied sizes and aspect ratios (the demo generator's
-content, `joader.sources.demo`, resized with Pillow to a mix of landscape, portrait, square and
+content, `joader.client.demo_data`, resized with Pillow to a mix of landscape, portrait, square and
 panorama shapes, short sides 120 to 640 px), generated once under $JOADER_BENCH_DATA
 (/tmp/joader-bench-data).
 
@@ -89,7 +89,7 @@ def varied_data(num_items: int, seed: int = 0) -> Path:
     """An ImageFolder of `num_items` photo-like JPEGs of varied sizes (made once, then reused)."""
     from PIL import Image
 
-    from joader.sources.demo import make_demo_data
+    from joader.client.demo_data import make_demo_data
 
     root = DATA_DIR / f"varied-{num_items}-{seed}"
     marker = root / ".complete"

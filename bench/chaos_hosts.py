@@ -52,8 +52,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from chaos import Summary  # noqa: E402
 
+from joader.client.demo_data import make_demo_data  # noqa: E402
 from joader.launch import JoaderdProcess  # noqa: E402
-from joader.sources.demo import make_demo_data  # noqa: E402
 from tests.support.integrity import Findings, check_records, read_records, reference  # noqa: E402
 from tests.support.processes import free_port  # noqa: E402
 

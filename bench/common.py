@@ -53,7 +53,7 @@ def bench_env() -> dict[str, str]:
 
 def demo_data(num_items: int) -> Path:
     """A demo ImageFolder of exactly `num_items` 500x375 JPEGs (generated once, then reused)."""
-    from joader.sources.demo import make_demo_data
+    from joader.client.demo_data import make_demo_data
 
     root = DATA_DIR / f"demo-{num_items}"
     marker = root / ".complete"

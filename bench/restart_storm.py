@@ -26,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from joader.client.demo_data import make_demo_data  # noqa: E402
 from joader.launch import JoaderdProcess  # noqa: E402
-from joader.sources.demo import make_demo_data  # noqa: E402
 from tests.support.integrity import Findings, check_records, read_records, reference  # noqa: E402
 
 ITEMS, EPOCHS, SIZE = 160, 3, 32

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
+from joader.client.demo_data import make_demo_data
 from joader.launch import JoaderdProcess, JoaderdStartError
-from joader.sources.demo import make_demo_data
 from tests.support.integrity import reference
 from tests.support.processes import IMAGE_SIZE, ITEM_NBYTES, NUM_DEMO_ITEMS, Clients
 
