@@ -18,7 +18,7 @@
 Beside joader's decoders, (a) also times a "plain Pillow" reference: what a torchvision-style
 ImageFolder does (full-size decode, bilinear resize, crop), not a joader decoder.
 
-Usage: python bench/stage.py [--quick] [--reps N] [--out PATH]. --quick (under a minute or
+Usage: python -m bench.stage [--quick] [--reps N] [--out PATH]. --quick (under a minute or
 two) uses fewer images, repetitions and seconds. Prints tables and writes JSON (default
 bench/results/stage.json, or stage-quick.json with --quick).
 """
@@ -29,19 +29,15 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import DATA_DIR, RESULTS, demo_data, machine, median, print_table  # noqa: E402
-
-from joader.stages import build_stage  # noqa: E402
-from joader.stages.image import TURBO_OPTIONS  # noqa: E402
+from bench.common import DATA_DIR, RESULTS, demo_data, machine, median, print_table
+from joader.stages import build_stage
+from joader.stages.image import TURBO_OPTIONS
 
 STAGES = [("center-crop", 256), ("resize", 256), ("max-side", 512)]
 # (label, decoder, options)
