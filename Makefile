@@ -38,24 +38,24 @@ demo: venv
 
 # Quick: a few minutes, fewer repetitions and sizes. Full: about an hour.
 bench: venv
-	$(PY) bench/sampler.py --quick
-	$(PY) bench/multi_job.py --quick
-	$(PY) bench/async_jobs.py --quick
-	$(PY) bench/delivery.py --quick
-	$(PY) bench/identical_jobs.py --reps 1
-	$(PY) bench/analyze.py --quick
-	$(PY) bench/autoscale.py --quick
-	$(PY) bench/four_jobs.py --reps 1 --name four_jobs-quick
+	$(PY) -m bench.sampler --quick
+	$(PY) -m bench.multi_job --quick
+	$(PY) -m bench.async_jobs --quick
+	$(PY) -m bench.delivery --quick
+	$(PY) -m bench.identical_jobs --reps 1
+	$(PY) -m bench.analyze --quick
+	$(PY) -m bench.autoscale --quick
+	$(PY) -m bench.four_jobs --reps 1 --name four_jobs-quick
 
 bench-full: venv
-	$(PY) bench/sampler.py
-	$(PY) bench/multi_job.py --decoder pil
-	$(PY) bench/async_jobs.py
-	$(PY) bench/delivery.py
-	$(PY) bench/identical_jobs.py
-	$(PY) bench/analyze.py
-	$(PY) bench/autoscale.py
-	$(PY) bench/four_jobs.py
+	$(PY) -m bench.sampler
+	$(PY) -m bench.multi_job --decoder pil
+	$(PY) -m bench.async_jobs
+	$(PY) -m bench.delivery
+	$(PY) -m bench.identical_jobs
+	$(PY) -m bench.analyze
+	$(PY) -m bench.autoscale
+	$(PY) -m bench.four_jobs
 
 lint: venv
 	$(VENV)/bin/ruff check joader server client tests bench

@@ -12,7 +12,7 @@ cache, two jobs with a short step (0.02 s per batch of 32: prep-bound) and one w
 step (0.25 s per batch: compute-bound). On this two-core machine the second worker shares the
 cores with the jobs' processes and joaderd itself, which the model must account for.
 
-Usage: python bench/analyze.py [--quick] [--reps 3] [--window 8] [--warmup 10]
+Usage: python -m bench.analyze [--quick] [--reps 3] [--window 8] [--warmup 10]
 Writes bench/results/analyze[-quick].json and prints a table.
 """
 
@@ -26,9 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (  # noqa: E402
+from bench.common import (
     Server,
     bench_env,
     demo_data,
@@ -142,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                   t["measured_2_workers_epoch_s"], f"{t['error']:+.1%}"] for t in table])
     data = {"machine": info, "items": args.items, "mix": MIX, "window_s": window, "warmup_s": warmup,
             "reps": reps, "table": table, "runs": runs,
-            "command": "python bench/analyze.py" + (" --quick" if args.quick else "")}
+            "command": "python -m bench.analyze" + (" --quick" if args.quick else "")}
     print(f"wrote {write_json('analyze-quick' if args.quick else 'analyze', data)}")
     return 0
 

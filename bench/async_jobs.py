@@ -37,7 +37,7 @@
 The cache is a quarter of the prepared dataset; one extra row per part uses a cache that holds
 everything (quick mode: only in (c)).
 
-Usage: python bench/async_jobs.py [--quick] [--items 1000] [--reps 3]
+Usage: python -m bench.async_jobs [--quick] [--items 1000] [--reps 3]
 Writes bench/results/async_jobs[-quick].json and .png and prints tables.
 """
 
@@ -50,9 +50,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (  # noqa: E402
+from bench.common import (
     Server,
     demo_data,
     full_cache_bytes,
@@ -280,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     root = demo_data(n)
     data: dict[str, Any] = {"machine": machine(), "num_items": n, "batch_size": args.batch_size,
                             "step_s": args.step_s, "speeds_step_s": args.speeds_step_s, "reps": args.reps,
-                            "command": "python bench/async_jobs.py" + (" --quick" if args.quick else "")}
+                            "command": "python -m bench.async_jobs" + (" --quick" if args.quick else "")}
     if "a" in args.parts:
         data["speeds"] = part_speeds(root, n, args)
     if "b" in args.parts:

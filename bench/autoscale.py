@@ -12,7 +12,7 @@ to training) and the decode workers' CPU, and auto's pool size and resize log.
   or a heavy per-job pipeline would): data is not the bottleneck; decode workers should take no
   more CPU than feeding them needs.
 
-Usage: python bench/autoscale.py [--quick] [--reps 3] [--warmup 16] [--window 20]
+Usage: python -m bench.autoscale [--quick] [--reps 3] [--warmup 16] [--window 20]
 Writes bench/results/autoscale[-quick].json and prints a table.
 """
 
@@ -27,9 +27,7 @@ from typing import Any
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (  # noqa: E402
+from bench.common import (
     Server,
     demo_data,
     machine,
@@ -137,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{t['auto_vs_all_cpus']:.3f}x all {cpus} CPUs")
     data = {"machine": info, "items": args.items, "mixes": MIXES, "reps": reps, "warmup_s": warmup,
             "window_s": window, "table": table, "runs": runs,
-            "command": "python bench/autoscale.py" + (" --quick" if args.quick else "")}
+            "command": "python -m bench.autoscale" + (" --quick" if args.quick else "")}
     print(f"wrote {write_json('autoscale-quick' if args.quick else 'autoscale', data)}")
     return 0
 

@@ -9,7 +9,7 @@ real joaderd (`joader.launch.JoaderdProcess`) for a few (stage, cache size) scen
 the Status RPC after every few items and at the end of each epoch.
 
 Data: `--items` (400) photo-like JPEGs of varied sizes and aspect ratios (the demo generator's
-content, `joader.sources.demo`, resized with Pillow to a mix of landscape, portrait, square and
+content, `joader.client.demo_data`, resized with Pillow to a mix of landscape, portrait, square and
 panorama shapes, short sides 120 to 640 px), generated once under $JOADER_BENCH_DATA
 (/tmp/joader-bench-data).
 
@@ -19,18 +19,19 @@ over capacity) and fragmentation at the end of each epoch, and the fill at the l
 before the first eviction.
 
 Usage:
-    python bench/cache_fill.py [--items 400] [--epochs 3] [--workers 2] [--label after]
+    python -m bench.cache_fill [--items 400] [--epochs 3] [--workers 2] [--label after]
 
 The label names the code measured. Results go to bench/results/cache_fill.json, one entry per
 label (other labels' entries are kept), each with the path of the code it ran. To measure
 another commit (the "before" of issue 19 item 3 is 38f3a00), run this script with that commit's
-packages first on the path; joaderd and the job inherit it:
+packages first on the path (and this repository after them, for `bench`); joaderd and the job
+inherit it:
 
     git worktree add /tmp/before 38f3a00
     mkdir -p /tmp/before-site/joader && ln -s /tmp/before/joader/* /tmp/before-site/joader/
     ln -s /tmp/before/server /tmp/before-site/joader/server
     ln -s /tmp/before/client /tmp/before-site/joader/client
-    cd /tmp && PYTHONPATH=/tmp/before-site /path/to/.venv/bin/python /path/to/bench/cache_fill.py --label before
+    cd /tmp && PYTHONPATH=/tmp/before-site:/path/to/joader /path/to/joader/.venv/bin/python -m bench.cache_fill --label before
 
 (from a directory without a `joader` folder: `python -m joader.server` puts the current
 directory first on its path).
@@ -89,7 +90,7 @@ def varied_data(num_items: int, seed: int = 0) -> Path:
     """An ImageFolder of `num_items` photo-like JPEGs of varied sizes (made once, then reused)."""
     from PIL import Image
 
-    from joader.sources.demo import make_demo_data
+    from joader.client.demo_data import make_demo_data
 
     root = DATA_DIR / f"varied-{num_items}-{seed}"
     marker = root / ".complete"
@@ -185,7 +186,7 @@ def run_scenario(root: Path, name: str, stage: str, cache_bytes: int, args: argp
     try:
         out = workdir / "job.json"
         job = subprocess.run(
-            [sys.executable, __file__, "--job", "--address", server.address, "--source", "photos",
+            [sys.executable, "-m", "bench.cache_fill", "--job", "--address", server.address, "--source", "photos",
              "--epochs", str(args.epochs), "--out", str(out)],
             env=env(), capture_output=True, text=True, timeout=900)
         if job.returncode != 0:
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     merged: dict[str, Any] = json.loads(args.out.read_text()) if args.out.exists() else {}
     merged[args.label] = {
         "code": str(Path(joader.__file__).resolve().parent.parent),
-        "command": f"python bench/cache_fill.py --items {args.items} --epochs {args.epochs} "
+        "command": f"python -m bench.cache_fill --items {args.items} --epochs {args.epochs} "
                    f"--workers {args.workers} --label {args.label}",
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),
         "cpus": os.cpu_count(),

@@ -1,6 +1,6 @@
 """The chaos soak: jobs in every client mode under random faults, every delivered sample checked.
 
-    python bench/chaos.py [--duration-s 1200] [--seed 0] [--quick] [--episode-s 150]
+    python -m bench.chaos [--duration-s 1200] [--seed 0] [--quick] [--episode-s 150]
 
 It proves content, not counts. A real joaderd serves generated JPEGs; jobs run as separate processes (`tests/support/integrity_job.py`, a real
 torch DataLoader over JoaderDataset) in every mode: num_workers 0 and 2, plain and
@@ -53,12 +53,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from joader.launch import JoaderdProcess  # noqa: E402
-from joader.sources.demo import make_demo_data  # noqa: E402
-from tests.support.integrity import (  # noqa: E402
+from joader.client.demo_data import make_demo_data
+from joader.launch import JoaderdProcess
+from tests.support.integrity import (
     Findings,
     check_records,
     complete_epochs,
@@ -66,6 +63,7 @@ from tests.support.integrity import (  # noqa: E402
     reference,
 )
 
+ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 BATCH = 8
 # The episode's cache, in what it holds: (name, batches per job or None, share of all prepared data)

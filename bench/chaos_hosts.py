@@ -1,6 +1,6 @@
 """The 2-host restart soak: DDP jobs across two joaderds, either one killed -9 at random points.
 
-    python bench/chaos_hosts.py [--duration-s 1200] [--seed 0] [--quick]
+    python -m bench.chaos_hosts [--duration-s 1200] [--seed 0] [--quick]
 
 Issue 27, finding 2: a job across two hosts (layout 1+2, two DataLoader workers per rank, gloo, an
 all_reduce per step) whose host with two ranks had its joaderd killed and restarted in epoch 1
@@ -46,17 +46,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.chaos import Summary
+from joader.client.demo_data import make_demo_data
+from joader.launch import JoaderdProcess
+from tests.support.integrity import Findings, check_records, read_records, reference
+from tests.support.processes import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from chaos import Summary  # noqa: E402
-
-from joader.launch import JoaderdProcess  # noqa: E402
-from joader.sources.demo import make_demo_data  # noqa: E402
-from tests.support.integrity import Findings, check_records, read_records, reference  # noqa: E402
-from tests.support.processes import free_port  # noqa: E402
-
 RESULTS = ROOT / "bench" / "results"
 WORLD = 3  # ranks per job: 1 + 2 (or 2 + 1) over the two hosts
 MODES = ("items", "batched")  # DataLoader(num_workers=2) over JoaderDataset, plain or batched
@@ -188,7 +184,7 @@ class Soak:
             env = {**self.env, "RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank - first),
                    "LOCAL_WORLD_SIZE": str(layout[host]), "GROUP_RANK": str(host), "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": f"chaos-hosts-{number}"}
-            command = [sys.executable, str(Path(__file__).resolve()), "rank", "--address", self.addresses[host],
+            command = [sys.executable, "-m", "bench.chaos_hosts", "rank", "--address", self.addresses[host],
                        "--out", str(out), "--name", f"ddp-{number}", "--mode", mode, "--items",
                        str(self.args.items), "--epochs", str(self.args.epochs), "--batch-size",
                        str(self.args.batch_size), "--step-s", str(self.args.step_s), "--timeout-s",

@@ -32,8 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from simjob import tree_cpu_s  # bench/ is on sys.path (each bench script puts it there)
-
+from bench.simjob import tree_cpu_s
 from joader.launch import JoaderdProcess
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -53,7 +52,7 @@ def bench_env() -> dict[str, str]:
 
 def demo_data(num_items: int) -> Path:
     """A demo ImageFolder of exactly `num_items` 500x375 JPEGs (generated once, then reused)."""
-    from joader.sources.demo import make_demo_data
+    from joader.client.demo_data import make_demo_data
 
     root = DATA_DIR / f"demo-{num_items}"
     marker = root / ".complete"
@@ -139,7 +138,7 @@ def simjob_command(name: str, *, address: str | None = None, baseline: Path | No
                    num_workers: int = 0, start_at: float = 0.0, start_delay_s: float = 0.0,
                    record: bool = False, batched: bool = False, threads: int = 1,
                    decoder: str | None = None, augment: int = 0, step_cpu_s: float = 0.0) -> list[str]:
-    command = [sys.executable, str(Path(__file__).resolve().parent / "simjob.py"), "--name", name, "--epochs", str(epochs),
+    command = [sys.executable, "-m", "bench.simjob", "--name", name, "--epochs", str(epochs),
                "--batch-size", str(batch_size), "--step-s", str(step_s), "--num-workers", str(num_workers),
                "--image-size", str(IMAGE_SIZE), "--threads", str(threads)]
     if baseline is not None:

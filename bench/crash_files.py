@@ -18,7 +18,7 @@ Before the fix (commit 7871592) the issue measured, at 1%: epoch 1 delivered 984
 153 s (a clean epoch: 2.6 s); at 5% and 10% the job died with TimeoutError.
 
 Usage:
-    python bench/crash_files.py [--items 1200] [--fractions 0,0.01,0.05,0.1] [--epochs 3]
+    python -m bench.crash_files [--items 1200] [--fractions 0,0.01,0.05,0.1] [--epochs 3]
         [--runs 3] [--cache quarter|full] [--workers 2] [--label after]
 
 `--cache quarter` (the default) holds a quarter of the prepared items, so every epoch decodes
@@ -44,11 +44,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-sys.path.insert(0, str(BENCH))
-
-from common import (  # noqa: E402  (bench/ must be on the path first)
+from bench.common import (
     IMAGE_SIZE,
     ITEM_NBYTES,
     RESULTS,
@@ -59,9 +55,10 @@ from common import (  # noqa: E402  (bench/ must be on the path first)
     run_jobs,
     simjob_command,
 )
+from joader.launch import JoaderdProcess
+from joader.sources.base import open_source
 
-from joader.launch import JoaderdProcess  # noqa: E402
-from joader.sources.base import open_source  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 FIRST_EPOCH_LIMIT_S = 60.0  # the issue's bar: the first epoch within a minute
 LATER_EPOCH_FACTOR = 3.0  # and each later one within 3x a clean epoch

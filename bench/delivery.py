@@ -19,7 +19,7 @@ num_workers 2 >= 20%; both batched and not are reported. A warm job asks for up 
 `BATCHES_PER_REQUEST` whole batches per Next (joader.client.dataset), so a round trip serves
 several batches; joaderd's CPU per warm delivered sample is printed.
 
-Usage: python bench/delivery.py [--quick] [--items 2000] [--epochs 10] [--reps 3]
+Usage: python -m bench.delivery [--quick] [--items 2000] [--epochs 10] [--reps 3]
 Writes bench/results/delivery[-quick].json and .png and prints a table.
 """
 
@@ -29,14 +29,11 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (  # noqa: E402
+from bench.common import (
     IMAGE_SIZE,
     ITEM_NBYTES,
     Server,
@@ -213,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             "table": table, "raw": raw, "raw_reps": raws, "runs": runs,
             "server_cpu_ms_per_sample": round(1000 * server_cpu / max(1, delivered), 4),
             "decodes_after_warmup": status["items_decoded"] - decoded_before, "checks": checks,
-            "command": "python bench/delivery.py" + (" --quick" if args.quick else "")}
+            "command": "python -m bench.delivery" + (" --quick" if args.quick else "")}
     print(f"wrote {write_json(name, data)}")
     plot(name, data)
     return 0

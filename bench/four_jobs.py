@@ -23,7 +23,7 @@ DataLoader workers, which decode) - and the floors they imply: CPU during the sp
 beside the GPU floor and the measured span. Where the span exceeds both floors, the time is in
 waits (`data wait`: the loops' time in `next()` beyond their CPU there).
 
-Usage: python bench/four_jobs.py [--reps 3] [--jobs 4] [--items 1200] [--sides joader,turbo,pil] [--data DIR]
+Usage: python -m bench.four_jobs [--reps 3] [--jobs 4] [--items 1200] [--sides joader,turbo,pil] [--data DIR]
 Writes bench/results/four_jobs.json and prints the tables.
 """
 
@@ -40,11 +40,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.common import (
+    Server,
+    demo_data,
+    machine,
+    median,
+    print_table,
+    quarter_cache_bytes,
+    write_json,
+)
 
-from common import Server, demo_data, machine, median, print_table, quarter_cache_bytes, write_json  # noqa: E402
-
-HERE = Path(__file__).resolve().parent
 SIDES = ("joader", "turbo", "pil")
 LABELS = {"joader": "joader", "turbo": "turbo DataLoaders", "pil": "Pillow DataLoaders"}
 
@@ -97,7 +102,7 @@ def run_side(side: str, root: Path, args: argparse.Namespace, workers: int) -> d
     start_file = work / "start"
     try:
         for i in range(args.jobs):
-            command = [sys.executable, str(HERE / "plain_job.py"), side, "--out", str(work / f"job{i}.json"),
+            command = [sys.executable, "-m", "bench.plain_job", side, "--out", str(work / f"job{i}.json"),
                        "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--step-s", str(args.step_s),
                        "--augment", str(args.augment), "--ready-file", str(work / f"ready{i}")]
             if args.barrier:

@@ -23,7 +23,7 @@ Figures (means over `--epochs` epochs and `--trials` runs):
   part / in different parts in an epoch, over the rate of a uniform shuffle cut into the same
   whole batches, S B (B - 1) / (N (N - 1)): 1.0 is "as a global shuffle".
 
-    python bench/host_partition.py
+    python -m bench.host_partition
 """
 
 from __future__ import annotations
@@ -31,17 +31,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from pyroaring import BitMap
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import print_table, write_json  # noqa: E402
-
-from joader.sampling.hosts import HostLayout, host_part  # noqa: E402
+from bench.common import print_table, write_json
+from joader.sampling.hosts import HostLayout, host_part
 
 
 def _host_parts(n: int, sizes: list[int], salt: int) -> list[np.ndarray]:
@@ -141,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.epochs} epochs x {args.trials} runs:")
     keys = list(next(iter(results.values())))
     print_table(["scheme", *keys], [[scheme, *(r[k] for k in keys)] for scheme, r in results.items()])
-    data = {"command": "python bench/host_partition.py " + " ".join(argv or sys.argv[1:]), "items": args.items,
+    data = {"command": "python -m bench.host_partition " + " ".join(argv or sys.argv[1:]), "items": args.items,
             "layout": sizes, "classes": args.classes, "batch": args.batch, "epochs": args.epochs,
             "trials": args.trials, "results": results, "elapsed_s": round(time.monotonic() - started, 1)}
     print(f"\nwrote {write_json('host_partition', data)}")

@@ -4,7 +4,7 @@ Three jobs at the same speed read the 1,200-image demo dataset once each, starte
 sweep is), against one joaderd whose cache holds a quarter of the prepared dataset. Prints the
 within-epoch sharing (deliveries per decode, each job once per decoded copy; ideal 3) and checks every epoch is exactly once.
 
-Usage: python bench/identical_jobs.py [--items 1200] [--step-s 0.1] [--reps 3]
+Usage: python -m bench.identical_jobs [--items 1200] [--step-s 0.1] [--reps 3]
 Writes bench/results/identical_jobs.json.
 """
 
@@ -14,11 +14,8 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (  # noqa: E402
+from bench.common import (
     RESULTS,
     Server,
     demo_data,
@@ -55,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"median within-epoch sharing {sharing:.3f} (target >= 2.7, ideal 3)")
     (RESULTS / "identical_jobs.json").write_text(json.dumps(
         {"items": args.items, "step_s": args.step_s, "runs": runs, "median_sharing_within_epoch": sharing,
-         "command": "python bench/identical_jobs.py"}, indent=2))
+         "command": "python -m bench.identical_jobs"}, indent=2))
     return 0 if sharing >= 2.7 and all(r["exactly_once"] for r in runs) else 1
 
 

@@ -19,8 +19,8 @@ Reported (medians of `--reps`), from each joaderd's status after the jobs have g
 - each job's rate (samples/s over its ranks, first batch to last) against the same job on one
   joaderd.
 
-    python bench/multi_host.py            # about 6 minutes
-    python bench/multi_host.py --quick    # 2 hosts, 1 repetition
+    python -m bench.multi_host            # about 6 minutes
+    python -m bench.multi_host --quick    # 2 hosts, 1 repetition
 """
 
 from __future__ import annotations
@@ -36,9 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import ITEM_NBYTES, Server, demo_data, machine, median, print_table, write_json  # noqa: E402
+from bench.common import ITEM_NBYTES, Server, demo_data, machine, median, print_table, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,7 +80,7 @@ def _torchrun(nnodes: int, nproc: int, endpoint: str, run_id: str, args: argpars
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node",
                str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
-               "--max-restarts", "0", str(Path(__file__).resolve()), "job", "--items", str(args.items),
+               "--max-restarts", "0", "-m", "bench.multi_host", "job", "--items", str(args.items),
                "--epochs", str(args.epochs), "--batch-size", str(args.batch_size), "--step-s", repr(args.step_s),
                "--out", out]
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "wb"),
@@ -152,7 +150,7 @@ def run_scenario(root: Path, hosts: int, jobs: int, spread: bool, args: argparse
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["job"]:
-        parser = argparse.ArgumentParser(prog="multi_host.py job")
+        parser = argparse.ArgumentParser(prog="python -m bench.multi_host job")
         parser.add_argument("--items", type=int, required=True)
         parser.add_argument("--epochs", type=int, required=True)
         parser.add_argument("--batch-size", type=int, required=True)
@@ -205,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
           f"host, each host's cache its part + 16 items; medians of {args.reps}:")
     print_table(["hosts", "jobs", "part", "decodes / part per host", "items per rank per epoch (job 0, rank 0)",
                  "served/decode", "one joaderd", "samples/s per job", "one joaderd", "x one joaderd"], rows)
-    data = {"command": "python bench/multi_host.py " + " ".join(argv), "machine": machine(),
+    data = {"command": "python -m bench.multi_host " + " ".join(argv), "machine": machine(),
             "items": args.items, "epochs": args.epochs, "batch_size": args.batch_size, "step_s": args.step_s,
             "reps": args.reps, "results": results, "elapsed_s": round(time.monotonic() - started, 1)}
     path = write_json("multi_host" + ("-quick" if args.quick else ""), data)

@@ -29,7 +29,7 @@ Beside the main baseline, the same DataLoaders run once more per N decoding with
 (Pillow beside turbo; turbo beside `--decoder pil`; `--no-other-baseline` skips it): joader
 against DataLoaders that decode as fast is the sharing gain alone, the other the decoder's too.
 
-Usage: python bench/multi_job.py [--quick] [--items 2000] [--jobs 1,2,3,4,5,6] [--reps 3] [--decoder pil]
+Usage: python -m bench.multi_job [--quick] [--items 2000] [--jobs 1,2,3,4,5,6] [--reps 3] [--decoder pil]
 Writes bench/results/multi_job[-quick].json and .png and prints a table.
 """
 
@@ -41,9 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (  # noqa: E402
+from bench.common import (
     Server,
     children_cpu_s,
     demo_data,
@@ -310,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         "full_cache_trials": full_cache, "checks": checks, "trials": trials,
         "variants": variants,
         "decoder": args.decoder or "default", "augment": args.augment,
-        "command": "python bench/multi_job.py" + (" --quick" if args.quick else "")
+        "command": "python -m bench.multi_job" + (" --quick" if args.quick else "")
                    + (f" --decoder {args.decoder}" if args.decoder else ""),
     }
     print(f"wrote {write_json(name, data)}")

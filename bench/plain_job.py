@@ -1,8 +1,8 @@
 """A training script written the plain way, timed by role: what `bench/four_jobs.py` runs.
 
-    python bench/plain_job.py joader --source demo --address A --out job.json [--start-file F]
-    python bench/plain_job.py turbo  --root ROOT --num-workers 2 --out job.json
-    python bench/plain_job.py pil    --root ROOT --num-workers 2 --out job.json
+    python -m bench.plain_job joader --source demo --address A --out job.json [--start-file F]
+    python -m bench.plain_job turbo  --root ROOT --num-workers 2 --out job.json
+    python -m bench.plain_job pil    --root ROOT --num-workers 2 --out job.json
 
 The script is the README's: `DataLoader(JoaderDataset("demo", transform=...), batch_size=B)`,
 nothing else (no `batch_size=` on the dataset, no thread setting, no environment variables).
@@ -38,8 +38,7 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from simjob import RandomCropFlip, tree_cpu_s  # noqa: E402
+from bench.simjob import RandomCropFlip, tree_cpu_s  # noqa: E402
 
 
 def _cpu() -> float:

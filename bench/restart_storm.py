@@ -1,7 +1,7 @@
 """Restart storms: one job read while joaderd is killed -9 and started again every fraction of a
 second, every sample checked (pixels, label, exactly once per epoch).
 
-    python bench/restart_storm.py [--runs 8] [--mode batched|plain|workers] [--seed 0]
+    python -m bench.restart_storm [--runs 8] [--mode batched|plain|workers] [--seed 0]
 
 Each run: a real joaderd over 240 generated JPEGs, one `tests/support/integrity_job.py`
 job (160 items, 3 epochs, batch 8, 0.05 s per step, checkpoints with num_workers=0) and, until
@@ -23,12 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from joader.client.demo_data import make_demo_data
+from joader.launch import JoaderdProcess
+from tests.support.integrity import Findings, check_records, read_records, reference
 
-from joader.launch import JoaderdProcess  # noqa: E402
-from joader.sources.demo import make_demo_data  # noqa: E402
-from tests.support.integrity import Findings, check_records, read_records, reference  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 ITEMS, EPOCHS, SIZE = 160, 3, 32
 

@@ -11,7 +11,7 @@
     staggered start): the long-run rate falls below the dataset bound, while the rate still
     equals the mean of the per-round bound |R1 ∩ R2| / max(|R1|, |R2|), which DSA attains.
 
-Usage: python bench/sampler.py [--quick] [--seed 0] [--out PATH]. --quick runs in under a
+Usage: python -m bench.sampler [--quick] [--seed 0] [--out PATH]. --quick runs in under a
 minute with fewer datasets and rounds; the default is the full run. Prints a table and writes
 JSON (default bench/results/sampler.json, or sampler-quick.json with --quick).
 """

@@ -3,7 +3,7 @@
 The demo, the integration tests and the benchmarks all run jobs through this module, each job
 in its own process as real training would be:
 
-    python bench/simjob.py --source demo --indices 0:600 --epochs 2 --step-s 0.05 \
+    python -m bench.simjob --source demo --indices 0:600 --epochs 2 --step-s 0.05 \
         --batch-size 32 --num-workers 2 --out job.json
 
 `--baseline ROOT` runs the same job without joader: an ImageFolder-style map dataset that does
@@ -214,7 +214,7 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python bench/simjob.py", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.simjob", description=__doc__.split("\n")[0])
     parser.add_argument("--source", default="demo")
     parser.add_argument("--address")
     parser.add_argument("--indices", help="e.g. 0:600 or 0:100,200:300 or @ids.json")

@@ -3,7 +3,7 @@
 (a) Images/s in one process (one core) for each decoder (pil; turbo with simplejpeg's fast
     integer DCT; turbo with the exact one; the default is joader.stages.image.TURBO_OPTIONS)
     x stage (center-crop:256, resize:256, max-side:512), on the 500x375 demo JPEGs
-    (joader.sources.demo, quality 90, about 100 KB) and on large 2000x1500 photo-like JPEGs
+    (joader.client.demo_data, quality 90, about 100 KB) and on large 2000x1500 photo-like JPEGs
     (quality 90, about 650 KB; generated once). The encoded files are read into memory first:
     this is the stage alone. Median of several repetitions, decoders interleaved.
 (b) Pixel differences turbo vs pil per stage and data set: mean, 99th percentile and max of
@@ -18,7 +18,7 @@
 Beside joader's decoders, (a) also times a "plain Pillow" reference: what a torchvision-style
 ImageFolder does (full-size decode, bilinear resize, crop), not a joader decoder.
 
-Usage: python bench/stage.py [--quick] [--reps N] [--out PATH]. --quick (under a minute or
+Usage: python -m bench.stage [--quick] [--reps N] [--out PATH]. --quick (under a minute or
 two) uses fewer images, repetitions and seconds. Prints tables and writes JSON (default
 bench/results/stage.json, or stage-quick.json with --quick).
 """
@@ -29,19 +29,15 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import DATA_DIR, RESULTS, demo_data, machine, median, print_table  # noqa: E402
-
-from joader.stages import build_stage  # noqa: E402
-from joader.stages.image import TURBO_OPTIONS  # noqa: E402
+from bench.common import DATA_DIR, RESULTS, demo_data, machine, median, print_table
+from joader.stages import build_stage
+from joader.stages.image import TURBO_OPTIONS
 
 STAGES = [("center-crop", 256), ("resize", 256), ("max-side", 512)]
 # (label, decoder, options)

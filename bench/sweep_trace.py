@@ -42,10 +42,10 @@ extra argument (the reported figures use neither).
 0.08 s, started together, quarter cache; the fastest job's rate beside the others against its
 rate alone (median of the repetitions' ratios).
 
-Usage: python bench/sweep_trace.py [--quick] [--fast-job] [--items 600] [--epochs 3] [--reps 3]
+Usage: python -m bench.sweep_trace [--quick] [--fast-job] [--items 600] [--epochs 3] [--reps 3]
        (default about 5 minutes, 6 with --fast-job, on this project's 2-core machine; --quick
        about 1 minute)
-       python bench/sweep_trace.py job ...   (one job process; the bench starts these)
+       python -m bench.sweep_trace job ...   (one job process; the bench starts these)
 Writes bench/results/sweep_trace-<timestamp>.json and prints tables.
 """
 
@@ -63,9 +63,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import (  # noqa: E402
+from bench.common import (
     Server,
     demo_data,
     machine,
@@ -188,7 +186,7 @@ def poll_main(args: argparse.Namespace) -> int:
 
 
 def job_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python bench/sweep_trace.py job")
+    parser = argparse.ArgumentParser(prog="python -m bench.sweep_trace job")
     parser.add_argument("--address", required=True)
     parser.add_argument("--indices", required=True, help="START:STOP")
     parser.add_argument("--epochs", type=int, required=True)
@@ -240,12 +238,12 @@ def run_mix(root: Path, n: int, specs: list[JobSpec], args: argparse.Namespace, 
         with Server(root, quarter_cache_bytes(n), workers=args.workers, extra=args.server_arg) as server:
             go = workdir / "go"
             if args.timeline:
-                poller = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "poll", "--address",
+                poller = subprocess.Popen([sys.executable, "-m", "bench.sweep_trace", "poll", "--address",
                                            server.address, "--interval", repr(args.timeline),
                                            "--stop-file", str(workdir / "stop"), "--out",
                                            str(workdir / "timeline.json")], env=env)
             for i, spec in enumerate(specs):
-                command = [sys.executable, str(Path(__file__).resolve()), "job", "--address", server.address,
+                command = [sys.executable, "-m", "bench.sweep_trace", "job", "--address", server.address,
                            "--indices", f"0:{spec.stop}", "--epochs", str(args.epochs),
                            "--batch-size", str(args.batch_size), "--step-s", repr(spec.step_s),
                            "--ready-file", str(workdir / f"ready{i}"), "--out", str(workdir / f"job{i}.json"),
@@ -525,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["job"]:
         return job_main(job_parser().parse_args(argv[1:]))
     if argv[:1] == ["poll"]:
-        poll = argparse.ArgumentParser(prog="python bench/sweep_trace.py poll")
+        poll = argparse.ArgumentParser(prog="python -m bench.sweep_trace poll")
         poll.add_argument("--address", required=True)
         poll.add_argument("--interval", type=float, default=0.5)
         poll.add_argument("--stop-file", type=Path, required=True)
@@ -560,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     args.reps = args.reps or (1 if args.quick else 3)
     log = Clock()
     root = demo_data(n)
-    command = "python bench/sweep_trace.py " + " ".join(argv)
+    command = "python -m bench.sweep_trace " + " ".join(argv)
     data: dict[str, Any] = {
         "command": command.strip(), "machine": machine(), "num_items": n, "jobs": args.jobs,
         "subset_items": max(1, round(n * args.subset)), "epochs": args.epochs, "batch_size": args.batch_size,

@@ -1,6 +1,6 @@
 """The sweep that crashed joaderd (issue 27, finding 0), run many times, every sample checked.
 
-    python bench/sweep_whole_cache.py [--runs 20] [--epochs 5] [--stagger-s 0.5] [--items 1200]
+    python -m bench.sweep_whole_cache [--runs 20] [--epochs 5] [--stagger-s 0.5] [--items 1200]
 
 Question: does an ordinary sweep survive when the cache holds the whole dataset? A Ray Tune
 sweep of 4 trials over 1,200 photos with `joaderd --image-size 64` and the default 1 GiB cache
@@ -34,13 +34,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from joader.client.demo_data import make_demo_data
+from joader.launch import JoaderdProcess
+from tests.support.integrity import Findings, check_records, read_records, reference
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from joader.launch import JoaderdProcess  # noqa: E402
-from joader.sources.demo import make_demo_data  # noqa: E402
-from tests.support.integrity import Findings, check_records, read_records, reference  # noqa: E402
-
 RESULTS = ROOT / "bench" / "results"
 JOBS = 4
 BATCH = 32

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             status = fetch_status(args.address)
             print(json.dumps(status, indent=2) if args.json else format_status(status))
             return 0
-        from joader.sources.demo import make_demo_data
+        from joader.client.demo_data import make_demo_data
 
         make_demo_data(args.dir, args.items, num_classes=args.classes, seed=args.seed, progress=True)
         return 0

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=2)
     args = parser.parse_args(argv)
 
-    from joader.sources.demo import make_demo_data
+    from joader.client.demo_data import make_demo_data
 
     print(f"demo: generating {args.items} ImageNet-like JPEGs in {args.data} (once)", flush=True)
     make_demo_data(args.data, args.items, progress=True)

@@ -1,4 +1,4 @@
-"""Sources: ImageFolder trees, list files and tar shards behind one `ItemSource`; demo data.
+"""Sources: ImageFolder trees, list files and tar shards behind one `ItemSource`.
 
 The shared stages live in `joader.stages`."""
 

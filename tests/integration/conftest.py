@@ -2,7 +2,7 @@
 
 The pytest process itself never opens a gRPC channel: the unit tests fork decode workers, and a
 fork with a live channel can crash. Status is read through `joader status --json` in a
-subprocess, and jobs run through `bench/simjob.py`, as a training script would.
+subprocess, and jobs run through `python -m bench.simjob`, as a training script would.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 
+from joader.client.demo_data import make_demo_data
 from joader.launch import JoaderdProcess, JoaderdStartError
-from joader.sources.demo import make_demo_data
 from tests.support.integrity import reference
-from tests.support.processes import IMAGE_SIZE, ITEM_NBYTES, NUM_DEMO_ITEMS, Clients
+from tests.support.processes import IMAGE_SIZE, ITEM_NBYTES, NUM_DEMO_ITEMS, ROOT, Clients
 
-SIMJOB = Path(__file__).resolve().parents[2] / "bench" / "simjob.py"  # a test and bench helper, not shipped
+SIMJOB = ("-m", "bench.simjob")  # the emulated training job: a test and bench helper, not shipped
 
 
 
@@ -74,10 +74,12 @@ class Joaderd:
 
     def job(self, *args: str, name: str = "job") -> subprocess.Popen[bytes]:
         """Starts an emulated training job; its JSON report goes to `report_path(name)`."""
-        command = [sys.executable, str(SIMJOB), "--address", self.address,
+        command = [sys.executable, *SIMJOB, "--address", self.address,
                    "--image-size", str(IMAGE_SIZE), "--name", name, "--record",
                    "--out", str(self.report_path(name)), *args]
-        return subprocess.Popen(command, stderr=open(self.dir / f"{name}.err", "wb"), start_new_session=True)
+        # The repository on the path: `bench` is found from any working directory.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        return subprocess.Popen(command, stderr=open(self.dir / f"{name}.err", "wb"), start_new_session=True, env=env)
 
     def report_path(self, name: str) -> Path:
         return self.dir / f"{name}.json"

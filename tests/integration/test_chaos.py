@@ -1,32 +1,19 @@
-"""The chaos soak's short form (`bench/chaos.py`): jobs in every client mode, joaderd killed -9
+"""The chaos soak's short form (`python -m bench.chaos`): jobs in every client mode, joaderd killed -9
 and restarted (also at an epoch's end), jobs killed and resumed from checkpoints, decode workers
 killed; every delivered sample's pixels and label checked against a decode made here, every
 epoch of every job exactly once. The full form runs 20 minutes or more (see the README)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
+
+from bench import chaos
 
 pytestmark = pytest.mark.timeout(330)
 
 
-def _chaos() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "bench" / "chaos.py"
-    spec = importlib.util.spec_from_file_location("joader_bench_chaos", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_a_short_soak_delivers_only_the_right_samples_exactly_once() -> None:
-    summary = _chaos().soak(80.0, seed=17, fault_every_s=4.0, episode_s=40.0)
+    summary = chaos.soak(80.0, seed=17, fault_every_s=4.0, episode_s=40.0)
     print(summary.line())
     assert summary.ok, summary.line() + "".join(f"\n  {p}" for p in summary.problems[:15])
     assert summary.samples_checked > 3000

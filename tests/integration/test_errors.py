@@ -14,8 +14,8 @@ import pytest
 
 from joader import JoaderDataset
 from joader.errors import InvalidArgumentError, UnknownSourceError
-from joader.sources.demo import corrupt_jpeg
 from tests.conftest import joader_segments
+from tests.support.data import corrupt_jpeg
 from tests.support.processes import NUM_DEMO_ITEMS, finish, wait_for
 
 pytestmark = pytest.mark.timeout(180)

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from joader.sources.demo import write_list_file, write_tar_shards
 from joader.sources.imagefolder import list_image_folder
+from tests.support.data import write_list_file, write_tar_shards
 
 pytestmark = pytest.mark.timeout(180)
 

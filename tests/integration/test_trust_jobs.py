@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from joader.sources.demo import corrupt_jpeg, make_demo_data
+from joader.client.demo_data import make_demo_data
+from tests.support.data import corrupt_jpeg
 from tests.support.processes import NUM_DEMO_ITEMS, wait_for
 from tests.support.trust import client, end, read_line, rss_bytes, run_client
 

@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 
 from joader.cache.arena import Arena
+from joader.client.demo_data import make_demo_data
 from joader.errors import InvalidArgumentError, JoaderError
 from joader.server import pool_spawning
 from joader.server.decode_pool import DecodePool, DecodeResult, PoolConfig, SourceSpec
-from joader.sources.demo import corrupt_jpeg, make_demo_data
 from joader.sources.imagefolder import SourceListing, list_image_folder
 from joader.stages import build_stage
+from tests.support.data import corrupt_jpeg
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from joader.client.demo_data import make_demo_data
 from joader.errors import DecodeError, InvalidArgumentError
 from joader.sources import (
     ItemSource,
@@ -23,7 +24,7 @@ from joader.sources import (
     list_image_folder,
     open_source,
 )
-from joader.sources.demo import make_demo_data, write_list_file, write_tar_shards
+from tests.support.data import write_list_file, write_tar_shards
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from joader.client.demo_data import make_demo_data
 from joader.errors import DecodeError
-from joader.sources.demo import corrupt_jpeg, make_demo_data
 from joader.stages import ItemSpec, Stage, build_stage
 from tests.support import reference_stage as today
+from tests.support.data import corrupt_jpeg
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from joader.sources.demo import corrupt_jpeg, make_demo_data
+from joader.client.demo_data import make_demo_data
 from joader.stages import build_stage
 from joader.stages.user import UserStage
+from tests.support.data import corrupt_jpeg
 
 pytestmark = pytest.mark.timeout(120)
 

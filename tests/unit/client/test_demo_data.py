@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from joader.client.demo_data import main, make_demo_data
 from joader.errors import DecodeError, InvalidArgumentError
-from joader.sources.demo import corrupt_jpeg, main, make_demo_data
 from joader.stages import build_stage
+from tests.support.data import corrupt_jpeg
 
 STAGE = build_stage("center-crop", size=64)
 
