@@ -25,12 +25,8 @@ from __future__ import annotations
 import base64
 import copy
 import hashlib
-import json
 import logging
 import os
-import select
-import subprocess
-import sys
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -49,8 +45,9 @@ from joader.client.board import MAX_EPOCH, Board
 from joader.client.connection import BATCHES_PER_REQUEST, Connection, Identity
 from joader.client.delivery import Reader
 from joader.client.handoff import Receipts
+from joader.client.keeper import Keeper
 from joader.client.passes import Pass, Progress
-from joader.errors import ERROR_CLASSES, InvalidArgumentError, JoaderError
+from joader.errors import InvalidArgumentError, JoaderError
 from joader.sampling import hosts
 
 logger = logging.getLogger(__name__)
@@ -263,7 +260,7 @@ class JoaderDataset(IterableDataset):
         self.hosts: hosts.HostLayout | None = None  # this rank's host, when the job spans hosts
         self._all_items: BitMap | None = bitmap
         self._dispatched = False  # accelerate's DataLoaderDispatcher: rank 0 reads the whole job
-        self._keeper: subprocess.Popen[str] | None = None
+        self._keeper: Keeper | None = None
         self._finalizer: Callable[[], Any] | None = None
         self._connection: Connection | None = None
         self._pool: tuple[int, BatchPool] | None = None  # batched: reused batch buffers
@@ -329,14 +326,10 @@ class JoaderDataset(IterableDataset):
                         layout.first_rank, layout.first_rank + layout.local_ranks - 1)
         self.hosts = layout
         board = Board.create()
-        registration["board_fd"] = board.fd
-        try:
-            keeper, info = _start_keeper(registration, timeout_s=60.0, pass_fds=(board.fd,))
-        except BaseException:
-            board.close()
-            raise
+        keeper = Keeper.spawn(registration, board)
+        info = keeper.info
         self._keeper = keeper
-        self._finalizer = weakref.finalize(self, _stop_keeper, keeper, os.getpid(), board)
+        self._finalizer = weakref.finalize(self, keeper.stop)
         try:  # mapped and let go: a process that reads no items must not hold it (a restart's dead arena)
             ArenaReader(info["arena_path"], expected_uid=info.get("server_uid")).close()
         except JoaderError as error:
@@ -358,7 +351,7 @@ class JoaderDataset(IterableDataset):
         # The one owner of the job's identity (id, secret, arena, generation) in this process.
         self._connection = Connection(self.address, Identity.from_keeper(info, board.generation), board,
                                       timeout_s=self.timeout_s, verify=self._verify,
-                                      keeper_note=self._keeper_note)
+                                      keeper_note=keeper.exit_note)
         self._passes = 0
 
     def _items(self) -> BitMap:
@@ -373,9 +366,7 @@ class JoaderDataset(IterableDataset):
 
     def _ask_description(self) -> dict[str, Any]:
         """joaderd's description of the source and dataset (an `Attach` that registers nothing)."""
-        describer, info = _start_keeper(dict(self._registration, describe=True), timeout_s=60.0)
-        _stop_keeper(describer, os.getpid())  # it answered and exits: reap it, close its pipes
-        return info
+        return Keeper.describe(self._registration)
 
     def _detach(self) -> None:
         """Ends this process's part of the job (its other ranks go on)."""
@@ -671,21 +662,6 @@ class JoaderDataset(IterableDataset):
             self._pool = (pid, BatchPool(nbytes))
         return self._pool[1]
 
-    def _keeper_note(self) -> str:
-        keeper = self._keeper
-        if keeper is None or keeper.pid is None:
-            return ""
-        try:
-            os.kill(keeper.pid, 0)
-        except ProcessLookupError:
-            return (
-                f" (this process's lease keeper, pid {keeper.pid}, has exited: it was killed, "
-                "or could not reach joaderd; its stderr says why)"
-            )
-        except PermissionError:
-            pass
-        return ""
-
 
 def _digest(bitmap: BitMap | None) -> str:
     """A short digest of a job's indices (None: the whole source), for `state_dict`."""
@@ -707,54 +683,3 @@ def _check_same_job(state: dict[str, Any], dataset: JoaderDataset) -> None:
         raise InvalidArgumentError(
             f"load_state_dict: the state is of another job ({'; '.join(problems)}); load the state "
             "this job saved, or build the dataset with the same source, indices and seed")
-
-
-def _start_keeper(registration: dict[str, Any], timeout_s: float,
-                  pass_fds: tuple[int, ...] = ()) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    keeper = subprocess.Popen(
-        [sys.executable, "-m", "joader.client.keeper"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        pass_fds=pass_fds,
-    )
-    assert keeper.stdin is not None and keeper.stdout is not None
-    keeper.stdin.write(json.dumps(registration) + "\n")
-    keeper.stdin.flush()
-    ready, _, _ = select.select([keeper.stdout], [], [], timeout_s)
-    line = keeper.stdout.readline() if ready else ""
-    if not line:
-        _stop_keeper(keeper, os.getpid())
-        raise ConnectionError(
-            f"joader could not register with joaderd at {registration['address']} within "
-            f"{timeout_s:g} s. Start one with `joaderd --source NAME=PATH`, or set JOADER_ADDRESS."
-        )
-    reply = json.loads(line)
-    if reply.get("ok"):
-        return keeper, reply
-    _stop_keeper(keeper, os.getpid())
-    kind, message = reply.get("kind", "JoaderError"), reply.get("message", "unknown error")
-    if kind == "ConnectionError":
-        raise ConnectionError(message)
-    if kind == "TimeoutError":
-        raise TimeoutError(message)
-    raise ERROR_CLASSES.get(kind, JoaderError)(message)
-
-
-def _stop_keeper(keeper: subprocess.Popen[str], owner_pid: int, board: Board | None = None) -> None:
-    if os.getpid() != owner_pid:  # a forked copy of the dataset: the lease is the parent's
-        return
-    if board is not None:
-        board.close()
-    try:
-        if keeper.stdin is not None:
-            keeper.stdin.write("close\n")  # a clean end: the job's other ranks go on
-            keeper.stdin.close()
-        keeper.wait(timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        keeper.kill()
-        keeper.wait()
-    if keeper.stdout is not None:
-        keeper.stdout.close()
-
-
