@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import base64
 import copy
-import hashlib
 import logging
 import os
 import time
@@ -41,7 +40,8 @@ from joader.address import resolve_address
 from joader.cache.arena import ArenaReader
 from joader.client import frameworks, placement
 from joader.client.batchpool import BatchPool
-from joader.client.board import MAX_EPOCH, Board
+from joader.client.board import Board
+from joader.client.checkpoint import Checkpoint, Owner, ResumePoint, indices_digest
 from joader.client.connection import BATCHES_PER_REQUEST, Connection, Identity
 from joader.client.delivery import Reader
 from joader.client.handoff import Receipts
@@ -56,8 +56,6 @@ __all__ = ["BATCHES_PER_REQUEST", "JoaderDataset", "to_bitmap"]
 
 DEFAULT_BATCH_SIZE = 64  # items per request when no DataLoader says otherwise
 
-STATE_VERSION = 1
-MAX_PARTS = 1024  # readers of one rank a state may say reported (DataLoader workers)
 _NOTICE_WORKERS = 0  # board notice: "workers without a transform only add a copy"
 
 
@@ -241,7 +239,7 @@ class JoaderDataset(IterableDataset):
         self._seed_given = seed is not None
         self._asked = (rank, world_size)
         bitmap = to_bitmap(indices)
-        self._dataset_digest = _digest(bitmap)
+        self._dataset_digest = indices_digest(bitmap)
         self._ordinal = _next_ordinal(source, self._dataset_digest)
         self._registration: dict[str, Any] = {
             "address": self.address,
@@ -268,7 +266,7 @@ class JoaderDataset(IterableDataset):
         self._job_name = ""
         self._warned: set[int] = set()
         self._progress = Progress()  # what this process yielded: state_dict, epoch_order
-        self._resume: dict[str, Any] | None = None
+        self._resume: ResumePoint | None = None
         self.seed: int | None = seed
         found = placement.find(rank, world_size, distributed=torch.distributed)
         if found is None:
@@ -511,7 +509,8 @@ class JoaderDataset(IterableDataset):
     # ----------------------------------------------------------------------------- real jobs
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this reader is in its epoch: picklable, small, version-tagged.
+        """Where this reader is in its epoch: picklable, small, version-tagged
+        (`joader.client.checkpoint`).
 
         `epoch`: the epoch of this process's newest pass; `consumed`: the ids it yielded of that
         epoch (a serialized pyroaring BitMap), so a checkpoint taken between steps is exact.
@@ -523,68 +522,21 @@ class JoaderDataset(IterableDataset):
         self._settle()
         worker = get_worker_info()
         parts = worker.num_workers if worker is not None else 1
-        progress = self._progress
-        epoch, consumed = progress.epoch, progress.consumed
-        if progress.finished and parts == 1:
-            epoch, consumed = epoch + 1, BitMap()
-        return {
-            "version": STATE_VERSION,
-            "job": "joader",
-            "epoch": epoch,
-            "consumed": consumed.serialize(),
-            "seed": self.seed,
-            "seed_given": self._seed_given,
-            "source": self.source,
-            "dataset": self._dataset_digest,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "parts": parts,
-            "hosts": self.hosts.as_dict() if self.hosts is not None else None,
-        }
+        epoch, consumed = self._progress.saved(parts)
+        return Checkpoint(self._owner(), epoch, consumed, parts).state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Makes the next `iter()` resume `state`'s epoch: exactly the items not consumed in it
         (in a uniform random order), then whole epochs."""
-        if not isinstance(state, dict) or state.get("job") != "joader":
-            raise InvalidArgumentError(
-                "load_state_dict: this is not a JoaderDataset state (from JoaderDataset.state_dict())")
+        Checkpoint.check_tag(state)
         self._settle()
-        if state.get("version") != STATE_VERSION:
-            raise InvalidArgumentError(
-                f"load_state_dict: state version {state.get('version')!r}; this joader reads version "
-                f"{STATE_VERSION}. Resume with the joader version that saved it.")
-        if state.get("world_size") != self.world_size or state.get("rank") != self.rank:
-            raise InvalidArgumentError(
-                f"load_state_dict: the state is of rank {state.get('rank')} of {state.get('world_size')}, "
-                f"this dataset is rank {self.rank} of {self.world_size}; load each rank's own state")
-        _check_same_job(state, self)
-        layout = self.hosts.as_dict() if self.hosts is not None else None
-        if state.get("hosts") != layout:
-            raise InvalidArgumentError(
-                f"load_state_dict: the state was saved with its ranks on hosts {state.get('hosts')}, this "
-                f"rank's host is {layout} (each host's joaderd serves its part of the items, cut by "
-                "the layout); resume with the same ranks per host (torchrun's --nnodes and "
-                "--nproc-per-node), or start the epoch afresh")
-        epoch = state.get("epoch")
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < MAX_EPOCH:
-            raise InvalidArgumentError(
-                f"load_state_dict: epoch {epoch!r} is not an epoch number (0..{MAX_EPOCH - 1}); "
-                "load a state saved by JoaderDataset.state_dict()")
-        parts = state.get("parts", 1)
-        if not isinstance(parts, int) or not 1 <= parts <= MAX_PARTS:
-            raise InvalidArgumentError(
-                f"load_state_dict: parts {parts!r} is not a number of readers (1..{MAX_PARTS}); load a "
-                "state saved by JoaderDataset.state_dict() (with DataLoader workers, through "
-                "torchdata's StatefulDataLoader)")
-        try:
-            consumed = BitMap.deserialize(state["consumed"])
-        except Exception as error:
-            raise InvalidArgumentError(f"load_state_dict: its consumed set is unreadable ({error})") from error
-        progress = self._progress
-        progress.epoch = epoch
-        progress.consumed = consumed
-        progress.finished = False
-        self._resume = dict(state, consumed=consumed) if epoch > 0 else None
+        checkpoint = Checkpoint.from_state_dict(state, self._owner())
+        self._progress.restore(checkpoint.epoch, checkpoint.consumed)
+        self._resume = checkpoint.resume_point
+
+    def _owner(self) -> Owner:
+        return Owner(self.source, self._dataset_digest, self.seed, self._seed_given, self.rank, self.world_size,
+                     self.hosts.as_dict() if self.hosts is not None else None)
 
     def epoch_order(self, epoch: int) -> list[int]:
         """The indices this process yielded in `epoch`, in order (for epochs it read)."""
@@ -661,25 +613,3 @@ class JoaderDataset(IterableDataset):
         if self._pool is None or self._pool[0] != pid or self._pool[1].nbytes != nbytes:
             self._pool = (pid, BatchPool(nbytes))
         return self._pool[1]
-
-
-def _digest(bitmap: BitMap | None) -> str:
-    """A short digest of a job's indices (None: the whole source), for `state_dict`."""
-    data = bitmap.serialize() if bitmap is not None else b"all"
-    return hashlib.sha256(data).hexdigest()[:16]
-
-
-def _check_same_job(state: dict[str, Any], dataset: JoaderDataset) -> None:
-    """Refuses a state saved by another job: another source, other indices, or another seed
-    that was given (a job without a seed gets a new one each run; resuming it is fine)."""
-    problems = []
-    if "source" in state and state["source"] != dataset.source:
-        problems.append(f"source {state['source']!r}, not {dataset.source!r}")
-    if "dataset" in state and state["dataset"] != dataset._dataset_digest:
-        problems.append("other indices")
-    if state.get("seed_given") and dataset._seed_given and state.get("seed") != dataset.seed:
-        problems.append(f"seed {state.get('seed')}, not {dataset.seed}")
-    if problems:
-        raise InvalidArgumentError(
-            f"load_state_dict: the state is of another job ({'; '.join(problems)}); load the state "
-            "this job saved, or build the dataset with the same source, indices and seed")

@@ -80,9 +80,8 @@ class Reader:
             fields.update(stall_epoch=stream.epoch, stall_wait_s=stream.wait_s,
                           stall_step_s=stream.step_s, stall_items=stream.items)
         if max_items and stream.resume is not None:  # until the pass's first reply
-            fields.update(resume_epoch=int(stream.resume["epoch"]),
-                          resume_consumed=stream.resume["consumed"].serialize(),
-                          resume_parts=int(stream.resume.get("parts", 1)))
+            fields.update(resume_epoch=stream.resume.epoch, resume_consumed=stream.resume.consumed.serialize(),
+                          resume_parts=stream.resume.parts)
         return fields
 
     def ask(self, acks: Reply | list[int] | None = None) -> Call:
@@ -113,11 +112,11 @@ class Reader:
         restart is the board's; without these, a restart later in the resumed epoch dealt the
         checkpoint's items again."""
         board, resume = self.conn.board, self.stream.resume
-        if board is None or resume is None or int(resume["epoch"]) != epoch or not epoch:
+        if board is None or resume is None or resume.epoch != epoch or not epoch:
             return
         board.note_pass(epoch, self.stream.token)
-        if resume["consumed"]:
-            board.mark(list(resume["consumed"]), epoch)
+        if resume.consumed:
+            board.mark(list(resume.consumed), epoch)
 
     # ----------------------------------------------------------------------------- the loop
 

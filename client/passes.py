@@ -15,6 +15,7 @@ from typing import Any
 from pyroaring import BitMap
 
 from joader.client.board import RECEIPT_SLOTS, Board
+from joader.client.checkpoint import ResumePoint
 
 _TOKEN_MASK = (1 << 63) - 1
 
@@ -31,7 +32,7 @@ class Pass:
         self.worker_id = worker_id
         self.num_workers = num_workers
         self.epoch = 0
-        self.resume: dict[str, Any] | None = None
+        self.resume: ResumePoint | None = None  # until the pass's first reply
         # The training loop's time inside next() and between calls, in this pass's epoch
         # (measured only by a reader in the training process: `JoaderDataset._timed`).
         self.measured = False
@@ -87,8 +88,8 @@ class Progress:
     def start_epoch(self, stream: Pass, epoch: int) -> None:
         """The first reply of a pass names its epoch: this process's records follow it."""
         stream.epoch = epoch
-        if stream.resume is not None and int(stream.resume["epoch"]) == epoch:
-            consumed = stream.resume["consumed"]
+        if stream.resume is not None and stream.resume.epoch == epoch:
+            consumed = stream.resume.consumed
         else:
             consumed = BitMap()
         stream.resume = None
@@ -99,6 +100,19 @@ class Progress:
             self.orders.setdefault(epoch, [])
             while len(self.orders) > 1000:
                 del self.orders[min(self.orders)]
+
+    def saved(self, parts: int) -> tuple[int, BitMap]:
+        """The epoch and consumed ids a checkpoint records now: a finished epoch read by one
+        process is saved as the start of the next."""
+        if self.finished and parts == 1:
+            return self.epoch + 1, BitMap()
+        return self.epoch, self.consumed
+
+    def restore(self, epoch: int, consumed: BitMap) -> None:
+        """A loaded checkpoint: this process's records go on from it."""
+        self.epoch = epoch
+        self.consumed = consumed
+        self.finished = False
 
     def yielded(self, stream: Pass, indices: list[int]) -> None:
         stream.items += len(indices)

@@ -13,6 +13,7 @@ import pytest
 from pyroaring import BitMap
 
 from joader.client.board import Board
+from joader.client.checkpoint import ResumePoint
 from joader.client.connection import Connection, Identity
 from joader.client.delivery import Reader
 from joader.client.passes import Pass, continued_epoch
@@ -82,7 +83,7 @@ def test_a_checkpoints_consumed_items_go_on_the_board_when_joaderd_takes_them(bo
     once joaderd's first reply names epoch 2, the board says the rank received them in epoch 2,
     so a later restart's keeper report does not have them dealt again."""
     stream = Pass(41, 0, 1)
-    stream.resume = {"epoch": 2, "consumed": BitMap(range(10)), "parts": 1}
+    stream.resume = ResumePoint(2, BitMap(range(10)), 1)
     conn = Connection("unix:/nowhere", OLD, board, timeout_s=5, verify=False)
     reader = Reader(SimpleNamespace(_connection=conn, batch_size=4), stream)  # type: ignore[arg-type]
     assert reader._fields(4)["resume_epoch"] == 2
