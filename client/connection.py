@@ -17,6 +17,7 @@ same name), and acknowledging only to the server that handed an item out.
 from __future__ import annotations
 
 import base64
+import copy
 import logging
 import multiprocessing.util
 import os
@@ -98,7 +99,7 @@ class Connection:
         self.verify = verify
         self._keeper_note = keeper_note
         self._arenas: dict[str, Identity] = {identity.arena: identity}  # what replies may name
-        self._readers: tuple[int, dict[str, ArenaReader]] = (os.getpid(), {})
+        self._mappings: tuple[int, dict[str, ArenaReader]] = (os.getpid(), {})
         # In a DataLoader worker: the training process's pid (`watch_parent`).
         self.parent_pid: int | None = None
 
@@ -156,7 +157,7 @@ class Connection:
         while len(self._arenas) > _ARENAS_KEPT + 1:
             del self._arenas[next(iter(self._arenas))]
         reset_channel(self.address)
-        self.reader(identity.arena)  # mapped now, while its file surely exists
+        self.mapping(identity.arena)  # mapped now, while its file surely exists
         logger.debug("job %s: attached again to the restarted joaderd", identity.job_id)
         return True
 
@@ -255,21 +256,29 @@ class Connection:
 
     # ----------------------------------------------------------------------------- the arena
 
-    def reader(self, arena: str) -> ArenaReader:
+    def mapping(self, arena: str) -> ArenaReader:
         """This process's mapping of `arena` (a reply's), which must be one this job's
         identities named: a reply is never read through another arena."""
-        pid, readers = self._readers
+        pid, mappings = self._mappings
         if pid != os.getpid():
-            readers = {}
-            self._readers = (os.getpid(), readers)
-        reader = readers.get(arena)
-        if reader is None:
+            mappings = {}
+            self._mappings = (os.getpid(), mappings)
+        mapping = mappings.get(arena)
+        if mapping is None:
             where = self.arena(arena)
-            reader = ArenaReader(where.path, expected_uid=where.server_uid, held_by=where.held_by)
-            readers[arena] = reader
-            while len(readers) > _ARENAS_KEPT:
-                readers.pop(next(iter(readers))).close()
-        return reader
+            mapping = ArenaReader(where.path, expected_uid=where.server_uid, held_by=where.held_by)
+            mappings[arena] = mapping
+            while len(mappings) > _ARENAS_KEPT:
+                mappings.pop(next(iter(mappings))).close()
+        return mapping
+
+    def without_board(self) -> Connection:
+        """A copy for a spawned process (pickled): no board (a forked mapping does not
+        travel) and no mappings of this process's."""
+        connection = copy.copy(self)
+        connection.board = None
+        connection._mappings = (0, {})
+        return connection
 
     def arena(self, arena: str) -> Arena:
         """`arena` as a batch handed to another process names it (`joader.client.handoff`)."""

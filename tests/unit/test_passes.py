@@ -15,8 +15,8 @@ from pyroaring import BitMap
 from joader.client.board import Board
 from joader.client.checkpoint import ResumePoint
 from joader.client.connection import Connection, Identity
-from joader.client.delivery import Reader
-from joader.client.passes import Pass, continued_epoch
+from joader.client.delivery import Reader, ReadOptions
+from joader.client.passes import Pass, Progress, continued_epoch
 
 OLD = Identity("job-a", b"s" * 16, "/dev/shm/joader-0-1-aaaa", None, "fp", generation=0)
 
@@ -32,8 +32,7 @@ def board() -> Iterator[Board]:
 def _fields(board: Board, stream: Pass) -> dict[str, Any]:
     """The fields of `stream`'s next request for items, as its reader sends them."""
     conn = Connection("unix:/nowhere", OLD, board, timeout_s=5, verify=False)
-    dataset = SimpleNamespace(_connection=conn, batch_size=4)
-    return Reader(dataset, stream)._fields(4)  # type: ignore[arg-type]
+    return Reader(conn, stream, Progress(), ReadOptions(source="demo", batch_size=4))._fields(4)
 
 
 def _worker(worker_id: int, seed: int = 1234) -> SimpleNamespace:
@@ -85,7 +84,7 @@ def test_a_checkpoints_consumed_items_go_on_the_board_when_joaderd_takes_them(bo
     stream = Pass(41, 0, 1)
     stream.resume = ResumePoint(2, BitMap(range(10)), 1)
     conn = Connection("unix:/nowhere", OLD, board, timeout_s=5, verify=False)
-    reader = Reader(SimpleNamespace(_connection=conn, batch_size=4), stream)  # type: ignore[arg-type]
+    reader = Reader(conn, stream, Progress(), ReadOptions(source="demo", batch_size=4))
     assert reader._fields(4)["resume_epoch"] == 2
     reader._note_checkpoint(2)
     assert board.current_pass() == (2, 41) and board.received(2) == BitMap(range(10))
