@@ -30,7 +30,7 @@ from typing import Any
 from joader.cache.arena import ArenaReader
 from joader.client.board import Board
 from joader.client.channel import PendingCall, call_async, reset_channel
-from joader.client.handoff import Arena
+from joader.client.handoff import ArenaLocation
 from joader.errors import IntegrityError, ParentDiedError, SourceChangedError, UnknownJobError
 from joader.proto import joader_pb2
 
@@ -106,15 +106,16 @@ class Connection:
     def watch_parent(self) -> None:
         """This process is a DataLoader worker: its waits end once its training process died.
 
-        NOTE: torch's worker loop checks its parent only between fetches; a worker waiting
-        inside one (for the receipt of its last batch, for a joaderd restart) waited out
-        `timeout_s` after a killed job: a killed `batched=True` job's two workers stayed 7
-        minutes (issue 27). `os.getppid()` changes the moment the parent dies (the worker is
-        reparented); prctl(PR_SET_PDEATHSIG) would fire on the death of the forking *thread*."""
+        NOTE [ Workers that outlive their training process ]
+        torch's worker loop checks its parent only between fetches; a worker waiting inside one
+        (for the receipt of its last batch, for a joaderd restart) would wait out `timeout_s`
+        after a killed job (a killed `batched=True` job's two workers stayed 7 minutes).
+        `os.getppid()` changes the moment the parent dies (the worker is reparented);
+        prctl(PR_SET_PDEATHSIG) would fire on the death of the forking *thread*."""
         if self.parent_pid is None:
             # The pid the worker was forked from, known since the fork: os.getppid() read now
-            # may already be the reaper's (torch's own watchdog reads it so, and a worker whose
-            # training process died right after forking it waited for work for good).
+            # may already be the reaper's (torch's own watchdog reads it so: a worker whose
+            # training process dies right after forking it then waits for work for good).
             parent = multiprocessing.parent_process()
             self.parent_pid = parent.pid if parent is not None and parent.pid else os.getppid()
             # Before the result queue's finalizer (exitpriority -5), which waits to flush what
@@ -230,7 +231,8 @@ class Connection:
                 return None
             if isinstance(error, UnknownJobError):
                 raise UnknownJobError(f"{error}{self._keeper_note()}") from None
-            # NOTE: not channel.translate's "no joaderd is answering ... start one": this job was
+            # NOTE [ A joaderd that stopped is not a joaderd never started ]
+            # Not channel.translate's "no joaderd is answering ... start one": this job was
             # served, so a joaderd ran here and stopped; starting another elsewhere is the wrong fix.
             raise ConnectionError(self._stopped_message("")) from None
         unreachable_since[0] = None
@@ -280,7 +282,7 @@ class Connection:
         connection._mappings = (0, {})
         return connection
 
-    def arena(self, arena: str) -> Arena:
+    def arena(self, arena: str) -> ArenaLocation:
         """`arena` as a batch handed to another process names it (`joader.client.handoff`)."""
         identity = self._arenas.get(arena)
         if identity is None:
@@ -288,7 +290,7 @@ class Connection:
                 f"job {self.job_id}: a reply names arena {arena!r}, which no joaderd this job "
                 "attached to uses; nothing was read. Report this as a bug.")
         held = (identity.keeper_pid, identity.arena_fd) if identity.keeper_pid and identity.arena_fd else None
-        return Arena(identity.arena_path, identity.server_uid, held)
+        return ArenaLocation(identity.arena_path, identity.server_uid, held)
 
     def check(self, response: Any, outs: list[Any], at: int = 0) -> None:
         """With verification on: each copied item's crc32 against the one its decode wrote

@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 _NOTICE_BATCH_SIZE = 1  # board notice: "the dataset's batch size is not the loader's"
 # Another rank that never asked for items after this long is not coming: a script that reads on
-# one rank only (it was a 300 s wait that blamed the cache).
+# one rank only (waiting out `timeout_s`, 300 s, the error would blame the cache).
 RANK_NEVER_READ_LIMIT_S = 60.0
 
 
@@ -300,8 +300,8 @@ class Reader:
 
         NOTE [ One generator on the loop's path ]
         Timing, the check that the pass is still current, and the record of what was yielded
-        are done inline here, not by wrapping generators: each wrapper was one more frame per
-        item on the loop's `next()`."""
+        are done inline here, not by wrapping generators: each wrapper would be one more frame
+        per item on the loop's `next()`."""
         pass_, progress = self.pass_, self.progress
         clock = time.perf_counter
         if timed:
@@ -537,9 +537,10 @@ def shared_batch_tensor(shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor
 def shm_full_error(error: BaseException, nbytes: int) -> SharedMemoryFullError | None:
     """The error to raise instead of `error` if it says /dev/shm is full, else None.
 
-    NOTE: torch reports a full /dev/shm as RuntimeError("unable to allocate shared memory(shm)
-    for file </torch_...>: No space left on device (28)"): jobs with DataLoader workers failed
-    with that and no hint (issue 27)."""
+    NOTE [ torch's words for a full /dev/shm ]
+    torch reports a full /dev/shm as RuntimeError("unable to allocate shared memory(shm) for
+    file </torch_...>: No space left on device (28)"), with no hint of the fix: this error
+    names the space left and what to change."""
     if getattr(error, "errno", None) != errno.ENOSPC and "No space left on device" not in str(error):
         return None
     return SharedMemoryFullError(

@@ -268,12 +268,13 @@ def _attach(address: str, registration: dict[str, Any], stop: threading.Event,
 def _confirm(address: str, first: joader_pb2.AttachResponse) -> None:
     """Tells joaderd at once that the job's client is here: a request on the new job.
 
-    NOTE: joaderd removes a job whose client sends no request within its lease of attaching
-    (`JobTable.expire`): a client of another user, over TCP, attached jobs it could never read
-    (the arena is private to joaderd's user), and each held a --max-jobs slot and a share of the
-    cache for as long as its process lived (issue 27). This request keeps the lease of a job
-    whose training loop starts minutes later; the dataset then checks that it can read the
-    arena, and ends the lease if not (`JoaderDataset._attach`)."""
+    NOTE [ A job's first request ]
+    joaderd removes a job whose client sends no request within its lease of attaching
+    (`JobTable.expire`): a client of another user, over TCP, can attach jobs it can never read
+    (the arena is private to joaderd's user), each holding a --max-jobs slot and a share of the
+    cache for as long as its process lives. This request keeps the lease of a job whose
+    training loop starts minutes later; the dataset then checks that it can read the arena,
+    and ends the lease if not (`Attachment.attach`)."""
     request = joader_pb2.NextRequest(job_id=first.job_id, job_secret=first.job_secret, max_items=0,
                                      rank=first.rank, pid=os.getpid())
     try:
