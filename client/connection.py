@@ -91,13 +91,13 @@ class Connection:
     each adopts a restart on its own, from the board)."""
 
     def __init__(self, address: str, identity: Identity, board: Board | None, *, timeout_s: float,
-                 verify: bool, keeper_note: Callable[[], str] = lambda: "") -> None:
+                 verify: bool, keeper_note: Callable[[], str] | None = None) -> None:
         self.address = address
         self.identity = identity
         self.board = board
         self.timeout_s = timeout_s
         self.verify = verify
-        self._keeper_note = keeper_note
+        self._keeper_note = keeper_note or _no_keeper_note
         self._arenas: dict[str, Identity] = {identity.arena: identity}  # what replies may name
         self._mappings: tuple[int, dict[str, ArenaReader]] = (os.getpid(), {})
         # In a DataLoader worker: the training process's pid (`watch_parent`).
@@ -280,6 +280,7 @@ class Connection:
         connection = copy.copy(self)
         connection.board = None
         connection._mappings = (0, {})
+        connection._keeper_note = _no_keeper_note  # the keeper stays with the training process
         return connection
 
     def arena(self, arena: str) -> ArenaLocation:
@@ -305,6 +306,10 @@ class Connection:
                     f"job {self.job_id}: item {response.item_ids[at + i]} read from arena {response.arena} "
                     "does not match the checksum of its decode: its bytes were overwritten or read "
                     "from the wrong place. Nothing was delivered; report this as a bug.")
+
+
+def _no_keeper_note() -> str:
+    return ""
 
 
 def _exit_if_orphaned(parent_pid: int) -> None:
