@@ -1,6 +1,9 @@
 """Reading one pass: the reply loop, and the three ways its items reach the training loop.
 
-`Reader` is one pass in one process. Its reply loop (`replies`) asks joaderd for the pass's
+A reader is one pass as one process reads it (the training process, or one DataLoader worker):
+the class `Reader`, which owns its `Pass`, records what the loop took in the dataset's
+`Progress`, and reads its options (`ReadOptions`), not the dataset. (An arena's `ArenaReader`
+is called a mapping here.) Its reply loop (`replies`) asks joaderd for the pass's
 items, a batch per request, each request carrying the previous batch's acknowledgements so that
 it travels while that batch is consumed; it survives a joaderd restart (the connection adopts the
 new identity, and the pass resumes its epoch without what this rank already received). The

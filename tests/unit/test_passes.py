@@ -88,3 +88,23 @@ def test_a_checkpoints_consumed_items_go_on_the_board_when_joaderd_takes_them(bo
     assert reader._fields(4)["resume_epoch"] == 2
     reader._note_checkpoint(2)
     assert board.current_pass() == (2, 41) and board.received(2) == BitMap(range(10))
+
+
+def test_progress_follows_its_current_pass_and_saves_a_finished_epoch_as_the_next() -> None:
+    """`Progress` records what the current pass yielded; a checkpoint of a finished epoch read
+    by one process is the start of the next, and a loaded checkpoint's epoch goes on."""
+    progress = Progress()
+    pass_ = Pass(5, 0, 1)
+    pass_.resume = ResumePoint(3, BitMap([1, 2]), 1)
+    progress.current = pass_
+    progress.start_epoch(pass_, 3)  # joaderd took the resume: its consumed ids count as yielded
+    assert pass_.resume is None and progress.consumed == BitMap([1, 2])
+    progress.yielded(pass_, [7, 8])
+    stale = Pass(4, 0, 1)
+    progress.yielded(stale, [9])  # an older pass of this process: not recorded
+    assert progress.orders[3] == [7, 8] and progress.consumed == BitMap([1, 2, 7, 8])
+    assert progress.saved(parts=1) == (3, BitMap([1, 2, 7, 8]))
+    progress.finished = True
+    assert progress.saved(parts=1) == (4, BitMap()) and progress.saved(parts=2)[0] == 3
+    progress.restore(6, BitMap([1]))
+    assert (progress.epoch, progress.consumed, progress.finished) == (6, BitMap([1]), False)
