@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from joader.client.channel import reset_channel
 from joader.launch import JoaderdProcess
 from joader.sources.demo import make_demo_data
 
@@ -28,5 +29,9 @@ def joaderd() -> Iterator[str]:
     try:
         yield server.address
     finally:
+        # NOTE [ No gRPC channel outlives these tests ]
+        # This process goes on to fork (the decode pool's tests fork a forker): a child forked
+        # while a gRPC channel is open can crash, so the readers' channel is closed here.
+        reset_channel(server.address)
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
