@@ -34,7 +34,7 @@ class Pass:
         self.epoch = 0
         self.resume: ResumePoint | None = None  # until the pass's first reply
         # The training loop's time inside next() and between calls, in this pass's epoch
-        # (measured only by a reader in the training process: `JoaderDataset._timed`).
+        # (measured only by a reader in the training process: `Reader._deliver`).
         self.measured = False
         self.wait_s = 0.0
         self.step_s = 0.0
