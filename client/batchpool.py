@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 from typing import Any
 
 import numpy as np
@@ -52,3 +53,21 @@ class BatchPool:
     @property
     def idle(self) -> int:
         return len(self._idle)
+
+
+class ProcessBatchPool:
+    """The `BatchPool` of one dataset in this process, for batches of one size: a process
+    forked from here (or one that unpickled it) makes its own, never reusing its parent's
+    buffers, which the parent still fills; a new batch size replaces the pool."""
+
+    def __init__(self) -> None:
+        self._pool: tuple[int, BatchPool] | None = None
+
+    def get(self, nbytes: int) -> BatchPool:
+        pid = os.getpid()
+        if self._pool is None or self._pool[0] != pid or self._pool[1].nbytes != nbytes:
+            self._pool = (pid, BatchPool(nbytes))
+        return self._pool[1]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_pool": None}  # buffers never travel

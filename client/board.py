@@ -96,11 +96,12 @@ class Board:
         """The mapping, made again when the board grew (the keeper maps it before the dataset
         sizes it). Raises `BoardClosedError` once the board is closed.
 
-        NOTE: a reply that arrives after `close()` is still marked by its gRPC callback, on
-        another thread: this looked the size up with fstat on the closed descriptor (EBADF
-        printed by 5 of 36 clean closes mid-epoch, issue 27), and a descriptor number reused
-        meanwhile would have mapped another file. So a board sized here never looks at its
-        descriptor again, and `close` clears the descriptor before the mapping."""
+        NOTE [ Marks after close ]
+        A reply that arrives after `close()` is still marked by its gRPC callback, on another
+        thread. Looking the size up with fstat on the closed descriptor prints EBADF (5 of 36
+        clean closes mid-epoch did), and a descriptor number reused meanwhile would map another
+        file. So a board sized here never looks at its descriptor again, and `close` clears the
+        descriptor before the mapping."""
         mapping = self._map
         if mapping is not None and self._sized:
             return mapping

@@ -17,6 +17,7 @@ same name), and acknowledging only to the server that handed an item out.
 from __future__ import annotations
 
 import base64
+import copy
 import logging
 import multiprocessing.util
 import os
@@ -29,7 +30,7 @@ from typing import Any
 from joader.cache.arena import ArenaReader
 from joader.client.board import Board
 from joader.client.channel import PendingCall, call_async, reset_channel
-from joader.client.handoff import Arena
+from joader.client.handoff import ArenaLocation
 from joader.errors import IntegrityError, ParentDiedError, SourceChangedError, UnknownJobError
 from joader.proto import joader_pb2
 
@@ -90,30 +91,31 @@ class Connection:
     each adopts a restart on its own, from the board)."""
 
     def __init__(self, address: str, identity: Identity, board: Board | None, *, timeout_s: float,
-                 verify: bool, keeper_note: Callable[[], str] = lambda: "") -> None:
+                 verify: bool, keeper_note: Callable[[], str] | None = None) -> None:
         self.address = address
         self.identity = identity
         self.board = board
         self.timeout_s = timeout_s
         self.verify = verify
-        self._keeper_note = keeper_note
+        self._keeper_note = keeper_note or _no_keeper_note
         self._arenas: dict[str, Identity] = {identity.arena: identity}  # what replies may name
-        self._readers: tuple[int, dict[str, ArenaReader]] = (os.getpid(), {})
+        self._mappings: tuple[int, dict[str, ArenaReader]] = (os.getpid(), {})
         # In a DataLoader worker: the training process's pid (`watch_parent`).
         self.parent_pid: int | None = None
 
     def watch_parent(self) -> None:
         """This process is a DataLoader worker: its waits end once its training process died.
 
-        NOTE: torch's worker loop checks its parent only between fetches; a worker waiting
-        inside one (for the receipt of its last batch, for a joaderd restart) waited out
-        `timeout_s` after a killed job: a killed `batched=True` job's two workers stayed 7
-        minutes (issue 27). `os.getppid()` changes the moment the parent dies (the worker is
-        reparented); prctl(PR_SET_PDEATHSIG) would fire on the death of the forking *thread*."""
+        NOTE [ Workers that outlive their training process ]
+        torch's worker loop checks its parent only between fetches; a worker waiting inside one
+        (for the receipt of its last batch, for a joaderd restart) would wait out `timeout_s`
+        after a killed job (a killed `batched=True` job's two workers stayed 7 minutes).
+        `os.getppid()` changes the moment the parent dies (the worker is reparented);
+        prctl(PR_SET_PDEATHSIG) would fire on the death of the forking *thread*."""
         if self.parent_pid is None:
             # The pid the worker was forked from, known since the fork: os.getppid() read now
-            # may already be the reaper's (torch's own watchdog reads it so, and a worker whose
-            # training process died right after forking it waited for work for good).
+            # may already be the reaper's (torch's own watchdog reads it so: a worker whose
+            # training process dies right after forking it then waits for work for good).
             parent = multiprocessing.parent_process()
             self.parent_pid = parent.pid if parent is not None and parent.pid else os.getppid()
             # Before the result queue's finalizer (exitpriority -5), which waits to flush what
@@ -156,7 +158,7 @@ class Connection:
         while len(self._arenas) > _ARENAS_KEPT + 1:
             del self._arenas[next(iter(self._arenas))]
         reset_channel(self.address)
-        self.reader(identity.arena)  # mapped now, while its file surely exists
+        self.mapping(identity.arena)  # mapped now, while its file surely exists
         logger.debug("job %s: attached again to the restarted joaderd", identity.job_id)
         return True
 
@@ -229,7 +231,8 @@ class Connection:
                 return None
             if isinstance(error, UnknownJobError):
                 raise UnknownJobError(f"{error}{self._keeper_note()}") from None
-            # NOTE: not channel.translate's "no joaderd is answering ... start one": this job was
+            # NOTE [ A joaderd that stopped is not a joaderd never started ]
+            # Not channel.translate's "no joaderd is answering ... start one": this job was
             # served, so a joaderd ran here and stopped; starting another elsewhere is the wrong fix.
             raise ConnectionError(self._stopped_message("")) from None
         unreachable_since[0] = None
@@ -255,23 +258,32 @@ class Connection:
 
     # ----------------------------------------------------------------------------- the arena
 
-    def reader(self, arena: str) -> ArenaReader:
+    def mapping(self, arena: str) -> ArenaReader:
         """This process's mapping of `arena` (a reply's), which must be one this job's
         identities named: a reply is never read through another arena."""
-        pid, readers = self._readers
+        pid, mappings = self._mappings
         if pid != os.getpid():
-            readers = {}
-            self._readers = (os.getpid(), readers)
-        reader = readers.get(arena)
-        if reader is None:
+            mappings = {}
+            self._mappings = (os.getpid(), mappings)
+        mapping = mappings.get(arena)
+        if mapping is None:
             where = self.arena(arena)
-            reader = ArenaReader(where.path, expected_uid=where.server_uid, held_by=where.held_by)
-            readers[arena] = reader
-            while len(readers) > _ARENAS_KEPT:
-                readers.pop(next(iter(readers))).close()
-        return reader
+            mapping = ArenaReader(where.path, expected_uid=where.server_uid, held_by=where.held_by)
+            mappings[arena] = mapping
+            while len(mappings) > _ARENAS_KEPT:
+                mappings.pop(next(iter(mappings))).close()
+        return mapping
 
-    def arena(self, arena: str) -> Arena:
+    def without_board(self) -> Connection:
+        """A copy for a spawned process (pickled): no board (a forked mapping does not
+        travel) and no mappings of this process's."""
+        connection = copy.copy(self)
+        connection.board = None
+        connection._mappings = (0, {})
+        connection._keeper_note = _no_keeper_note  # the keeper stays with the training process
+        return connection
+
+    def arena(self, arena: str) -> ArenaLocation:
         """`arena` as a batch handed to another process names it (`joader.client.handoff`)."""
         identity = self._arenas.get(arena)
         if identity is None:
@@ -279,7 +291,7 @@ class Connection:
                 f"job {self.job_id}: a reply names arena {arena!r}, which no joaderd this job "
                 "attached to uses; nothing was read. Report this as a bug.")
         held = (identity.keeper_pid, identity.arena_fd) if identity.keeper_pid and identity.arena_fd else None
-        return Arena(identity.arena_path, identity.server_uid, held)
+        return ArenaLocation(identity.arena_path, identity.server_uid, held)
 
     def check(self, response: Any, outs: list[Any], at: int = 0) -> None:
         """With verification on: each copied item's crc32 against the one its decode wrote
@@ -294,6 +306,10 @@ class Connection:
                     f"job {self.job_id}: item {response.item_ids[at + i]} read from arena {response.arena} "
                     "does not match the checksum of its decode: its bytes were overwritten or read "
                     "from the wrong place. Nothing was delivered; report this as a bug.")
+
+
+def _no_keeper_note() -> str:
+    return ""
 
 
 def _exit_if_orphaned(parent_pid: int) -> None:

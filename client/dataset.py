@@ -22,122 +22,49 @@ Real jobs (docs in the README, "Running real jobs"):
 
 from __future__ import annotations
 
-import base64
-import copy
-import hashlib
-import json
 import logging
 import os
-import select
-import subprocess
-import sys
-import time
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
 import torch
-from pyroaring import BitMap
 from torch.utils.data import IterableDataset, get_worker_info
 
 from joader.address import resolve_address
-from joader.cache.arena import ArenaReader
-from joader.client import frameworks, placement
-from joader.client.batchpool import BatchPool
-from joader.client.board import MAX_EPOCH, Board
-from joader.client.connection import BATCHES_PER_REQUEST, Connection, Identity
-from joader.client.delivery import Reader
-from joader.client.handoff import Receipts
+from joader.client import frameworks
+from joader.client.attachment import Attachment, to_bitmap
+from joader.client.batchpool import ProcessBatchPool
+from joader.client.checkpoint import Checkpoint, Owner, ResumePoint
+from joader.client.connection import BATCHES_PER_REQUEST, Connection
+from joader.client.delivery import Reader, ReadOptions
+from joader.client.keeper import Keeper
 from joader.client.passes import Pass, Progress
-from joader.errors import ERROR_CLASSES, InvalidArgumentError, JoaderError
-from joader.sampling import hosts
+from joader.client.threads import set_threads
+from joader.errors import InvalidArgumentError
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["BATCHES_PER_REQUEST", "JoaderDataset", "to_bitmap"]
 
 DEFAULT_BATCH_SIZE = 64  # items per request when no DataLoader says otherwise
-
-STATE_VERSION = 1
-MAX_PARTS = 1024  # readers of one rank a state may say reported (DataLoader workers)
 _NOTICE_WORKERS = 0  # board notice: "workers without a transform only add a copy"
 
 
-_threads_warned = False
+class _Attached:
+    """A public attribute of the dataset that its attachment owns: where this rank is, or
+    (`described`) what joaderd described of the job."""
 
+    def __init__(self, described: bool = False) -> None:
+        self.described = described
 
-def _set_threads(threads: int | str | None) -> None:
-    """torch's intra-op threads in the training process (see `JoaderDataset`'s `threads`)."""
-    current = torch.get_num_threads()
-    if threads == "auto":
-        wanted = 1
-    elif threads is None:
-        if current > 1:
-            logger.warning(
-                "torch uses %d intra-op threads in this process while joaderd's decoders keep the "
-                "CPUs busy: collation and transforms can run tens of times slower. Leave "
-                "JoaderDataset(threads='auto') (the default), or call torch.set_num_threads(1).",
-                current,
-            )
-        return
-    elif isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1:
-        wanted = threads
-    else:
-        raise InvalidArgumentError(f"threads must be 'auto', None or a positive int, got {threads!r}")
-    if current != wanted:
-        torch.set_num_threads(wanted)
-        # A warning, once per process: at INFO nobody saw it, and a CPU-bound training loop
-        # (no GPU) runs its model on these threads too.
-        global _threads_warned
-        if not _threads_warned:
-            _threads_warned = True
-            logger.warning(
-                "joader: torch.set_num_threads(%d) in this process (it was %d), because joaderd's "
-                "decoders keep the cores busy; a model trained on the CPU then runs on %d thread(s). "
-                "Pass JoaderDataset(threads=N) for N threads, or threads=None to keep torch's setting.",
-                wanted, current, wanted)
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
 
-
-_ordinals: dict[tuple[str, str], int] = {}
-
-
-def _next_ordinal(source: str, digest: str) -> str:
-    """This dataset's place among the process's datasets of the same source and indices: the
-    same on every rank of a job (each runs the same script), so it keys the job's name there."""
-    count = _ordinals.get((source, digest), 0)
-    _ordinals[(source, digest)] = count + 1
-    return f"{source}/{digest}/{count}"
-
-
-def to_bitmap(indices: Any) -> BitMap | None:
-    """A BitMap of `indices` (range, iterable of ints, numpy array, BitMap); None means all."""
-    if indices is None:
-        return None
-    if isinstance(indices, BitMap):
-        return BitMap(indices)
-    if isinstance(indices, range):
-        if indices.step == 1 and indices.start >= 0:
-            return BitMap(indices)
-        indices = list(indices)
-    array = np.asarray(indices if isinstance(indices, np.ndarray) else list(indices))
-    if array.size == 0:
-        raise InvalidArgumentError("indices is empty: pass at least one item index of the source")
-    if not np.issubdtype(array.dtype, np.integer):
-        raise InvalidArgumentError(f"indices must be integers, got {array.dtype}")
-    if array.min() < 0 or array.max() > np.iinfo(np.uint32).max:
-        raise InvalidArgumentError(
-            f"indices must be in 0..{np.iinfo(np.uint32).max}, got {array.min()}..{array.max()}"
-        )
-    bitmap = BitMap(array.astype(np.uint32, copy=False))
-    if len(bitmap) != array.size:
-        values, counts = np.unique(array, return_counts=True)
-        repeated = ", ".join(f"{v} ({c} times)" for v, c in zip(values[counts > 1][:5], counts[counts > 1][:5], strict=True))
-        raise InvalidArgumentError(
-            f"indices repeat items: {repeated}; a job's dataset is a set, and each epoch delivers "
-            "every item once. Pass unique indices (e.g. numpy.unique(indices))."
-        )
-    return bitmap
+    def __get__(self, dataset: Any, owner: type | None = None) -> Any:
+        if dataset is None:
+            return self
+        attachment = dataset._attachment
+        return getattr(attachment.description if self.described else attachment, self.name)
 
 
 class JoaderDataset(IterableDataset):
@@ -198,6 +125,19 @@ class JoaderDataset(IterableDataset):
             `batched=True` read as before.
     """
 
+    rank = _Attached()
+    world_size = _Attached()
+    seed = _Attached()
+    hosts = _Attached()  # this rank's host (`joader.sampling.hosts.HostLayout`), when the job spans hosts
+    classes = _Attached(described=True)
+    class_to_idx = _Attached(described=True)
+    targets = _Attached(described=True)
+    image_size = _Attached(described=True)
+    stage = _Attached(described=True)
+    item_shape = _Attached(described=True)
+    item_dtype = _Attached(described=True)
+    num_job_items = _Attached(described=True)
+
     def __init__(
         self,
         source: str,
@@ -220,7 +160,7 @@ class JoaderDataset(IterableDataset):
         prefetch: int = 1,
     ) -> None:
         super().__init__()
-        _set_threads(threads)
+        set_threads(threads)
         if on_error not in ("skip", "raise"):
             raise InvalidArgumentError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
@@ -242,194 +182,34 @@ class JoaderDataset(IterableDataset):
         if seed is not None and not 0 <= seed < 2**64:
             raise InvalidArgumentError(f"seed must be in 0..2**64-1, got {seed}")
         self._seed_given = seed is not None
-        self._asked = (rank, world_size)
-        bitmap = to_bitmap(indices)
-        self._dataset_digest = _digest(bitmap)
-        self._ordinal = _next_ordinal(source, self._dataset_digest)
-        self._registration: dict[str, Any] = {
-            "address": self.address,
-            "source": source,
-            "indices": base64.b64encode(bitmap.serialize() if bitmap is not None else b"").decode(),
-            "batch_size": self.batch_size,
-            "drop_last": drop_last,
-            "seed": seed,
-            "timeout_s": timeout_s,
-        }
-        self._name_given = name
         if verify is None:
             verify = os.environ.get("JOADER_VERIFY", "") not in ("", "0")
-        self._verify = bool(verify)
-        self._placement: placement.Placement | None = None  # where the job is attached; None: not yet
-        self.hosts: hosts.HostLayout | None = None  # this rank's host, when the job spans hosts
-        self._all_items: BitMap | None = bitmap
-        self._dispatched = False  # accelerate's DataLoaderDispatcher: rank 0 reads the whole job
-        self._keeper: subprocess.Popen[str] | None = None
-        self._finalizer: Callable[[], Any] | None = None
-        self._connection: Connection | None = None
-        self._pool: tuple[int, BatchPool] | None = None  # batched: reused batch buffers
-        self._passes = 0
-        self._job_name = ""
-        self._warned: set[int] = set()
+        self._pool = ProcessBatchPool()  # batched: reused batch buffers
+        self._warned: set[int] = set()  # failed items already logged
         self._progress = Progress()  # what this process yielded: state_dict, epoch_order
-        self._resume: dict[str, Any] | None = None
-        self.seed: int | None = seed
-        found = placement.find(rank, world_size, distributed=torch.distributed)
-        if found is None:
-            # A rank whose place is not known yet (Lightning's spawned ranks before fit): what
-            # it trains on now, the job once iteration starts (`_settle`).
-            self.rank: int | None = None
-            self.world_size: int = int(os.environ.get("WORLD_SIZE", "1"))
-            self._describe(self._ask_description())
-        else:
-            self._attach(found, self._default_name(found))
+        self._resume: ResumePoint | None = None  # a loaded checkpoint, for the next pass
+        self._attachment = Attachment(
+            source, to_bitmap(indices), address=self.address, name=name, batch_size=self.batch_size,
+            batched=batched, timeout_s=timeout_s, drop_last=drop_last, seed=seed, verify=bool(verify),
+            rank=rank, world_size=world_size)
 
-    # ----------------------------------------------------------------------------- attaching
-
-    def _default_name(self, found: placement.Placement) -> str:
-        if self._name_given:
-            return self._name_given
-        return placement.job_name(found, ordinal=self._ordinal, distributed=torch.distributed)
-
-    def _describe(self, info: dict[str, Any]) -> None:
-        """What the job trains on, from joaderd's reply: classes, labels, sizes, the stage."""
-        self.classes: list[str] = list(info["classes"])
-        # Integer labels are delivered as written, and their classes are the labels that occur:
-        # a class's label is then not its position (joaderd says which, `class_labels`).
-        labels = info.get("class_labels") or range(len(self.classes))
-        self.class_to_idx: dict[str, int] = dict(zip(self.classes, labels, strict=True))
-        self.image_size: int = int(info["image_size"])
-        self.stage: str = info.get("stage", "")
-        self.item_shape: tuple[int, ...] | None = tuple(info.get("item_shape") or ()) or None
-        self.item_dtype: str = info.get("item_dtype") or ""
-        if self.batched and (self.item_shape is None or not self.item_dtype):
-            self.close()
-            raise InvalidArgumentError(
-                f"batched=True needs a fixed-size stage, and source {self.source!r} uses {self.stage!r}, "
-                "whose items vary in size; use batched=False (each item its own tensor), or serve "
-                "the source with a fixed-size stage (center-crop, or a user stage with a spec)")
-        self.num_job_items = int(info["num_items"])
-        self._num_source_items = int(info["num_source_items"])
-        self.targets: list[int] = np.frombuffer(base64.b64decode(info["targets"]), dtype="<i4").tolist()
-
-    def _attach(self, found: placement.Placement, name: str) -> None:
-        """Registers this process as rank `found.rank` of job `name`, through a new lease keeper.
-
-        A job whose ranks span hosts (torchrun's LOCAL_WORLD_SIZE < WORLD_SIZE) is, on this
-        host's joaderd, the job `name@ranksA-BofW` of this host's ranks over this host's part of
-        the items (`joader.sampling.hosts`)."""
-        layout = hosts.layout_from_env(found.rank, found.world_size, os.environ)
-        registration = dict(self._registration, name=name, rank=found.rank, world_size=found.world_size)
-        if layout is not None:
-            part = hosts.host_part(self._items(), hosts.source_salt(self.source), layout, drop_last=self.drop_last)
-            registration.update(name=f"{name}@{layout.label}", rank=layout.local_rank,
-                                world_size=layout.local_ranks,
-                                indices=base64.b64encode(part.serialize()).decode())
-            logger.info("joader: rank %d of %d reads %d items of %s through this host's joaderd "
-                        "(its ranks %d-%d)", found.rank, found.world_size, len(part), self.source,
-                        layout.first_rank, layout.first_rank + layout.local_ranks - 1)
-        self.hosts = layout
-        board = Board.create()
-        registration["board_fd"] = board.fd
-        try:
-            keeper, info = _start_keeper(registration, timeout_s=60.0, pass_fds=(board.fd,))
-        except BaseException:
-            board.close()
-            raise
-        self._keeper = keeper
-        self._finalizer = weakref.finalize(self, _stop_keeper, keeper, os.getpid(), board)
-        try:  # mapped and let go: a process that reads no items must not hold it (a restart's dead arena)
-            ArenaReader(info["arena_path"], expected_uid=info.get("server_uid")).close()
-        except JoaderError as error:
-            # NOTE: a client that cannot read joaderd's arena (another user's, over TCP) kept
-            # its job registered, holding a --max-jobs slot and a share of the cache (issue 27).
-            self.close()
-            raise type(error)(
-                f"job {info['job_id']}: this process cannot read joaderd's cache arena ({error}); "
-                "joaderd serves the user that runs it: run the job as that user, or start a joaderd "
-                "of your own (its default Unix socket is private to you). The job was removed."
-            ) from None
-        self._placement = found
-        self._job_name = name
-        self.rank, self.world_size = found.rank, found.world_size
-        self._describe(info)
-        self.seed = int(info["seed"])
-        self._num_items = int(info["num_rank_items"])
-        board.size_for(int(info["num_source_items"]))
-        # The one owner of the job's identity (id, secret, arena, generation) in this process.
-        self._connection = Connection(self.address, Identity.from_keeper(info, board.generation), board,
-                                      timeout_s=self.timeout_s, verify=self._verify,
-                                      keeper_note=self._keeper_note)
-        self._passes = 0
-
-    def _items(self) -> BitMap:
-        """The job's items (all the source's when no indices were given: asked of joaderd)."""
-        if self._all_items is None:
-            encoded = self._registration["indices"]
-            if encoded:
-                self._all_items = BitMap.deserialize(base64.b64decode(encoded))
-            else:
-                self._all_items = BitMap(range(int(self._ask_description()["num_source_items"])))
-        return self._all_items
-
-    def _ask_description(self) -> dict[str, Any]:
-        """joaderd's description of the source and dataset (an `Attach` that registers nothing)."""
-        describer, info = _start_keeper(dict(self._registration, describe=True), timeout_s=60.0)
-        _stop_keeper(describer, os.getpid())  # it answered and exits: reap it, close its pipes
-        return info
-
-    def _detach(self) -> None:
-        """Ends this process's part of the job (its other ranks go on)."""
-        if self._finalizer is not None:
-            self._finalizer()
-        self._keeper = self._finalizer = self._connection = None
-        self._placement = None
+    # ----------------------------------------------------------------------------- the job
 
     def _settle(self) -> None:
-        """Attaches, or attaches again, where this process is now.
-
-        Looked up when iteration starts, `len()` is taken or a state is saved or loaded, since
-        frameworks set ranks up late: Lightning's launcher built the dataset as a plain process
-        and became rank 0 of 2 in `trainer.fit`; its spawned ranks knew WORLD_SIZE but not their
-        rank. A DataLoader worker cannot attach (the lease belongs to the training process): it
-        only checks, and says what to do.
-        """
-        if self._dispatched or (self._placement is not None and self._placement.how == placement.GIVEN):
-            return
-        found = placement.find(*self._asked, distributed=torch.distributed)
-        attached = self._placement
-        if attached is not None and (found is None or found.same_place(attached)):
-            return
-        if found is None:
-            raise InvalidArgumentError(f"JoaderDataset({self.source!r}): {placement.unsettled_message()}")
-        if get_worker_info() is not None:
-            was = (f"attached as rank {attached.rank} of {attached.world_size}" if attached
-                   else "not attached to a job yet")
-            raise InvalidArgumentError(
-                f"JoaderDataset({self.source!r}) in a DataLoader worker is {was}, but this process is "
-                f"rank {found.rank} of {found.world_size} ({found.how}); the dataset attaches in the "
-                "training process, which forked the workers before it knew its rank. Take len(loader) "
-                "once after torch.distributed.init_process_group and before iterating (trainer.fit "
-                "does), build the dataset after init_process_group, or pass rank= and world_size=")
-        if attached is not None:
-            logger.info("joader: %s is now rank %d of %d (%s); attaching as that rank",
-                        self.source, found.rank, found.world_size, found.how)
-            if self._passes:
-                logger.warning(
-                    "JoaderDataset(%r) was read as rank %d of %d, and is now rank %d of %d: it "
-                    "starts a new job as that rank, from a new epoch", self.source,
-                    attached.rank, attached.world_size, found.rank, found.world_size)
-            self._detach()
-        self._attach(found, self._default_name(found))
+        self._attachment.settle()
 
     @property
     def _conn(self) -> Connection:
         """The connection of the job this process is attached to now (attaching if it can)."""
-        self._settle()
-        if self._connection is None:
-            raise InvalidArgumentError(
-                f"JoaderDataset({self.source!r}) is not attached to a job on this rank (accelerate "
-                "dispatches the data from rank 0, which alone reads it)")
-        return self._connection
+        return self._attachment.connected()
+
+    @property
+    def _connection(self) -> Connection | None:
+        return self._attachment.connection
+
+    @property
+    def _keeper(self) -> Keeper | None:
+        return self._attachment.keeper
 
     @property
     def job_id(self) -> str:
@@ -443,19 +223,11 @@ class JoaderDataset(IterableDataset):
         try:
             self._settle()
         except InvalidArgumentError:
-            if self._connection is not None or get_worker_info() is not None:
+            if self._attachment.connection is not None or get_worker_info() is not None:
                 raise
             # Not attached yet (WORLD_SIZE known, this rank not): every rank has the same length.
-        items = self._rank_items()
+        items = self._attachment.rank_items()
         return -(-items // self.batch_size) if self.batched else items
-
-    def _rank_items(self) -> int:
-        if self._dispatched:
-            return self.num_job_items
-        if self._connection is not None:
-            return self._num_items
-        size = self.world_size
-        return self.num_job_items // size if self.drop_last else -(-self.num_job_items // size)
 
     def set_epoch(self, epoch: int) -> None:
         """Accepted, for the frameworks that call it on a dataset (accelerate's loaders, at the
@@ -465,9 +237,10 @@ class JoaderDataset(IterableDataset):
     def _framework_check(self) -> None:
         """accelerate's wrappers, seen on the call stack (`joader.client.frameworks`): under its
         DataLoaderDispatcher rank 0 reads the whole job and the other ranks nothing (the
-        dispatcher slices rank 0's batches for them); under an IterableDatasetShard, refuse."""
+        dispatcher slices rank 0's batches for them); under an IterableDatasetShard, refuse.
+        Called straight from the dataset's entry points (`skip=2` finds their caller)."""
         found = frameworks.accelerate_wrapper(skip=2)
-        if found is None or self._dispatched:
+        if found is None or self._attachment.dispatched:
             return
         kind, owner = found
         if kind == frameworks.SHARD:
@@ -475,26 +248,12 @@ class JoaderDataset(IterableDataset):
                 n=getattr(owner, "num_processes", "num_processes")))
         if get_worker_info() is not None:
             return  # the training process saw it first (set_epoch), or does next
-        index = frameworks.process_index(owner, self.rank or 0)
-        self._dispatched = True
-        if self._placement is not None and self._placement.world_size == 1:
-            return  # one process: it reads the whole job already
-        self._detach()
-        if index == 0:
-            whole = placement.Placement(0, 1, placement.GIVEN)
-            name = f"{self._job_name}-dispatched"
-            logger.info("joader: accelerate dispatches this loader's batches from rank 0, which "
-                        "reads the whole job %r", name)
-            self._attach(whole, name)
-        else:
-            self.rank = index
-            self._connection = None
+        self._attachment.dispatch(frameworks.process_index(owner, self.rank or 0))
 
     def close(self) -> None:
         """Ends this job on the server now (otherwise: when the dataset is collected or the
         process exits)."""
-        if self._finalizer is not None:
-            self._finalizer()
+        self._attachment.close()
 
     def __enter__(self) -> JoaderDataset:
         return self
@@ -502,25 +261,11 @@ class JoaderDataset(IterableDataset):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __getstate__(self) -> dict[str, Any]:
-        # Only for the spawn start method: the lease stays with the process that created it, and
-        # the client board (a forked mapping) does not travel, so a spawned worker cannot resume
-        # after a joaderd restart.
-        state = dict(self.__dict__)
-        state["_keeper"] = None
-        state["_finalizer"] = None
-        state["_pool"] = None
-        if self._connection is not None:
-            connection = copy.copy(self._connection)
-            connection.board = None
-            connection._readers = (0, {})
-            state["_connection"] = connection
-        return state
-
     # ----------------------------------------------------------------------------- real jobs
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this reader is in its epoch: picklable, small, version-tagged.
+        """Where this reader is in its epoch: picklable, small, version-tagged
+        (`joader.client.checkpoint`).
 
         `epoch`: the epoch of this process's newest pass; `consumed`: the ids it yielded of that
         epoch (a serialized pyroaring BitMap), so a checkpoint taken between steps is exact.
@@ -532,68 +277,21 @@ class JoaderDataset(IterableDataset):
         self._settle()
         worker = get_worker_info()
         parts = worker.num_workers if worker is not None else 1
-        progress = self._progress
-        epoch, consumed = progress.epoch, progress.consumed
-        if progress.finished and parts == 1:
-            epoch, consumed = epoch + 1, BitMap()
-        return {
-            "version": STATE_VERSION,
-            "job": "joader",
-            "epoch": epoch,
-            "consumed": consumed.serialize(),
-            "seed": self.seed,
-            "seed_given": self._seed_given,
-            "source": self.source,
-            "dataset": self._dataset_digest,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "parts": parts,
-            "hosts": self.hosts.as_dict() if self.hosts is not None else None,
-        }
+        epoch, consumed = self._progress.saved(parts)
+        return Checkpoint(self._owner(), epoch, consumed, parts).state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Makes the next `iter()` resume `state`'s epoch: exactly the items not consumed in it
         (in a uniform random order), then whole epochs."""
-        if not isinstance(state, dict) or state.get("job") != "joader":
-            raise InvalidArgumentError(
-                "load_state_dict: this is not a JoaderDataset state (from JoaderDataset.state_dict())")
+        Checkpoint.check_tag(state)
         self._settle()
-        if state.get("version") != STATE_VERSION:
-            raise InvalidArgumentError(
-                f"load_state_dict: state version {state.get('version')!r}; this joader reads version "
-                f"{STATE_VERSION}. Resume with the joader version that saved it.")
-        if state.get("world_size") != self.world_size or state.get("rank") != self.rank:
-            raise InvalidArgumentError(
-                f"load_state_dict: the state is of rank {state.get('rank')} of {state.get('world_size')}, "
-                f"this dataset is rank {self.rank} of {self.world_size}; load each rank's own state")
-        _check_same_job(state, self)
-        layout = self.hosts.as_dict() if self.hosts is not None else None
-        if state.get("hosts") != layout:
-            raise InvalidArgumentError(
-                f"load_state_dict: the state was saved with its ranks on hosts {state.get('hosts')}, this "
-                f"rank's host is {layout} (each host's joaderd serves its part of the items, cut by "
-                "the layout); resume with the same ranks per host (torchrun's --nnodes and "
-                "--nproc-per-node), or start the epoch afresh")
-        epoch = state.get("epoch")
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < MAX_EPOCH:
-            raise InvalidArgumentError(
-                f"load_state_dict: epoch {epoch!r} is not an epoch number (0..{MAX_EPOCH - 1}); "
-                "load a state saved by JoaderDataset.state_dict()")
-        parts = state.get("parts", 1)
-        if not isinstance(parts, int) or not 1 <= parts <= MAX_PARTS:
-            raise InvalidArgumentError(
-                f"load_state_dict: parts {parts!r} is not a number of readers (1..{MAX_PARTS}); load a "
-                "state saved by JoaderDataset.state_dict() (with DataLoader workers, through "
-                "torchdata's StatefulDataLoader)")
-        try:
-            consumed = BitMap.deserialize(state["consumed"])
-        except Exception as error:
-            raise InvalidArgumentError(f"load_state_dict: its consumed set is unreadable ({error})") from error
-        progress = self._progress
-        progress.epoch = epoch
-        progress.consumed = consumed
-        progress.finished = False
-        self._resume = dict(state, consumed=consumed) if epoch > 0 else None
+        checkpoint = Checkpoint.from_state_dict(state, self._owner())
+        self._progress.restore(checkpoint.epoch, checkpoint.consumed)
+        self._resume = checkpoint.resume_point
+
+    def _owner(self) -> Owner:
+        return Owner(self.source, self._attachment.digest, self.seed, self._seed_given, self.rank, self.world_size,
+                     self.hosts.as_dict() if self.hosts is not None else None)
 
     def epoch_order(self, epoch: int) -> list[int]:
         """The indices this process yielded in `epoch`, in order (for epochs it read)."""
@@ -609,15 +307,16 @@ class JoaderDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         self._framework_check()
-        if self._dispatched and self._connection is None:
+        attachment = self._attachment
+        if attachment.dispatched and attachment.connection is None:
             return iter(())  # accelerate: rank 0 reads for this rank
         worker = get_worker_info()
         connection = self._conn
         board = connection.board
-        stream = Pass.start(worker, self._passes, board, os.getpid())
-        self._passes += 1
-        stream.resume, self._resume = self._resume, None
-        self._progress.current = stream
+        pass_ = Pass.start(worker, attachment.passes, board, os.getpid())
+        attachment.passes += 1
+        pass_.resume, self._resume = self._resume, None
+        self._progress.current = pass_
         if (worker is not None and self.transform is None and not self.batched and board is not None
                 and board.first_notice(_NOTICE_WORKERS)):
             logger.warning(
@@ -630,131 +329,10 @@ class JoaderDataset(IterableDataset):
         # training process that never reads itself): the job's new identity. Nothing else: a
         # pass that starts now is a new pass (`continued_epoch`), whatever the epochs were.
         connection.refresh()
-        reader = Reader(self, stream)
-        if not self.batched:
-            readings: Iterator[Any] = reader.items()
-        elif worker is not None and self.transform is None and Receipts.possible(board, worker.id):
-            assert board is not None
-            return reader.handed_off(Receipts(board, worker.id, stream.token))
-        else:
-            readings = reader.batches()
-        return readings if worker is not None else self._timed(reader, readings)
-
-    def _timed(self, reader: Reader, readings: Iterator[Any]) -> Iterator[Any]:
-        """`readings`, timing the training loop around them: seconds inside `next()` (the data
-        stall) and between calls (the step). Each request reports them; the last one, once the
-        loop asks past the end (after its last step), goes alone."""
-        stream = reader.stream
-        stream.measured = True
-        clock = time.perf_counter
-        started = clock()
-        try:
-            for reading in readings:
-                yielded = clock()
-                stream.wait_s += yielded - started
-                yield reading
-                started = clock()
-                stream.step_s += started - yielded
-        finally:
-            readings.close()  # type: ignore[attr-defined]  # a generator: its cleanup runs now
-        stream.wait_s += clock() - started
-        if stream.epoch and self._progress.current is stream:
-            try:
-                reader.report()
-            except Exception as error:  # noqa: BLE001  a lost figure must not fail the epoch
-                logger.debug("job %s: stall report not delivered: %s", self.job_id, error)
-
-    def _batch_pool(self, nbytes: int) -> BatchPool:
-        """This process's pool of batch buffers (`joader.client.batchpool`)."""
-        pid = os.getpid()
-        if self._pool is None or self._pool[0] != pid or self._pool[1].nbytes != nbytes:
-            self._pool = (pid, BatchPool(nbytes))
-        return self._pool[1]
-
-    def _keeper_note(self) -> str:
-        keeper = self._keeper
-        if keeper is None or keeper.pid is None:
-            return ""
-        try:
-            os.kill(keeper.pid, 0)
-        except ProcessLookupError:
-            return (
-                f" (this process's lease keeper, pid {keeper.pid}, has exited: it was killed, "
-                "or could not reach joaderd; its stderr says why)"
-            )
-        except PermissionError:
-            pass
-        return ""
-
-
-def _digest(bitmap: BitMap | None) -> str:
-    """A short digest of a job's indices (None: the whole source), for `state_dict`."""
-    data = bitmap.serialize() if bitmap is not None else b"all"
-    return hashlib.sha256(data).hexdigest()[:16]
-
-
-def _check_same_job(state: dict[str, Any], dataset: JoaderDataset) -> None:
-    """Refuses a state saved by another job: another source, other indices, or another seed
-    that was given (a job without a seed gets a new one each run; resuming it is fine)."""
-    problems = []
-    if "source" in state and state["source"] != dataset.source:
-        problems.append(f"source {state['source']!r}, not {dataset.source!r}")
-    if "dataset" in state and state["dataset"] != dataset._dataset_digest:
-        problems.append("other indices")
-    if state.get("seed_given") and dataset._seed_given and state.get("seed") != dataset.seed:
-        problems.append(f"seed {state.get('seed')}, not {dataset.seed}")
-    if problems:
-        raise InvalidArgumentError(
-            f"load_state_dict: the state is of another job ({'; '.join(problems)}); load the state "
-            "this job saved, or build the dataset with the same source, indices and seed")
-
-
-def _start_keeper(registration: dict[str, Any], timeout_s: float,
-                  pass_fds: tuple[int, ...] = ()) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    keeper = subprocess.Popen(
-        [sys.executable, "-m", "joader.client.keeper"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        pass_fds=pass_fds,
-    )
-    assert keeper.stdin is not None and keeper.stdout is not None
-    keeper.stdin.write(json.dumps(registration) + "\n")
-    keeper.stdin.flush()
-    ready, _, _ = select.select([keeper.stdout], [], [], timeout_s)
-    line = keeper.stdout.readline() if ready else ""
-    if not line:
-        _stop_keeper(keeper, os.getpid())
-        raise ConnectionError(
-            f"joader could not register with joaderd at {registration['address']} within "
-            f"{timeout_s:g} s. Start one with `joaderd --source NAME=PATH`, or set JOADER_ADDRESS."
-        )
-    reply = json.loads(line)
-    if reply.get("ok"):
-        return keeper, reply
-    _stop_keeper(keeper, os.getpid())
-    kind, message = reply.get("kind", "JoaderError"), reply.get("message", "unknown error")
-    if kind == "ConnectionError":
-        raise ConnectionError(message)
-    if kind == "TimeoutError":
-        raise TimeoutError(message)
-    raise ERROR_CLASSES.get(kind, JoaderError)(message)
-
-
-def _stop_keeper(keeper: subprocess.Popen[str], owner_pid: int, board: Board | None = None) -> None:
-    if os.getpid() != owner_pid:  # a forked copy of the dataset: the lease is the parent's
-        return
-    if board is not None:
-        board.close()
-    try:
-        if keeper.stdin is not None:
-            keeper.stdin.write("close\n")  # a clean end: the job's other ranks go on
-            keeper.stdin.close()
-        keeper.wait(timeout=5)
-    except (OSError, subprocess.TimeoutExpired):
-        keeper.kill()
-        keeper.wait()
-    if keeper.stdout is not None:
-        keeper.stdout.close()
-
-
+        options = ReadOptions(
+            source=self.source, batch_size=self.batch_size, batch_size_given=self._batch_size_given,
+            batched=self.batched, transform=self.transform, return_index=self.return_index,
+            on_error=self.on_error, timeout_s=self.timeout_s, prefetch=self.prefetch,
+            item_shape=self.item_shape, item_dtype=self.item_dtype, rank=self.rank, world_size=self.world_size)
+        return Reader(connection, pass_, self._progress, options, warned=self._warned, pool=self._pool,
+                      lease=attachment).start()

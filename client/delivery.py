@@ -1,6 +1,9 @@
 """Reading one pass: the reply loop, and the three ways its items reach the training loop.
 
-`Reader` is one pass in one process. Its reply loop (`replies`) asks joaderd for the pass's
+A reader is one pass as one process reads it (the training process, or one DataLoader worker):
+the class `Reader`, which owns its `Pass`, records what the loop took in the dataset's
+`Progress`, and reads its options (`ReadOptions`), not the dataset. (An arena's `ArenaReader`
+is called a mapping here.) Its reply loop (`replies`) asks joaderd for the pass's
 items, a batch per request, each request carrying the previous batch's acknowledgements so that
 it travels while that batch is consumed; it survives a joaderd restart (the connection adopts the
 new identity, and the pass resumes its epoch without what this rank already received). The
@@ -22,7 +25,8 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,9 +34,10 @@ from torch.utils.data import get_worker_info
 
 from joader.cache.arena import DEFAULT_SHM_DIR, format_size, shm_space
 from joader.client import frameworks
+from joader.client.batchpool import ProcessBatchPool
 from joader.client.connection import BATCHES_PER_REQUEST, Call, Connection, Reply
 from joader.client.handoff import ArenaBatch, Layout, Receipts
-from joader.client.passes import Pass, continued_epoch
+from joader.client.passes import Pass, Progress, continued_epoch
 from joader.client.prefetch import prefetched
 from joader.errors import (
     DecodeError,
@@ -44,45 +49,85 @@ from joader.errors import (
 from joader.proto import DTYPES, joader_pb2
 from joader.sources.safe_open import display_path
 
-if TYPE_CHECKING:
-    from joader.client.dataset import JoaderDataset
-
 logger = logging.getLogger(__name__)
 
 _NOTICE_BATCH_SIZE = 1  # board notice: "the dataset's batch size is not the loader's"
 # Another rank that never asked for items after this long is not coming: a script that reads on
-# one rank only (it was a 300 s wait that blamed the cache).
+# one rank only (waiting out `timeout_s`, 300 s, the error would blame the cache).
 RANK_NEVER_READ_LIMIT_S = 60.0
 
 
-class Reader:
-    """One pass of `dataset` in this process."""
+@dataclass(frozen=True)
+class ReadOptions:
+    """What a reader needs of its dataset's arguments and of joaderd's description."""
 
-    def __init__(self, dataset: JoaderDataset, stream: Pass) -> None:
-        self.ds = dataset
-        assert dataset._connection is not None
-        self.conn: Connection = dataset._connection
-        self.stream = stream
-        self.size = dataset.batch_size  # items per request: whole batches of the loop's size
+    source: str
+    batch_size: int  # items per request, and per batch under `batched`
+    batch_size_given: bool = False  # else requests follow the DataLoader's batch size
+    batched: bool = False
+    transform: Callable[[torch.Tensor], Any] | None = None
+    return_index: bool = False
+    on_error: str = "skip"
+    timeout_s: float = 300.0
+    prefetch: int = 1
+    item_shape: tuple[int, ...] | None = None
+    item_dtype: str = ""
+    rank: int | None = 0
+    world_size: int = 1
+
+
+class Reader:
+    """One pass in this process: its requests, its reply loop, and how its items reach the
+    training loop. It records what the loop took in `progress` (the dataset's, for
+    `state_dict` and `epoch_order`); `warned` is the dataset's set of failed items already
+    logged; `pool` its batch buffers (`batched=True` in the training process)."""
+
+    def __init__(self, conn: Connection, pass_: Pass, progress: Progress, options: ReadOptions, *,
+                 warned: set[int] | None = None, pool: ProcessBatchPool | None = None, lease: Any = None) -> None:
+        self.conn = conn
+        self.pass_ = pass_
+        self.progress = progress
+        self.options = options
+        self.size = options.batch_size  # items per request: whole batches of the loop's size
+        self.warned = warned if warned is not None else set()
+        self.pool = pool if pool is not None else ProcessBatchPool()
+        # NOTE [ A pass keeps its job's lease ]
+        # `for x in JoaderDataset(...)` holds only the iterator: the job's lease (the dataset's
+        # attachment, whose collection stops the lease keeper) must live as long as the pass.
+        self._lease = lease
         if get_worker_info() is not None:
             self.conn.watch_parent()
+
+    def start(self) -> Iterator[Any]:
+        """The iterator `iter(dataset)` returns: the delivery mode of this pass, chosen once.
+
+        - items (`batched=False`): one `(image, label)` (or `(index, image, label)`) per item;
+        - batches (`batched=True`): whole batches copied straight into one tensor;
+        - handed off (`batched=True` in a forked DataLoader worker without a transform): batches
+          as arena offsets that the training process copies (`joader.client.handoff`)."""
+        options, board = self.options, self.conn.board
+        worker = get_worker_info()
+        if options.batched and worker is not None and options.transform is None \
+                and Receipts.possible(board, worker.id):
+            assert board is not None
+            return self.handed_off(Receipts(board, worker.id, self.pass_.token))
+        return self._deliver(options.batched, timed=worker is None)
 
     # ----------------------------------------------------------------------------- requests
 
     def _fields(self, max_items: int) -> dict[str, Any]:
-        stream = self.stream
+        pass_ = self.pass_
         fields: dict[str, Any] = {
-            "token": stream.token, "max_items": max_items, "worker_id": stream.worker_id,
+            "token": pass_.token, "max_items": max_items, "worker_id": pass_.worker_id,
             "rank": self.conn.identity.rank, "max_batches": BATCHES_PER_REQUEST if max_items else 0,
-            "num_workers": stream.num_workers, "continue_epoch": continued_epoch(self.conn.board, stream),
+            "num_workers": pass_.num_workers, "continue_epoch": continued_epoch(self.conn.board, pass_),
         }
-        if stream.measured and stream.epoch:
-            fields.update(stall_epoch=stream.epoch, stall_wait_s=stream.wait_s,
-                          stall_step_s=stream.step_s, stall_items=stream.items)
-        if max_items and stream.resume is not None:  # until the pass's first reply
-            fields.update(resume_epoch=int(stream.resume["epoch"]),
-                          resume_consumed=stream.resume["consumed"].serialize(),
-                          resume_parts=int(stream.resume.get("parts", 1)))
+        if pass_.measured and pass_.epoch:
+            fields.update(stall_epoch=pass_.epoch, stall_wait_s=pass_.wait_s,
+                          stall_step_s=pass_.step_s, stall_items=pass_.items)
+        if max_items and pass_.resume is not None:  # until the pass's first reply
+            fields.update(resume_epoch=pass_.resume.epoch, resume_consumed=pass_.resume.consumed.serialize(),
+                          resume_parts=pass_.resume.parts)
         return fields
 
     def ask(self, acks: Reply | list[int] | None = None) -> Call:
@@ -102,22 +147,24 @@ class Reader:
         board = self.conn.board
         ids = list(response.item_ids) + [f.item_id for f in response.failed]
         if board is not None and ids:
-            if self.stream.resume is not None:  # on arrival: a restart's report may come before the loop
+            if self.pass_.resume is not None:  # on arrival: a restart's report may come before the loop
                 self._note_checkpoint(response.epoch)
-            board.note_pass(response.epoch, self.stream.token)
+            board.note_pass(response.epoch, self.pass_.token)
             board.mark(ids, response.epoch)
 
     def _note_checkpoint(self, epoch: int) -> None:
         """joaderd took this pass's checkpoint: what the run that saved it consumed of `epoch`
-        goes on the board as received in it. NOTE: the lease keeper's report after a joaderd
-        restart is the board's; without these, a restart later in the resumed epoch dealt the
-        checkpoint's items again."""
-        board, resume = self.conn.board, self.stream.resume
-        if board is None or resume is None or int(resume["epoch"]) != epoch or not epoch:
+        goes on the board as received in it.
+
+        NOTE [ A checkpoint's items are received items ]
+        The lease keeper's report after a joaderd restart is the board's; without these marks, a
+        restart later in the resumed epoch would deal the checkpoint's items again."""
+        board, resume = self.conn.board, self.pass_.resume
+        if board is None or resume is None or resume.epoch != epoch or not epoch:
             return
-        board.note_pass(epoch, self.stream.token)
-        if resume["consumed"]:
-            board.mark(list(resume["consumed"]), epoch)
+        board.note_pass(epoch, self.pass_.token)
+        if resume.consumed:
+            board.mark(list(resume.consumed), epoch)
 
     # ----------------------------------------------------------------------------- the loop
 
@@ -129,7 +176,7 @@ class Reader:
         items another process copies out (`joader.client.handoff`), of the current server.
         `finish`: mark the pass's epoch finished at the end (a caller that reads ahead marks
         it once the loop has taken the last item)."""
-        ds, conn, stream = self.ds, self.conn, self.stream
+        conn, pass_, progress = self.conn, self.pass_, self.progress
         call: Call | None = self.ask()
         unreachable: list[float | None] = [None]
         idle_s = 0.0
@@ -145,18 +192,22 @@ class Reader:
                 call = None
                 conn.check_parent()
                 response = reply.response
-                if stream.resume is not None:
+                if pass_.resume is not None:
                     self._note_checkpoint(response.epoch)
-                if not stream.epoch:
-                    ds._progress.start_epoch(stream, response.epoch)
+                if not pass_.epoch:
+                    progress.start_epoch(pass_, response.epoch)
                 # joaderd has taken the checkpoint's resume: it must not travel again, least of
                 # all to a restarted joaderd, which would then deal again what this pass
                 # received in between.
-                stream.resume = None
+                pass_.resume = None
+                # The mode's copy out of the arena, here and not after this loop step: it must
+                # happen between the reply's arrival and the next request, which acknowledges
+                # the copied items (so joaderd may reuse their slots) and travels while the loop
+                # consumes them.
                 place(reply)
                 ids = list(response.item_ids)
                 self._mark(response)  # again: the callback may not have run yet
-                if response.failed and ds.on_error == "raise":
+                if response.failed and self.options.on_error == "raise":
                     self.acknowledge(reply, ids)  # nothing of this batch stays pinned
                     self._raise_failure(response.failed[0])
                 for failed in response.failed:
@@ -173,26 +224,26 @@ class Reader:
                     idle_s = 0.0
                 elif not response.end_of_epoch:
                     idle_s += 1.0  # the server waited about a second for a ready item
-                    if idle_s > ds.timeout_s or (response.rank_never_read
-                                                  and response.waiting_s > RANK_NEVER_READ_LIMIT_S):
+                    if idle_s > self.options.timeout_s or (response.rank_never_read
+                                                           and response.waiting_s > RANK_NEVER_READ_LIMIT_S):
                         self._timed_out(response.waiting, idle_s)
                 yield
-            if finish and ds._progress.current is stream:
-                ds._progress.finished = True
+            if finish and progress.current is pass_:
+                progress.finished = True
         finally:
             if call is not None:  # the loop broke out early with a batch on its way
                 self._acknowledge_leftover(call)
 
     def _timed_out(self, waiting: str, idle_s: float) -> None:
-        ds = self.ds
+        options = self.options
         if waiting:
             raise TimeoutError(
-                f"job {self.conn.job_id} (rank {ds.rank} of {ds.world_size}): no item from joaderd for "
+                f"job {self.conn.job_id} (rank {options.rank} of {options.world_size}): no item from joaderd for "
                 f"{idle_s:.0f} s: {waiting}. Under accelerate, keep prepare()'s default dispatch or "
                 "leave the DataLoader out of prepare(); with a DDP launcher, check that every rank "
                 "builds the dataset with the same source, indices, world_size and drop_last")
         raise TimeoutError(
-            f"job {self.conn.job_id}: no item from joaderd for {ds.timeout_s:g} s; see `joader "
+            f"job {self.conn.job_id}: no item from joaderd for {options.timeout_s:g} s; see `joader "
             "status`: the decode pool's state (a crash loop, a stuck worker), or its job's "
             "`waiting` (resume reports still missing).")
 
@@ -208,67 +259,105 @@ class Reader:
         except Exception as error:  # noqa: BLE001  a failed courtesy call must not mask anything
             logger.debug("job %s: leftover batch not acknowledged: %s", self.conn.job_id, error)
 
-    def check_current(self) -> None:
-        """A newer iter() in this process took the epoch: items this one still holds (prefetched
-        before) must not be yielded as if its epoch went on. joaderd tells the same to readers in
-        other processes (DataLoader workers) at their next request."""
-        if self.ds._progress.current is not self.stream:
-            raise PassSupersededError(superseded_message(self.conn.job_id))
-
     def _yielded(self, indices: list[int]) -> None:
-        self.check_current()
-        self.ds._progress.yielded(self.stream, indices)
+        """`indices` are given to the loop now. A newer iter() in this process took the epoch:
+        items this pass still holds (prefetched before) must not be yielded as if its epoch went
+        on. joaderd tells the same to readers in other processes (DataLoader workers) at their
+        next request."""
+        if self.progress.current is not self.pass_:
+            raise PassSupersededError(superseded_message(self.conn.job_id))
+        self.progress.yielded(self.pass_, indices)
 
     def _raise_failure(self, failed: joader_pb2.FailedItem) -> None:
         raise DecodeError(
             f"job {self.conn.job_id}: item {failed.item_id} ({display_path(failed.path)}) of source "
-            f"{self.ds.source!r} could not be decoded: {failed.reason}. Fix or remove the file "
+            f"{self.options.source!r} could not be decoded: {failed.reason}. Fix or remove the file "
             "(joaderd retries it after --retry-failed-s), or pass on_error='skip' to train "
             "without it."
         )
 
     def _warn_failure(self, failed: joader_pb2.FailedItem) -> None:
-        warned = self.ds._warned
-        if failed.item_id not in warned:
-            warned.add(failed.item_id)
+        if failed.item_id not in self.warned:
+            self.warned.add(failed.item_id)
             logger.warning("job %s: skipping item %d (%s): %s", self.conn.job_id, failed.item_id,
                            display_path(failed.path), failed.reason)
 
     def _check_shapes(self, response: Any) -> None:
+        expected = self.options.item_shape
         for index, item_shape in zip(response.item_ids, shapes(response), strict=True):
-            if item_shape != self.ds.item_shape:
+            if item_shape != expected:
                 raise InvalidArgumentError(
-                    f"job {self.conn.job_id}: item {index} of {self.ds.source!r} has shape {item_shape}, "
-                    f"not the stage's {self.ds.item_shape} (an image smaller than the stage's size is "
+                    f"job {self.conn.job_id}: item {index} of {self.options.source!r} has shape {item_shape}, "
+                    f"not the stage's {expected} (an image smaller than the stage's size is "
                     "served as it is); set upscale = true for the source, or use batched=False")
 
     # ----------------------------------------------------------------------------- modes
 
-    def items(self) -> Iterator[Any]:
-        """One `(image, label)` (or `(index, image, label)`) per item. In the training process
-        (no DataLoader worker) replies are read, copied out and transformed `ds.prefetch`
-        replies ahead by a thread (`joader.client.prefetch`); an item counts as yielded when
-        the loop takes it."""
-        ds, stream = self.ds, self.stream
-        self._follow_loader()
-        if get_worker_info() is not None:
-            _guard_collate(frameworks.loader_fetcher(skip=2))
-        chunks = self._item_chunks()
-        if ds.prefetch > 0 and get_worker_info() is None:
-            chunks = prefetched(chunks, ds.prefetch, f"joader-prefetch-{self.conn.job_id}")
+    def _deliver(self, batched: bool, timed: bool) -> Iterator[Any]:
+        """What the training loop's `next()` runs: the items (or batches) of the mode's chunks,
+        each recorded as yielded when the loop takes it.
+
+        `timed` (the training process): the loop's seconds inside `next()` (the data stall)
+        and between calls (the step) go to the pass; each request reports them, and the last
+        one, once the loop asks past the end (after its last step), goes alone.
+
+        NOTE [ One generator on the loop's path ]
+        Timing, the check that the pass is still current, and the record of what was yielded
+        are done inline here, not by wrapping generators: each wrapper would be one more frame
+        per item on the loop's `next()`."""
+        pass_, progress = self.pass_, self.progress
+        clock = time.perf_counter
+        if timed:
+            pass_.measured = True
+        started = clock()
+        # On the first next(): a DataLoader fetch, if any, is on the call stack now (not at iter()).
+        chunks = self._batch_chunks() if batched else self._item_chunks_started()
         try:
             for chunk in chunks:
-                for index, value in chunk:
-                    self._yielded([index])
-                    yield value
+                for ids, value in chunk:
+                    if progress.current is not pass_:
+                        raise PassSupersededError(superseded_message(self.conn.job_id))
+                    if batched:
+                        progress.yielded(pass_, ids)
+                        value = self._emit(*value)
+                    else:
+                        progress.yielded(pass_, [ids])
+                    if timed:
+                        yielded = clock()
+                        pass_.wait_s += yielded - started
+                        yield value
+                        started = clock()
+                        pass_.step_s += started - yielded
+                    else:
+                        yield value
         finally:
-            chunks.close()  # type: ignore[attr-defined]
-        if ds._progress.current is stream:
-            ds._progress.finished = True
+            chunks.close()  # type: ignore[attr-defined]  # a generator: its cleanup runs now
+        if not batched and progress.current is pass_:
+            progress.finished = True  # items: once the loop took the last one (batches: `replies`)
+        if timed:
+            pass_.wait_s += clock() - started
+            if pass_.epoch and progress.current is pass_:
+                try:
+                    self.report()
+                except Exception as error:  # noqa: BLE001  a lost figure must not fail the epoch
+                    logger.debug("job %s: stall report not delivered: %s", self.conn.job_id, error)
+
+    def _item_chunks_started(self) -> Iterator[list[tuple[int, Any]]]:
+        """The items' chunks, once the request size follows the DataLoader's. In the training
+        process (no DataLoader worker) replies are read, copied out and transformed
+        `prefetch` replies ahead by a thread (`joader.client.prefetch`)."""
+        self._follow_loader(skip=3)
+        worker = get_worker_info()
+        if worker is not None:
+            _guard_collate(frameworks.loader_fetcher(skip=3))
+        chunks = self._item_chunks()
+        if self.options.prefetch > 0 and worker is None:
+            chunks = prefetched(chunks, self.options.prefetch, f"joader-prefetch-{self.conn.job_id}")
+        return chunks
 
     def _item_chunks(self) -> Iterator[list[tuple[int, Any]]]:
         """Per reply, its items as `(index, what the loop is given)`, transformed."""
-        ds, conn = self.ds, self.conn
+        conn = self.conn
         placed: list[tuple[int, torch.Tensor, int]] = []
 
         def place(reply: Reply) -> None:
@@ -277,11 +366,12 @@ class Reader:
             # DataLoader's collate) is ~30x slower on views that share a storage.
             arrays = [np.empty(shape, dtype=dtype) for shape, dtype in zip(shapes(response), dtypes(response),
                                                                              strict=True)]
-            conn.reader(response.arena or reply.identity.arena).copy_many(response.offsets, response.lengths, arrays)
+            conn.mapping(response.arena or reply.identity.arena).copy_many(response.offsets, response.lengths, arrays)
             conn.check(response, arrays)
             placed.extend(zip(response.item_ids, map(torch.from_numpy, arrays), response.labels, strict=True))
 
-        transform, return_index = ds.transform, ds.return_index
+        transform, return_index = self.options.transform, self.options.return_index
+        # `place` runs inside the reply loop, before it sends the next request (see `replies`).
         for _ in self.replies(place, finish=False):
             ready, placed[:] = list(placed), []
             chunk = []
@@ -291,34 +381,36 @@ class Reader:
                 chunk.append((index, (index, image, label) if return_index else (image, label)))
             yield chunk
 
-    def _follow_loader(self) -> None:
+    def _follow_loader(self, skip: int) -> None:
         """Asks in the batch size of the DataLoader that collates these items, when its fetch
-        is on the stack (`joader.client.frameworks`): joaderd replies in whole batches of the
-        size asked, so each worker then collates whole batches and the epoch has len(loader)."""
-        ds = self.ds
-        size = frameworks.loader_batch_size(skip=2)
+        is on the stack (`joader.client.frameworks`; `skip`: frames up to the generator the
+        fetch resumes): joaderd replies in whole batches of the size asked, so each worker then
+        collates whole batches and the epoch has len(loader)."""
+        options = self.options
+        size = frameworks.loader_batch_size(skip=skip)
         if size is None or size == self.size:
             return
-        if not ds._batch_size_given:
+        if not options.batch_size_given:
             self.size = size
         elif self.conn.board is not None and self.conn.board.first_notice(_NOTICE_BATCH_SIZE):
             logger.warning(
                 "JoaderDataset(batch_size=%d) under a DataLoader of batch_size=%d: joaderd replies "
                 "in batches of %d, so each DataLoader worker's last batch of an epoch comes short "
                 "and the epoch has more batches than len(loader). Leave batch_size out of "
-                "JoaderDataset (it follows the loader's), or give both the same.", ds.batch_size, size,
-                ds.batch_size)
+                "JoaderDataset (it follows the loader's), or give both the same.", options.batch_size, size,
+                options.batch_size)
 
-    def batches(self) -> Iterator[Any]:
-        """Whole batches, each copied straight into one tensor (`batched=True`)."""
-        ds, conn = self.ds, self.conn
-        assert ds.item_shape is not None
-        shape, dtype, size = ds.item_shape, np.dtype(ds.item_dtype), ds.batch_size
+    def _batch_chunks(self) -> Iterator[list[tuple[list[int], tuple[torch.Tensor, list[int], list[int]]]]]:
+        """Whole batches, each copied straight into one tensor (`batched=True`), one per chunk
+        as `(indices, (images, indices, labels))`; `_emit` makes what the loop is given."""
+        conn, options = self.conn, self.options
+        assert options.item_shape is not None
+        shape, dtype, size = options.item_shape, np.dtype(options.item_dtype), options.batch_size
         # In a DataLoader worker, each batch is made in shared memory, as the DataLoader's own
         # collate does there: handing it to the main process then passes a file descriptor
         # instead of copying the batch once more. Elsewhere batches fill pooled buffers
         # (joader.client.batchpool), which fresh allocations' page faults made twice as slow.
-        pool = None if get_worker_info() is not None else ds._batch_pool(size * int(np.prod(shape)) * dtype.itemsize)
+        pool = None if get_worker_info() is not None else self.pool.get(size * int(np.prod(shape)) * dtype.itemsize)
         done: list[tuple[torch.Tensor, list[int], list[int]]] = []
 
         def fresh() -> list[Any]:
@@ -331,13 +423,13 @@ class Reader:
         def place(reply: Reply) -> None:
             response = reply.response
             self._check_shapes(response)
-            reader = conn.reader(response.arena or reply.identity.arena)
+            mapping = conn.mapping(response.arena or reply.identity.arena)
             at, count = 0, len(response.item_ids)
             while at < count:
                 images, indices, labels = current
                 take = min(size - len(indices), count - at)
                 rows = images.numpy()[len(indices):len(indices) + take]
-                reader.copy_many(response.offsets[at:at + take], response.lengths[at:at + take], rows)
+                mapping.copy_many(response.offsets[at:at + take], response.lengths[at:at + take], rows)
                 conn.check(response, list(rows), at)
                 indices.extend(response.item_ids[at:at + take])
                 labels.extend(response.labels[at:at + take])
@@ -346,22 +438,21 @@ class Reader:
                     done.append((images, indices, labels))
                     current[:] = fresh()
 
+        # `place` runs inside the reply loop, before it sends the next request (see `replies`).
         for _ in self.replies(place):
             while done:
-                images, indices, labels = done.pop(0)
-                self._yielded(indices)
-                yield self._emit(images, indices, labels)
+                batch = done.pop(0)
+                yield [(batch[1], batch)]
         images, indices, labels = current
         if indices:
-            self._yielded(indices)
-            yield self._emit(images[: len(indices)], indices, labels)
+            yield [(indices, (images[: len(indices)], indices, labels))]
 
     def _emit(self, images: torch.Tensor, indices: list[int], labels: list[int]) -> Any:
-        ds = self.ds
-        if ds.transform is not None:
-            images = torch.stack([ds.transform(image) for image in images])
+        options = self.options
+        if options.transform is not None:
+            images = torch.stack([options.transform(image) for image in images])
         label_tensor = torch.tensor(labels, dtype=torch.int64)
-        if ds.return_index:
+        if options.return_index:
             return torch.tensor(indices, dtype=torch.int64), images, label_tensor
         return images, label_tensor
 
@@ -372,9 +463,9 @@ class Reader:
         than its share of the cache (`copy_now`), this worker copies the reply's items itself
         and acknowledges them at once: the hand-off pipeline (the DataLoader's prefetch) must
         not hold a small cache's every slot."""
-        ds, conn = self.ds, self.conn
-        assert ds.item_shape is not None
-        layout = Layout(ds.item_shape, ds.item_dtype, ds.batch_size, ds.return_index, conn.verify)
+        conn, options = self.conn, self.options
+        assert options.item_shape is not None
+        layout = Layout(options.item_shape, options.item_dtype, options.batch_size, options.return_index, conn.verify)
         done: list[ArenaBatch] = []
         current = [ArenaBatch(layout)]
         copied_now: list[int] = []
@@ -384,19 +475,19 @@ class Reader:
             self._check_shapes(response)
             identity = reply.identity
             where = conn.arena(response.arena or identity.arena)
-            reader = conn.reader(where.name) if response.copy_now else None
+            mapping = conn.mapping(where.name) if response.copy_now else None
             for i, (offset, length, index, label) in enumerate(zip(
                     response.offsets, response.lengths, response.item_ids, response.labels, strict=True)):
                 checksum = response.checksums[i] if i < len(response.checksums) else 0
-                if reader is not None:
+                if mapping is not None:
                     data = bytearray(length)
-                    reader.copy_many([offset], [length], [data])
+                    mapping.copy_many([offset], [length], [data])
                     conn.check(response, [data], i)
                     current[0].add_bytes(bytes(data), index, label)
                     copied_now.append(index)
                 else:
                     current[0].add(where, offset, length, index, label, checksum)
-                if len(current[0]) == ds.batch_size:
+                if len(current[0]) == options.batch_size:
                     done.append(current[0])
                     current[0] = ArenaBatch(layout)
 
@@ -406,6 +497,8 @@ class Reader:
             copied_now.clear()
             return ids
 
+        # `place` runs inside the reply loop, before it sends the next request (see `replies`);
+        # `copied` says what that request acknowledges: what the training process copied.
         for _ in self.replies(place, copied=copied):
             while done:
                 batch = done.pop(0)
@@ -416,7 +509,7 @@ class Reader:
             yield receipts.hand(current[0])
         # Asked for more after the last batch: acknowledge the rest once the training process
         # copied it (it reads this worker's batches in order, before this worker's end).
-        deadline = time.monotonic() + ds.timeout_s
+        deadline = time.monotonic() + options.timeout_s
         while receipts.outstanding and time.monotonic() < deadline:
             conn.check_parent()  # the training process that would copy them may be dead
             ids = receipts.copied(conn.identity.arena)
@@ -447,9 +540,10 @@ def shared_batch_tensor(shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor
 def shm_full_error(error: BaseException, nbytes: int) -> SharedMemoryFullError | None:
     """The error to raise instead of `error` if it says /dev/shm is full, else None.
 
-    NOTE: torch reports a full /dev/shm as RuntimeError("unable to allocate shared memory(shm)
-    for file </torch_...>: No space left on device (28)"): jobs with DataLoader workers failed
-    with that and no hint (issue 27)."""
+    NOTE [ torch's words for a full /dev/shm ]
+    torch reports a full /dev/shm as RuntimeError("unable to allocate shared memory(shm) for
+    file </torch_...>: No space left on device (28)"), with no hint of the fix: this error
+    names the space left and what to change."""
     if getattr(error, "errno", None) != errno.ENOSPC and "No space left on device" not in str(error):
         return None
     return SharedMemoryFullError(

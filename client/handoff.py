@@ -61,9 +61,11 @@ class Layout:
 
 
 @dataclass(frozen=True)
-class Arena:
-    """Where a segment's items are: a new one after joaderd restarted. `held_by` (pid, fd): the
-    lease keeper's descriptor of it, which reaches it after a restart removed its name."""
+class ArenaLocation:
+    """Where one joaderd's arena is, as a handed-over batch names it (a restarted joaderd has a
+    new one): its path, its owner's uid, and `held_by` (pid, fd), the lease keeper's descriptor
+    of it, which reaches it after a restart removed its name. Not the server's arena
+    (`joader.cache.arena.Arena`): only where to map it."""
 
     path: str
     server_uid: int | None
@@ -80,7 +82,7 @@ class Segment:
 
     __slots__ = ("arena", "checksums", "data", "item_ids", "lengths", "offsets")
 
-    def __init__(self, arena: Arena | None) -> None:
+    def __init__(self, arena: ArenaLocation | None) -> None:
         self.arena = arena
         self.offsets: list[int] = []
         self.lengths: list[int] = []
@@ -92,7 +94,7 @@ class Segment:
         return (_segment, (self.arena, self.offsets, self.lengths, self.item_ids, self.checksums, bytes(self.data)))
 
 
-def _segment(arena: Arena | None, offsets: list[int], lengths: list[int], item_ids: list[int],
+def _segment(arena: ArenaLocation | None, offsets: list[int], lengths: list[int], item_ids: list[int],
              checksums: list[int], data: bytes) -> Segment:
     segment = Segment(arena)
     segment.offsets, segment.lengths, segment.item_ids, segment.checksums = offsets, lengths, item_ids, checksums
@@ -120,12 +122,12 @@ class ArenaBatch:
     def item_ids(self) -> list[int]:
         return [item_id for segment in self.segments for item_id in segment.item_ids]
 
-    def _segment(self, arena: Arena | None) -> Segment:
+    def _segment(self, arena: ArenaLocation | None) -> Segment:
         if not self.segments or self.segments[-1].arena != arena:
             self.segments.append(Segment(arena))
         return self.segments[-1]
 
-    def add(self, arena: Arena, offset: int, length: int, item_id: int, label: int, checksum: int = 0) -> None:
+    def add(self, arena: ArenaLocation, offset: int, length: int, item_id: int, label: int, checksum: int = 0) -> None:
         segment = self._segment(arena)
         segment.offsets.append(offset)
         segment.lengths.append(length)
@@ -198,17 +200,17 @@ class _Receiver:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.lock = threading.Lock()  # the DataLoader's pin-memory thread may unpickle too
-        self.readers: dict[Arena, ArenaReader] = {}
+        self.mappings: dict[ArenaLocation, ArenaReader] = {}
         self.pools: dict[int, BatchPool] = {}
 
-    def reader(self, arena: Arena) -> ArenaReader:
-        reader = self.readers.get(arena)
-        if reader is None:
-            if len(self.readers) >= 2:  # joaderd restarted twice: the oldest arena is done with
-                self.readers.pop(next(iter(self.readers))).close()
-            reader = self.readers[arena] = ArenaReader(arena.path, expected_uid=arena.server_uid,
-                                                       held_by=arena.held_by)
-        return reader
+    def mapping(self, arena: ArenaLocation) -> ArenaReader:
+        mapping = self.mappings.get(arena)
+        if mapping is None:
+            if len(self.mappings) >= 2:  # joaderd restarted twice: the oldest arena is done with
+                self.mappings.pop(next(iter(self.mappings))).close()
+            mapping = self.mappings[arena] = ArenaReader(arena.path, expected_uid=arena.server_uid,
+                                                         held_by=arena.held_by)
+        return mapping
 
     def pool(self, nbytes: int) -> BatchPool:
         pool = self.pools.get(nbytes)
@@ -245,7 +247,7 @@ def receive(layout: Layout, segments: list[Segment],
             if segment.arena is None:
                 rows.reshape(-1).view(np.uint8)[:] = np.frombuffer(segment.data, np.uint8)
             else:
-                receiver.reader(segment.arena).copy_many(segment.offsets, segment.lengths, rows)
+                receiver.mapping(segment.arena).copy_many(segment.offsets, segment.lengths, rows)
                 if layout.verify:
                     _verify(segment, rows)
             at += len(segment.item_ids)

@@ -15,6 +15,7 @@ from typing import Any
 from pyroaring import BitMap
 
 from joader.client.board import RECEIPT_SLOTS, Board
+from joader.client.checkpoint import ResumePoint
 
 _TOKEN_MASK = (1 << 63) - 1
 
@@ -31,9 +32,9 @@ class Pass:
         self.worker_id = worker_id
         self.num_workers = num_workers
         self.epoch = 0
-        self.resume: dict[str, Any] | None = None
+        self.resume: ResumePoint | None = None  # until the pass's first reply
         # The training loop's time inside next() and between calls, in this pass's epoch
-        # (measured only by a reader in the training process: `JoaderDataset._timed`).
+        # (measured only by a reader in the training process: `Reader._deliver`).
         self.measured = False
         self.wait_s = 0.0
         self.step_s = 0.0
@@ -54,23 +55,25 @@ class Pass:
         return cls(token, worker.id, worker.num_workers)
 
 
-def continued_epoch(board: Board | None, stream: Pass) -> int:
-    """The epoch `stream` is reading, once some reader of it received items of one (this
+def continued_epoch(board: Board | None, pass_: Pass) -> int:
+    """The epoch `pass_` is reading, once some reader of it received items of one (this
     reader: its first reply named it; another DataLoader worker of its iterator: the board's
     current pass is this token's); 0 for a pass no reader of which received anything yet.
 
     Every request says it (`NextRequest.continue_epoch`): a restarted joaderd, which never saw
     the token, makes the pass continue that epoch, as the lease keepers' reports resumed it.
-    A pass with 0 is a new pass there, the rank's next epoch. It is never a resume: a new
-    pass that sent the epoch number it expected (the previous one + 1, nothing consumed) was
-    taken for a resume of that epoch, and the restarted job waited for the other ranks'
-    reports, or dealt that epoch twice (issue 27)."""
-    if stream.epoch:
-        return stream.epoch
+    A pass with 0 is a new pass there, the rank's next epoch.
+
+    NOTE [ A new pass is never a resume ]
+    A new pass that sent the epoch number it expects (the previous one + 1, nothing consumed)
+    would be taken for a resume of that epoch: the restarted job would wait for the other
+    ranks' reports, or deal that epoch twice."""
+    if pass_.epoch:
+        return pass_.epoch
     if board is None:
         return 0
     epoch, token = board.current_pass()
-    return epoch if epoch and token == stream.token else 0
+    return epoch if epoch and token == pass_.token else 0
 
 
 class Progress:
@@ -84,15 +87,15 @@ class Progress:
         self.finished = False
         self.orders: dict[int, list[int]] = {}
 
-    def start_epoch(self, stream: Pass, epoch: int) -> None:
+    def start_epoch(self, pass_: Pass, epoch: int) -> None:
         """The first reply of a pass names its epoch: this process's records follow it."""
-        stream.epoch = epoch
-        if stream.resume is not None and int(stream.resume["epoch"]) == epoch:
-            consumed = stream.resume["consumed"]
+        pass_.epoch = epoch
+        if pass_.resume is not None and pass_.resume.epoch == epoch:
+            consumed = pass_.resume.consumed
         else:
             consumed = BitMap()
-        stream.resume = None
-        if self.current is stream:
+        pass_.resume = None
+        if self.current is pass_:
             self.epoch = epoch
             self.consumed = BitMap(consumed)
             self.finished = False
@@ -100,8 +103,21 @@ class Progress:
             while len(self.orders) > 1000:
                 del self.orders[min(self.orders)]
 
-    def yielded(self, stream: Pass, indices: list[int]) -> None:
-        stream.items += len(indices)
-        if self.current is stream and stream.epoch:
+    def saved(self, parts: int) -> tuple[int, BitMap]:
+        """The epoch and consumed ids a checkpoint records now: a finished epoch read by one
+        process is saved as the start of the next."""
+        if self.finished and parts == 1:
+            return self.epoch + 1, BitMap()
+        return self.epoch, self.consumed
+
+    def restore(self, epoch: int, consumed: BitMap) -> None:
+        """A loaded checkpoint: this process's records go on from it."""
+        self.epoch = epoch
+        self.consumed = consumed
+        self.finished = False
+
+    def yielded(self, pass_: Pass, indices: list[int]) -> None:
+        pass_.items += len(indices)
+        if self.current is pass_ and pass_.epoch:
             self.consumed.update(indices)
-            self.orders[stream.epoch].extend(indices)
+            self.orders[pass_.epoch].extend(indices)

@@ -41,7 +41,7 @@ def test_a_reply_naming_another_arena_than_its_server_uses_is_refused() -> None:
 
 def test_an_arena_no_identity_of_the_job_named_is_never_mapped() -> None:
     with pytest.raises(IntegrityError, match="no joaderd this job attached to uses"):
-        _connection().reader("joader-0-9-ffff")
+        _connection().mapping("joader-0-9-ffff")
 
 
 def test_acknowledgements_of_a_dead_servers_reply_are_not_sent_to_the_new_one(monkeypatch: pytest.MonkeyPatch) -> None:

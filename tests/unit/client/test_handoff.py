@@ -8,10 +8,10 @@ from collections.abc import Iterator
 import pytest
 
 from joader.client.board import RECEIPT_SLOTS, Board
-from joader.client.handoff import Arena, ArenaBatch, Layout, Receipts
+from joader.client.handoff import ArenaBatch, ArenaLocation, Layout, Receipts
 
 LAYOUT = Layout((3, 4, 4), "uint8", 2, False)
-OLD, NEW = Arena("joader-arena-old", 0), Arena("joader-arena-new", 0)
+OLD, NEW = ArenaLocation("joader-arena-old", 0), ArenaLocation("joader-arena-new", 0)
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ def board() -> Iterator[Board]:
     board.close()
 
 
-def batch(arena: Arena, *ids: int) -> ArenaBatch:
+def batch(arena: ArenaLocation, *ids: int) -> ArenaBatch:
     made = ArenaBatch(LAYOUT)
     for item_id in ids:
         made.add(arena, 64 * item_id, 48, item_id, item_id % 3)

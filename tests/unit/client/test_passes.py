@@ -13,9 +13,10 @@ import pytest
 from pyroaring import BitMap
 
 from joader.client.board import Board
+from joader.client.checkpoint import ResumePoint
 from joader.client.connection import Connection, Identity
-from joader.client.delivery import Reader
-from joader.client.passes import Pass, continued_epoch
+from joader.client.delivery import Reader, ReadOptions
+from joader.client.passes import Pass, Progress, continued_epoch
 
 OLD = Identity("job-a", b"s" * 16, "/dev/shm/joader-0-1-aaaa", None, "fp", generation=0)
 
@@ -28,11 +29,10 @@ def board() -> Iterator[Board]:
     board.close()
 
 
-def _fields(board: Board, stream: Pass) -> dict[str, Any]:
-    """The fields of `stream`'s next request for items, as its reader sends them."""
+def _fields(board: Board, pass_: Pass) -> dict[str, Any]:
+    """The fields of `pass_`'s next request for items, as its reader sends them."""
     conn = Connection("unix:/nowhere", OLD, board, timeout_s=5, verify=False)
-    dataset = SimpleNamespace(_connection=conn, batch_size=4)
-    return Reader(dataset, stream)._fields(4)  # type: ignore[arg-type]
+    return Reader(conn, pass_, Progress(), ReadOptions(source="demo", batch_size=4))._fields(4)
 
 
 def _worker(worker_id: int, seed: int = 1234) -> SimpleNamespace:
@@ -42,8 +42,8 @@ def _worker(worker_id: int, seed: int = 1234) -> SimpleNamespace:
 def test_a_pass_that_starts_after_a_restart_is_a_new_pass_whatever_epochs_came_before(board: Board) -> None:
     """Epoch 1's iterator (two DataLoader workers) read part of its epoch, then joaderd
     restarted; the next iterator's workers start. They send no epoch and no resume: joaderd
-    numbers the pass from the lease keeper's report. Before issue 27's fix they sent "resume
-    epoch 2, nothing consumed", which a 2-rank job took for a resume and waited on."""
+    numbers the pass from the lease keeper's report. A pass that sent "resume epoch 2, nothing
+    consumed" would be taken for a resume by a 2-rank job, which would wait on it."""
     first = [Pass.start(_worker(w), 0, board, pid=100 + w) for w in (0, 1)]
     assert first[0].token == first[1].token
     first[0].epoch = 1  # worker 0's first reply named epoch 1, and it received items
@@ -51,9 +51,9 @@ def test_a_pass_that_starts_after_a_restart_is_a_new_pass_whatever_epochs_came_b
     board.mark([3, 4, 5, 6], 1)
     second = [Pass.start(_worker(w), 1, board, pid=200 + w) for w in (0, 1)]  # a fresh iterator
     assert second[0].token == second[1].token != first[0].token
-    for stream in second:
-        assert continued_epoch(board, stream) == 0
-        fields = _fields(board, stream)
+    for pass_ in second:
+        assert continued_epoch(board, pass_) == 0
+        fields = _fields(board, pass_)
         assert fields["continue_epoch"] == 0 and "resume_epoch" not in fields
     # The same, with the user re-seeding torch (the workers' key repeats): still a new pass.
     again = Pass.start(_worker(0), 0, board, pid=300)
@@ -65,12 +65,12 @@ def test_every_reader_of_an_interrupted_pass_continues_its_epoch(board: Board) -
     """Worker 0 received items of epoch 3 before joaderd died; worker 1 of the same iterator had
     not yet asked. Both continue epoch 3 (the board names the pass), and neither resends what it
     received: the lease keeper reported that for the rank."""
-    streams = [Pass.start(_worker(w), 0, board, pid=100 + w) for w in (0, 1)]
-    streams[0].epoch = 3
-    board.note_pass(3, streams[0].token)
+    passes = [Pass.start(_worker(w), 0, board, pid=100 + w) for w in (0, 1)]
+    passes[0].epoch = 3
+    board.note_pass(3, passes[0].token)
     board.mark([1, 2], 3)
-    for stream in streams:
-        fields = _fields(board, stream)
+    for pass_ in passes:
+        fields = _fields(board, pass_)
         assert fields["continue_epoch"] == 3 and "resume_epoch" not in fields
     plain = Pass(77, 0, 1)  # the training process, no workers: its own first reply named epoch 5
     plain.epoch = 5
@@ -81,10 +81,30 @@ def test_a_checkpoints_consumed_items_go_on_the_board_when_joaderd_takes_them(bo
     """A pass resuming a checkpoint of epoch 2 (items 0..9 consumed by the run that saved it):
     once joaderd's first reply names epoch 2, the board says the rank received them in epoch 2,
     so a later restart's keeper report does not have them dealt again."""
-    stream = Pass(41, 0, 1)
-    stream.resume = {"epoch": 2, "consumed": BitMap(range(10)), "parts": 1}
+    pass_ = Pass(41, 0, 1)
+    pass_.resume = ResumePoint(2, BitMap(range(10)), 1)
     conn = Connection("unix:/nowhere", OLD, board, timeout_s=5, verify=False)
-    reader = Reader(SimpleNamespace(_connection=conn, batch_size=4), stream)  # type: ignore[arg-type]
+    reader = Reader(conn, pass_, Progress(), ReadOptions(source="demo", batch_size=4))
     assert reader._fields(4)["resume_epoch"] == 2
     reader._note_checkpoint(2)
     assert board.current_pass() == (2, 41) and board.received(2) == BitMap(range(10))
+
+
+def test_progress_follows_its_current_pass_and_saves_a_finished_epoch_as_the_next() -> None:
+    """`Progress` records what the current pass yielded; a checkpoint of a finished epoch read
+    by one process is the start of the next, and a loaded checkpoint's epoch goes on."""
+    progress = Progress()
+    pass_ = Pass(5, 0, 1)
+    pass_.resume = ResumePoint(3, BitMap([1, 2]), 1)
+    progress.current = pass_
+    progress.start_epoch(pass_, 3)  # joaderd took the resume: its consumed ids count as yielded
+    assert pass_.resume is None and progress.consumed == BitMap([1, 2])
+    progress.yielded(pass_, [7, 8])
+    stale = Pass(4, 0, 1)
+    progress.yielded(stale, [9])  # an older pass of this process: not recorded
+    assert progress.orders[3] == [7, 8] and progress.consumed == BitMap([1, 2, 7, 8])
+    assert progress.saved(parts=1) == (3, BitMap([1, 2, 7, 8]))
+    progress.finished = True
+    assert progress.saved(parts=1) == (4, BitMap()) and progress.saved(parts=2)[0] == 3
+    progress.restore(6, BitMap([1]))
+    assert (progress.epoch, progress.consumed, progress.finished) == (6, BitMap([1]), False)

@@ -1,0 +1,320 @@
+"""Where a `JoaderDataset` is attached: the job, this process's place in it, what joaderd said.
+
+An `Attachment` holds what attaching needs (the registration: source, indices, batch size,
+seed, ...) and what attaching gave: the placement (rank, world size, how it was found), the
+lease keeper (`joader.client.keeper.Keeper`), the connection that owns the job's identity in
+this process (`joader.client.connection`), and joaderd's `Description` of the job. It settles
+again when frameworks set ranks up late (`settle`), and gives way to accelerate's dispatcher
+(`dispatch`). Index validation (`to_bitmap`) and the default name's ordinal live here too: they
+are what a registration is made of.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from pyroaring import BitMap
+from torch.utils.data import get_worker_info
+
+from joader.cache.arena import ArenaReader
+from joader.client import placement
+from joader.client.board import Board
+from joader.client.checkpoint import indices_digest
+from joader.client.connection import Connection, Identity
+from joader.client.keeper import Keeper
+from joader.errors import InvalidArgumentError, JoaderError
+from joader.sampling import hosts
+
+# NOTE [ The dataset's logger ]
+# Attaching is the dataset's business to its users: its messages keep the logger name they
+# filter on (and tests read), `joader.client.dataset`.
+logger = logging.getLogger("joader.client.dataset")
+
+_ordinals: dict[tuple[str, str], int] = {}
+
+
+def next_ordinal(source: str, digest: str) -> str:
+    """This dataset's place among the process's datasets of the same source and indices: the
+    same on every rank of a job (each runs the same script), so it keys the job's name there."""
+    count = _ordinals.get((source, digest), 0)
+    _ordinals[(source, digest)] = count + 1
+    return f"{source}/{digest}/{count}"
+
+
+def to_bitmap(indices: Any) -> BitMap | None:
+    """A BitMap of `indices` (range, iterable of ints, numpy array, BitMap); None means all."""
+    if indices is None:
+        return None
+    if isinstance(indices, BitMap):
+        return BitMap(indices)
+    if isinstance(indices, range):
+        if indices.step == 1 and indices.start >= 0:
+            return BitMap(indices)
+        indices = list(indices)
+    array = np.asarray(indices if isinstance(indices, np.ndarray) else list(indices))
+    if array.size == 0:
+        raise InvalidArgumentError("indices is empty: pass at least one item index of the source")
+    if not np.issubdtype(array.dtype, np.integer):
+        raise InvalidArgumentError(f"indices must be integers, got {array.dtype}")
+    if array.min() < 0 or array.max() > np.iinfo(np.uint32).max:
+        raise InvalidArgumentError(
+            f"indices must be in 0..{np.iinfo(np.uint32).max}, got {array.min()}..{array.max()}"
+        )
+    bitmap = BitMap(array.astype(np.uint32, copy=False))
+    if len(bitmap) != array.size:
+        values, counts = np.unique(array, return_counts=True)
+        repeated = ", ".join(f"{v} ({c} times)" for v, c in zip(values[counts > 1][:5], counts[counts > 1][:5], strict=True))
+        raise InvalidArgumentError(
+            f"indices repeat items: {repeated}; a job's dataset is a set, and each epoch delivers "
+            "every item once. Pass unique indices (e.g. numpy.unique(indices))."
+        )
+    return bitmap
+
+
+@dataclass(frozen=True)
+class Description:
+    """What the job trains on, from joaderd's reply: classes, labels, sizes, the stage."""
+
+    classes: list[str]
+    class_to_idx: dict[str, int]
+    image_size: int
+    stage: str
+    item_shape: tuple[int, ...] | None  # None: items vary in size
+    item_dtype: str
+    num_job_items: int
+    num_source_items: int
+    targets: list[int]
+
+    @classmethod
+    def from_keeper(cls, info: dict[str, Any]) -> Description:
+        classes = list(info["classes"])
+        # Integer labels are delivered as written, and their classes are the labels that occur:
+        # a class's label is then not its position (joaderd says which, `class_labels`).
+        labels = info.get("class_labels") or range(len(classes))
+        return cls(
+            classes=classes, class_to_idx=dict(zip(classes, labels, strict=True)),
+            image_size=int(info["image_size"]), stage=info.get("stage", ""),
+            item_shape=tuple(info.get("item_shape") or ()) or None, item_dtype=info.get("item_dtype") or "",
+            num_job_items=int(info["num_items"]), num_source_items=int(info["num_source_items"]),
+            targets=np.frombuffer(base64.b64decode(info["targets"]), dtype="<i4").tolist(),
+        )
+
+
+class Attachment:
+    """The job one `JoaderDataset` reads, as this process is attached to it (or not yet)."""
+
+    def __init__(self, source: str, bitmap: BitMap | None, *, address: str, name: str | None, batch_size: int,
+                 batched: bool, timeout_s: float, drop_last: bool, seed: int | None, verify: bool,
+                 rank: int | None, world_size: int | None) -> None:
+        self.source = source
+        self.batched = batched
+        self.timeout_s = timeout_s
+        self.drop_last = drop_last
+        self.verify = verify
+        self.digest = indices_digest(bitmap)
+        self.ordinal = next_ordinal(source, self.digest)
+        self.registration: dict[str, Any] = {
+            "address": address,
+            "source": source,
+            "indices": base64.b64encode(bitmap.serialize() if bitmap is not None else b"").decode(),
+            "batch_size": batch_size,
+            "drop_last": drop_last,
+            "seed": seed,
+            "timeout_s": timeout_s,
+        }
+        self.asked = (rank, world_size)
+        self.name_given = name
+        self.all_items = bitmap
+        self.placement: placement.Placement | None = None  # where the job is attached; None: not yet
+        self.hosts: hosts.HostLayout | None = None  # this rank's host, when the job spans hosts
+        self.dispatched = False  # accelerate's DataLoaderDispatcher: rank 0 reads the whole job
+        self.keeper: Keeper | None = None
+        self.finalizer: Callable[[], Any] | None = None
+        self.connection: Connection | None = None
+        self.passes = 0  # started in this process on the job attached now
+        self.job_name = ""
+        self.seed = seed
+        self.num_items = 0  # this rank's items per epoch, once attached
+        found = placement.find(rank, world_size, distributed=torch.distributed)
+        if found is None:
+            # A rank whose place is not known yet (Lightning's spawned ranks before fit): what
+            # it trains on now, the job once iteration starts (`settle`).
+            self.rank: int | None = None
+            self.world_size: int = int(os.environ.get("WORLD_SIZE", "1"))
+            self.description = self._described(Keeper.describe(self.registration))
+        else:
+            self.attach(found, self.default_name(found))
+
+    def default_name(self, found: placement.Placement) -> str:
+        if self.name_given:
+            return self.name_given
+        return placement.job_name(found, ordinal=self.ordinal, distributed=torch.distributed)
+
+    def _described(self, info: dict[str, Any]) -> Description:
+        description = Description.from_keeper(info)
+        if self.batched and (description.item_shape is None or not description.item_dtype):
+            self.close()
+            raise InvalidArgumentError(
+                f"batched=True needs a fixed-size stage, and source {self.source!r} uses {description.stage!r}, "
+                "whose items vary in size; use batched=False (each item its own tensor), or serve "
+                "the source with a fixed-size stage (center-crop, or a user stage with a spec)")
+        return description
+
+    def attach(self, found: placement.Placement, name: str) -> None:
+        """Registers this process as rank `found.rank` of job `name`, through a new lease keeper.
+
+        A job whose ranks span hosts (torchrun's LOCAL_WORLD_SIZE < WORLD_SIZE) is, on this
+        host's joaderd, the job `name@ranksA-BofW` of this host's ranks over this host's part of
+        the items (`joader.sampling.hosts`)."""
+        layout = hosts.layout_from_env(found.rank, found.world_size, os.environ)
+        registration = dict(self.registration, name=name, rank=found.rank, world_size=found.world_size)
+        if layout is not None:
+            part = hosts.host_part(self.items(), hosts.source_salt(self.source), layout, drop_last=self.drop_last)
+            registration.update(name=f"{name}@{layout.label}", rank=layout.local_rank,
+                                world_size=layout.local_ranks,
+                                indices=base64.b64encode(part.serialize()).decode())
+            logger.info("joader: rank %d of %d reads %d items of %s through this host's joaderd "
+                        "(its ranks %d-%d)", found.rank, found.world_size, len(part), self.source,
+                        layout.first_rank, layout.first_rank + layout.local_ranks - 1)
+        self.hosts = layout
+        board = Board.create()
+        keeper = self.keeper = Keeper.spawn(registration, board)
+        info = keeper.info
+        self.finalizer = weakref.finalize(self, keeper.stop)
+        try:  # mapped and let go: a process that reads no items must not hold it (a restart's dead arena)
+            ArenaReader(info["arena_path"], expected_uid=info.get("server_uid")).close()
+        except JoaderError as error:
+            # NOTE [ A client that cannot read the arena ends its job ]
+            # Such a client (another user's, over TCP) would keep its job registered, holding a
+            # --max-jobs slot and a share of the cache for as long as it lives.
+            self.close()
+            raise type(error)(
+                f"job {info['job_id']}: this process cannot read joaderd's cache arena ({error}); "
+                "joaderd serves the user that runs it: run the job as that user, or start a joaderd "
+                "of your own (its default Unix socket is private to you). The job was removed."
+            ) from None
+        self.placement = found
+        self.job_name = name
+        self.rank, self.world_size = found.rank, found.world_size
+        self.description = self._described(info)
+        self.seed = int(info["seed"])
+        self.num_items = int(info["num_rank_items"])
+        board.size_for(int(info["num_source_items"]))
+        # The one owner of the job's identity (id, secret, arena, generation) in this process.
+        self.connection = Connection(self.registration["address"], Identity.from_keeper(info, board.generation),
+                                     board, timeout_s=self.timeout_s, verify=self.verify,
+                                     keeper_note=keeper.exit_note)
+        self.passes = 0
+
+    def items(self) -> BitMap:
+        """The job's items (all the source's when no indices were given: asked of joaderd)."""
+        if self.all_items is None:
+            encoded = self.registration["indices"]
+            if encoded:
+                self.all_items = BitMap.deserialize(base64.b64decode(encoded))
+            else:
+                self.all_items = BitMap(range(int(Keeper.describe(self.registration)["num_source_items"])))
+        return self.all_items
+
+    def close(self) -> None:
+        """Ends this process's part of the job now (its other ranks go on)."""
+        if self.finalizer is not None:
+            self.finalizer()
+
+    def detach(self) -> None:
+        self.close()
+        self.keeper = self.finalizer = self.connection = None
+        self.placement = None
+
+    def settle(self) -> None:
+        """Attaches, or attaches again, where this process is now.
+
+        Looked up when iteration starts, `len()` is taken or a state is saved or loaded, since
+        frameworks set ranks up late: Lightning's launcher built the dataset as a plain process
+        and became rank 0 of 2 in `trainer.fit`; its spawned ranks knew WORLD_SIZE but not their
+        rank. A DataLoader worker cannot attach (the lease belongs to the training process): it
+        only checks, and says what to do.
+        """
+        if self.dispatched or (self.placement is not None and self.placement.how == placement.GIVEN):
+            return
+        found = placement.find(*self.asked, distributed=torch.distributed)
+        attached = self.placement
+        if attached is not None and (found is None or found.same_place(attached)):
+            return
+        if found is None:
+            raise InvalidArgumentError(f"JoaderDataset({self.source!r}): {placement.unsettled_message()}")
+        if get_worker_info() is not None:
+            now = (f"attached as rank {attached.rank} of {attached.world_size}" if attached
+                   else "not attached to a job yet")
+            raise InvalidArgumentError(
+                f"JoaderDataset({self.source!r}) in a DataLoader worker is {now}, but this process is "
+                f"rank {found.rank} of {found.world_size} ({found.how}); the dataset attaches in the "
+                "training process, which forked the workers before it knew its rank. Take len(loader) "
+                "once after torch.distributed.init_process_group and before iterating (trainer.fit "
+                "does), build the dataset after init_process_group, or pass rank= and world_size=")
+        if attached is not None:
+            logger.info("joader: %s is now rank %d of %d (%s); attaching as that rank",
+                        self.source, found.rank, found.world_size, found.how)
+            if self.passes:
+                logger.warning(
+                    "JoaderDataset(%r) was read as rank %d of %d, and is now rank %d of %d: it "
+                    "starts a new job as that rank, from a new epoch", self.source,
+                    attached.rank, attached.world_size, found.rank, found.world_size)
+            self.detach()
+        self.attach(found, self.default_name(found))
+
+    def connected(self) -> Connection:
+        """The connection of the job this process is attached to now (attaching if it can)."""
+        self.settle()
+        if self.connection is None:
+            raise InvalidArgumentError(
+                f"JoaderDataset({self.source!r}) is not attached to a job on this rank (accelerate "
+                "dispatches the data from rank 0, which alone reads it)")
+        return self.connection
+
+    def dispatch(self, index: int) -> None:
+        """accelerate's DataLoaderDispatcher drives this dataset: rank 0 (`index`) reads the
+        whole job, and the other ranks nothing (the dispatcher slices rank 0's batches)."""
+        self.dispatched = True
+        if self.placement is not None and self.placement.world_size == 1:
+            return  # one process: it reads the whole job already
+        self.detach()
+        if index == 0:
+            whole = placement.Placement(0, 1, placement.GIVEN)
+            name = f"{self.job_name}-dispatched"
+            logger.info("joader: accelerate dispatches this loader's batches from rank 0, which "
+                        "reads the whole job %r", name)
+            self.attach(whole, name)
+        else:
+            self.rank = index
+            self.connection = None
+
+    def rank_items(self) -> int:
+        """Items per epoch this process reads: the whole job's under the dispatcher; before
+        attaching, what every rank gets (ceil, or floor under drop_last, of N / world_size)."""
+        if self.dispatched:
+            return self.description.num_job_items
+        if self.connection is not None:
+            return self.num_items
+        size, total = self.world_size, self.description.num_job_items
+        return total // size if self.drop_last else -(-total // size)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # NOTE [ Pickling an attachment ]
+        # Only for the spawn start method: the lease stays with the process that created it, and
+        # the client board (a forked mapping) does not travel, so a spawned worker cannot resume
+        # after a joaderd restart.
+        state = dict(self.__dict__)
+        state["keeper"] = None
+        state["finalizer"] = None
+        if self.connection is not None:
+            state["connection"] = self.connection.without_board()
+        return state

@@ -1,0 +1,157 @@
+"""A reader's checkpoint: where one process (or DataLoader worker) is in its job's epochs.
+
+`JoaderDataset.state_dict()` returns `Checkpoint.state_dict()`, a plain dict users save with
+their model; `load_state_dict(state)` reads it back with `Checkpoint.from_state_dict`, which
+checks it before anything is resumed. The dict is the on-the-wire format: its keys and values
+must stay as they are, or checkpoints users already saved would no longer load.
+
+- `Owner`: whose checkpoint it is (the source, a digest of the indices, the seed, the rank and
+  the hosts' layout); a checkpoint of another job or rank is refused, naming the difference;
+- `Checkpoint`: its owner, the epoch, the ids yielded of it, and how many readers reported;
+- `ResumePoint`: what a new pass carries to joaderd until its first reply (the epoch and the
+  ids consumed of it), the part of a checkpoint joaderd acts on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from pyroaring import BitMap
+
+from joader.client.board import MAX_EPOCH
+from joader.errors import InvalidArgumentError
+
+STATE_VERSION = 1
+JOB_TAG = "joader"
+MAX_PARTS = 1024  # readers of one rank a state may say reported (DataLoader workers)
+
+
+def indices_digest(bitmap: BitMap | None) -> str:
+    """A short digest of a job's indices (None: the whole source)."""
+    data = bitmap.serialize() if bitmap is not None else b"all"
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a pass resumes: `consumed` of `epoch` were yielded by the readers that saved it
+    (`parts` of them: joaderd waits for as many reports)."""
+
+    epoch: int
+    consumed: BitMap
+    parts: int = 1
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Whose checkpoint: one rank of one job (the same source, indices and given seed)."""
+
+    source: str
+    dataset: str  # `indices_digest` of the job's indices
+    seed: int | None
+    seed_given: bool
+    rank: int | None
+    world_size: int
+    hosts: dict[str, int] | None = None  # `HostLayout.as_dict()` when the job spans hosts
+
+    def check(self, state: dict[str, Any]) -> None:
+        """Refuses `state` if another rank or another job saved it (keys an older joader did
+        not write are not checked)."""
+        if state.get("world_size") != self.world_size or state.get("rank") != self.rank:
+            raise InvalidArgumentError(
+                f"load_state_dict: the state is of rank {state.get('rank')} of {state.get('world_size')}, "
+                f"this dataset is rank {self.rank} of {self.world_size}; load each rank's own state")
+        # A job without a seed gets a new one each run: resuming it is fine.
+        problems = []
+        if "source" in state and state["source"] != self.source:
+            problems.append(f"source {state['source']!r}, not {self.source!r}")
+        if "dataset" in state and state["dataset"] != self.dataset:
+            problems.append("other indices")
+        if state.get("seed_given") and self.seed_given and state.get("seed") != self.seed:
+            problems.append(f"seed {state.get('seed')}, not {self.seed}")
+        if problems:
+            raise InvalidArgumentError(
+                f"load_state_dict: the state is of another job ({'; '.join(problems)}); load the state "
+                "this job saved, or build the dataset with the same source, indices and seed")
+        if state.get("hosts") != self.hosts:
+            raise InvalidArgumentError(
+                f"load_state_dict: the state was saved with its ranks on hosts {state.get('hosts')}, this "
+                f"rank's host is {self.hosts} (each host's joaderd serves its part of the items, cut by "
+                "the layout); resume with the same ranks per host (torchrun's --nnodes and "
+                "--nproc-per-node), or start the epoch afresh")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """`consumed`: the ids `owner` yielded of `epoch`; `parts`: how many readers of the rank
+    reported (DataLoader workers each save their own, torchdata's StatefulDataLoader collects
+    them)."""
+
+    owner: Owner
+    epoch: int
+    consumed: BitMap
+    parts: int = 1
+
+    @staticmethod
+    def check_tag(state: Any) -> None:
+        """Refuses what is not a JoaderDataset state at all (checked before anything else)."""
+        if not isinstance(state, dict) or state.get("job") != JOB_TAG:
+            raise InvalidArgumentError(
+                "load_state_dict: this is not a JoaderDataset state (from JoaderDataset.state_dict())")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The saved form: picklable, small, version-tagged. Keys and values must not change."""
+        owner = self.owner
+        return {
+            "version": STATE_VERSION,
+            "job": JOB_TAG,
+            "epoch": self.epoch,
+            "consumed": self.consumed.serialize(),
+            "seed": owner.seed,
+            "seed_given": owner.seed_given,
+            "source": owner.source,
+            "dataset": owner.dataset,
+            "rank": owner.rank,
+            "world_size": owner.world_size,
+            "parts": self.parts,
+            "hosts": owner.hosts,
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any], expected: Owner) -> Checkpoint:
+        """`state` read back, for `expected` to resume; raises `InvalidArgumentError` naming
+        what is wrong with it (the version, another rank or job, the epoch, the parts, the
+        consumed set), in that order."""
+        cls.check_tag(state)
+        if state.get("version") != STATE_VERSION:
+            raise InvalidArgumentError(
+                f"load_state_dict: state version {state.get('version')!r}; this joader reads version "
+                f"{STATE_VERSION}. Resume with the joader version that saved it.")
+        expected.check(state)
+        epoch = state.get("epoch")
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < MAX_EPOCH:
+            raise InvalidArgumentError(
+                f"load_state_dict: epoch {epoch!r} is not an epoch number (0..{MAX_EPOCH - 1}); "
+                "load a state saved by JoaderDataset.state_dict()")
+        parts = state.get("parts", 1)
+        if not isinstance(parts, int) or not 1 <= parts <= MAX_PARTS:
+            raise InvalidArgumentError(
+                f"load_state_dict: parts {parts!r} is not a number of readers (1..{MAX_PARTS}); load a "
+                "state saved by JoaderDataset.state_dict() (with DataLoader workers, through "
+                "torchdata's StatefulDataLoader)")
+        try:
+            consumed = BitMap.deserialize(state["consumed"])
+        except Exception as error:
+            raise InvalidArgumentError(f"load_state_dict: its consumed set is unreadable ({error})") from error
+        owner = Owner(source=state.get("source", expected.source), dataset=state.get("dataset", expected.dataset),
+                      seed=state.get("seed"), seed_given=bool(state.get("seed_given")), rank=state.get("rank"),
+                      world_size=state["world_size"], hosts=state.get("hosts"))
+        return cls(owner, epoch, consumed, parts)
+
+    @property
+    def resume_point(self) -> ResumePoint | None:
+        """What the next pass carries to joaderd; None for epoch 0 (nothing to resume: the job's
+        first epoch starts whole)."""
+        return ResumePoint(self.epoch, self.consumed, self.parts) if self.epoch > 0 else None
