@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from joader.client.channel import reset_channel
+from joader.client.demo_data import make_demo_data
 from joader.launch import JoaderdProcess
-from joader.sources.demo import make_demo_data
 
 ITEMS = 48
 IMAGE_SIZE = 16
