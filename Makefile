@@ -25,10 +25,18 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 	@$(PY) -m compileall -q joader server client bench tests >/dev/null
 
+# The suite runs in TEST_WORKERS pytest processes at once (pytest-xdist): its tests mostly wait
+# on the processes they start (joaderd, jobs, torchrun), so three share two cores well. The few
+# tests marked `serial` need the machine to themselves (an idle core) and run after, alone.
 # pytest exits 5 when it collects no test: that is a failure here, not a silent pass.
+TEST_WORKERS ?= 3
 test: venv
-	@$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+	@rc=0; \
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal -m "not serial" tests || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; rc=1; fi; \
+	$(PY) -m pytest -q -p no:cacheprovider -m serial tests || rc2=$$?; \
+	if [ "$${rc2:-0}" -eq 5 ]; then echo "make test: pytest collected no serial tests" >&2; rc2=1; fi; \
+	if [ $$rc -ne 0 ]; then exit $$rc; fi; exit $${rc2:-0}
 
 test-fast: venv
 	$(PY) -m pytest -q -x tests/unit

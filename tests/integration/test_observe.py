@@ -138,6 +138,7 @@ def test_analyze_classifies_a_prep_bound_and_a_compute_bound_job(demo_root: Path
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--workers auto needs two CPUs to grow")
+@pytest.mark.serial  # the autoscaler grows the pool only onto an idle core
 def test_workers_auto_grows_for_a_stalling_job_and_shrinks_when_it_is_gone(demo_root: Path, start_joaderd: Any) -> None:
     """`--workers auto` on two CPUs starts with one decode worker. A job with a short step waits
     for every decode while that worker is busy and a core is idle: the pool grows to two; once

@@ -144,8 +144,10 @@ def test_a_symlink_swapped_in_after_start_is_not_followed_out_of_the_root(
     assert len(failed) == 1 and "outside" in failed[0]["reason"], failed
 
 
-def _our_new_segments(before: set[str]) -> set[str]:
-    return joader_segments() - before
+def _new_segments_of(before: set[str], pids: set[int]) -> set[str]:
+    """Segments made since `before` by the joaderds `pids` (another test's, or another checkout's,
+    may come and go meanwhile: `make test` runs several at once)."""
+    return {s for s in joader_segments() - before if int(s.split("-")[2]) in pids}
 
 
 def test_kill_9_and_an_immediate_restart_leave_exactly_one_arena(demo_root: Path, start_joaderd: Any) -> None:
@@ -157,7 +159,7 @@ def test_kill_9_and_an_immediate_restart_leave_exactly_one_arena(demo_root: Path
     first.proc.wait()
     second = start_joaderd({"demo": demo_root}, cache_items=64)
     time.sleep(3.0)  # the figure asked for: what is left 3 s after the restart
-    left = _our_new_segments(before)
+    left = _new_segments_of(before, {first.proc.pid, second.proc.pid})
     print(f"joader segments 3 s after kill -9 and restart: {sorted(left)}")
     assert left == {Path(second.arena_path).name}
 

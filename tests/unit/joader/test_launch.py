@@ -102,11 +102,14 @@ def test_a_child_that_exits_first_raises_with_code_and_log_tail(fake_python: str
     assert "cannot serve" in str(info.value) and str(log) in str(info.value)
 
 
-def test_a_child_that_never_gets_ready_is_killed_after_the_timeout(fake_python: str, tmp_path: Path) -> None:
-    before = set(Path(tempfile.gettempdir()).glob("joaderd-launch-*"))
+def test_a_child_that_never_gets_ready_is_killed_after_the_timeout(
+        fake_python: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the launcher's work folders go to a folder of this test's own: others start joaderds meanwhile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     with pytest.raises(JoaderdStartError, match="within 0.5 s"):
         JoaderdProcess.start(["hang"], stdout=tmp_path / "log", ready_timeout_s=0.5, python=fake_python)
-    assert set(Path(tempfile.gettempdir()).glob("joaderd-launch-*")) == before
+    assert list((tmp_path / "tmp").glob("joaderd-launch-*")) == []
 
 
 def test_stop_kills_a_child_that_ignores_sigterm(fake_python: str) -> None:
