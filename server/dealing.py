@@ -55,7 +55,7 @@ NOTE [ A batch larger than the budget ]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A hand-off worker keeps its batch in progress pinned until the batch is whole and the training
 process copied it. A batch larger than the copies budget (batches of 300, a cache of 85 items)
-could then never be completed, and the job hung until `timeout_s`, every time (issue 27). So a
+could then never be completed, and the job hung until `timeout_s`, every time. So a
 reader whose copies all belong to its unfinished batch never waits for acknowledgements; a
 reply whose reader cannot finish its batch within the budget says `copy_now` (the batch then
 crosses to the training process through the worker's memory); and after a short reply a reader

@@ -25,7 +25,7 @@ do not come within `rank_attach_timeout_s` (`expire`).
 NOTE [ A client that never asks ]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Heartbeats alone keep a job registered whose client cannot read the arena (another user's, over
-TCP), holding a --max-jobs slot and a share of the cache for good (issue 27). A JoaderDataset's
+TCP), holding a --max-jobs slot and a share of the cache for good. A JoaderDataset's
 lease keeper checks the arena and sends a request at once; a rank whose client sends none
 within its lease of attaching is removed (`expire`).
 """

@@ -62,7 +62,7 @@ logger = logging.getLogger("joader.server.decode_pool")  # the pool's log, which
 # in the healthy queue. First in line, each fresh worker would take the file that killed the last
 # one, and every death would count toward the crash-loop backoff: with 1% of 1,200 files crashing
 # the stage, the first epoch took 153 s instead of 2.6 s (the pool at 0 of 2 workers most of the
-# time), and with 5% and 10% the job died of TimeoutError (issue 27, finding 1). Alone, a death
+# time), and with 5% and 10% the job died of TimeoutError. Alone, a death
 # names exactly one file, and the deaths a file explains do not slow replacements down.
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 # Were every death counted here, files that crash the stage would put the pool in backoff for
 # deaths they fully explain: with 1% of 1,200 files crashing the stage, 24 deaths a pass put the
 # pool in backoff (up to 30 s), it sat at 0 of 2 workers, and with 5% and 10% jobs died of
-# TimeoutError (issue 27, finding 1). The pool asks this policy only for deaths nothing explains,
+# TimeoutError. The pool asks this policy only for deaths nothing explains,
 # and charges (`charge`) a presumed file death whose file then decodes.
 
 

@@ -20,7 +20,7 @@ The lease keepers' reports decide a restart's resume, never the readers'. A read
 when its loop asks, and a DDP loop may be blocked in a collective that waits for another rank's
 resumed epoch. And a reader can only guess whether its pass is new or interrupted from epoch
 numbers, which a plain start of the next epoch also carries: taken for a resume, the start of
-epoch 2 made the job wait for a report that never came, or deal epoch 2 twice (issue 27).
+epoch 2 made the job wait for a report that never came, or deal epoch 2 twice.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A source that changes under a running joaderd: each source's health, and the checker thread.
 
-joaderd lists a source once. Two things happen to folders meanwhile (issue 27, finding 4):
+joaderd lists a source once. Two things happen to folders meanwhile:
 - the folder is renamed away and back (a sync tool, a remount): before, every decode in the
   gap failed, was reported to the jobs as a bad file and skipped, and stayed failed for
   `--retry-failed-s`: three epochs served only the cached 80 items of 400;

@@ -297,7 +297,7 @@ class DependentSampler(Sampler):
             # NOTE: an aligned start rebuilt the chain, which reorders it (ascending remaining
             # size): positions taken before are stale. With them, a late joiner's first round
             # gave its pick to another job, refilled a job that sat out, and the scheduler's
-            # refcounts fell below zero (issue 27, finding 0).
+            # refcounts fell below zero.
             active = [self._pos[job_id] for job_id in job_ids]
         rsizes = self._rsizes
         empty = [p for p in active if not rsizes[p]]
