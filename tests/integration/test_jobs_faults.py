@@ -311,7 +311,8 @@ def pause_command(args: argparse.Namespace) -> None:
 
     ds = _dataset(args, batched=True)
     loader = DataLoader(ds, batch_size=None, num_workers=2)
-    indices, _images, _labels = next(iter(loader))
+    batches = iter(loader)  # held: dropping the iterator would shut its workers down
+    indices, _images, _labels = next(batches)
     _write(args.out, {"first": [int(i) for i in indices]})
     _touch(args.ready)
     while True:
@@ -321,9 +322,9 @@ def pause_command(args: argparse.Namespace) -> None:
 def hold_command(args: argparse.Namespace) -> None:
     """Attaches one rank and holds its lease without ever reading (a script that reads on
     another rank only), until killed."""
-    _dataset(args)
+    ds = _dataset(args)  # held: a dataset no one holds ends its lease when it is collected
     _touch(args.ready)
-    while True:
+    while ds is not None:
         time.sleep(1)
 
 
