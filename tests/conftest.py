@@ -80,6 +80,7 @@ class _Watcher(threading.Thread):
     def __init__(self) -> None:
         super().__init__(name="no-leftovers-watch", daemon=True)
         self.ours: set[int] = set()
+        self._looked_at: set[int] = set()  # a live creator's ancestry does not change: once is enough
         self._stop_event = threading.Event()
         self.start()
 
@@ -88,10 +89,11 @@ class _Watcher(threading.Thread):
             self.look()
 
     def look(self) -> None:
-        creators = {_creator(s) for s in joader_segments()} - self.ours
+        creators = {_creator(s) for s in joader_segments()} - self._looked_at
         if creators:
             parents = _live_parents()
             self.ours |= {pid for pid in creators if _descends(pid, parents)}
+            self._looked_at |= {pid for pid in creators if pid in parents}  # a dead one: not ours
 
     def stop(self) -> set[int]:
         self._stop_event.set()
