@@ -11,7 +11,7 @@ from pyroaring import BitMap
 
 from joader.errors import InvariantError, JobEndedError, UnknownJobError
 from joader.server.scheduler import Scheduler
-from tests.unit.server.test_registry import attach, make_registry, nxt, pump, read_epoch
+from tests.support.registry_driver import attach, make_registry, nxt, pump, read_epoch
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -75,7 +75,7 @@ def test_round_order_breaks_ties_of_equal_due_times() -> None:
 def test_reuse_hazard_sums_rate_over_items_left_of_the_jobs_that_need_the_item() -> None:
     from pyroaring import BitMap
 
-    from tests.unit.server.test_registry import attach, make_registry
+    from tests.support.registry_driver import attach, make_registry
 
     registry, _, clock = make_registry()
     a = attach(registry, "demo", BitMap(range(0, 40)), "a", 4)

@@ -12,7 +12,7 @@ from pyroaring import BitMap
 
 from joader.server.registry import Registry, RegistryConfig, Source
 from joader.stages import ItemSpec
-from tests.unit.server.test_registry import NUM_ITEMS, FakeClock, attach, make_registry, nxt
+from tests.support.registry_driver import NUM_ITEMS, FakeClock, attach, make_registry, nxt
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -24,7 +24,7 @@ from joader.sources.watch import (
     take_stamp,
     watch_targets,
 )
-from tests.unit.server.test_registry import ITEM_BYTES, attach, make_registry, nxt
+from tests.support.registry_driver import ITEM_BYTES, attach, make_registry, nxt
 
 pytestmark = pytest.mark.timeout(60)
 
