@@ -51,6 +51,15 @@ so the workers of the rank's recent passes count too, holding nothing until they
 that takes the rank beyond the budget says `copy_now`: its reader copies the items out and
 acknowledges them in its next request, at once, instead of handing them on.
 
+NOTE [ Room for a job that joins ]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Copies handed out cannot be taken back: a job whose loop pauses (validation, a checkpoint, a
+debugger) with its DataLoader workers alive holds them until it reads on. A rank alone had the
+whole cache as its share, so its workers' prefetch could take copies of all of it, and a job
+that joined then got no item for as long as the first one paused. So the budget is taken from
+the share the rank would have with one more job (`Job.copies_share`: the cache over the ranks
+plus one); beyond it, replies say `copy_now` and their items are unpinned at once.
+
 NOTE [ A batch larger than the budget ]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A hand-off worker keeps its batch in progress pinned until the batch is whole and the training
@@ -82,7 +91,8 @@ from dataclasses import dataclass
 
 def copies_budget(cache_share: int, queue_capacity: int) -> int:
     """Handed-out, unacknowledged copies one rank may hold before its replies say `copy_now`:
-    its share of the cache less its lookahead. See NOTE [ Copies budget ]."""
+    its share of the cache less its lookahead. See NOTE [ Copies budget ] and NOTE [ Room for
+    a job that joins ] (the share passed is `Job.copies_share`)."""
     return max(1, cache_share - queue_capacity)
 
 

@@ -297,6 +297,7 @@ class Job:
     # Items (of its source's largest size) of the cache each of its ranks may hold: queued
     # entries pinned ahead plus copies handed out and not yet acknowledged (Registry._resize_queues).
     cache_share: int = 1
+    copies_share: int = 1  # what its copies may take: see NOTE [ Room for a job that joins ]
     sampler_epoch: int = 1  # the epoch the sampler is filling the queues with
     shares: dict[int, EpochShare] = field(default_factory=dict)  # epoch -> its split
     sampler_abandoned: set[int] = field(default_factory=set)  # epochs the sampler gave up

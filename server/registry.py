@@ -283,6 +283,7 @@ class Registry(NextProtocol, SchedulerThread, ResultFiling):
                     "%d items' worth.", job.job_id, num_items, job.source.name, num_queues,
                     job.batch_size, 2 * num_queues * job.batch_size)
             job.cache_share = max(1, num_items // num_queues)
+            job.copies_share = max(1, num_items // (num_queues + 1))  # NOTE [ Room for a job that joins ]
             for rank in job.ranks:
                 if self._scheduler.pin_ahead(job, rank):
                     job.wake()

@@ -184,15 +184,22 @@ def test_files_fixed_after_an_epoch_are_decoded_again_in_the_next(
 def test_a_job_that_stops_reading_does_not_stall_another(
         demo_root: Path, start_joaderd: Any, clients: Clients) -> None:
     """A cache of two batches per job. `paused` reads one batch through DataLoader workers and
-    stops (its lease alive; its workers' prefetched batches and requests in flight hold three
-    batches, all it could use alone); `other` must still read its two epochs, each exactly
-    once (it got no item: the paused job's copies and its queue held the whole cache)."""
+    stops with its loop's iterator alive (its lease alive; its workers prefetch on, each filling
+    its slots and sending its next request); `other` starts once the paused job holds all the
+    copies it will get, and must still read its two epochs, each exactly once. A rank alone
+    could take copies of the whole cache, which it then held for good: `other` got no item."""
     server = start_joaderd({"demo": demo_root}, cache_items=32)
     ready = clients.dir / "paused.ready"
     paused = clients.start("pause", server, "paused", "--name", "paused", "--batch-size", "8",
                            "--ready", str(ready))
     wait_for(ready.exists, 90, "the paused job to read a batch")
-    time.sleep(0.5)  # its prefetched request is served meanwhile
+    held: list[int] = []  # the paused job's copies, polled until they stop growing
+
+    def settled() -> bool:
+        held.append(_jobs(server)["paused"]["handed_out"])
+        return len(held) >= 4 and held[-1] == held[-4]
+
+    wait_for(settled, 60, "the paused job's workers to take every copy they will get", interval_s=0.5)
     other = server.job("--epochs", "2", "--batch-size", "8", name="other")
     assert finish(other, 120) == 0, server.job_stderr("other")
     for epoch in server.report("other")["epochs"]:

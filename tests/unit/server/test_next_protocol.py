@@ -118,12 +118,13 @@ def test_a_job_that_stops_reading_holds_its_share_at_most_and_never_stalls_anoth
 def test_copies_beyond_the_share_get_no_extra_batches_and_ask_for_copy_now() -> None:
     """Two readers of one pass (DataLoader workers handing batches on) hold their replies
     unacknowledged. A reply adds extra batches only while the rank's copies stay within its
-    share less its lookahead (here 32 - 8 = 24 items); a reply beyond it says copy_now, and goes
-    only to a reader holding no more copies than the other (the loop takes their batches in
-    turn); acknowledging brings the rank back within it."""
+    budget: the share it would have with one more job less its lookahead (here 32 // 2 - 8 = 8
+    items; NOTE [ Room for a job that joins ]). A reply beyond it says copy_now, and goes only
+    to a reader holding no more copies than the other (the loop takes their batches in turn);
+    acknowledging brings the rank back within it."""
     registry, pool, _ = make_registry(num_slots=32, lease_s=1000.0)
     job = attach(registry, "demo", BitMap(range(60)), "a", 4)
-    assert (job.cache_share, job.queue_capacity) == (32, 8)
+    assert (job.cache_share, job.copies_share, job.queue_capacity) == (32, 16, 8)
     nxt(registry, job.job_id, 1, 4, [], worker_id=0, pid=10, max_batches=4)
     held: dict[int, list[int]] = {0: [], 1: []}
     sizes, flags = [], []
@@ -134,13 +135,16 @@ def test_copies_beyond_the_share_get_no_extra_batches_and_ask_for_copy_now() -> 
         sizes.append(len(reply.item_ids))
         flags.append(reply.copy_now)
         assert job.ranks[0].handed_out == len(held[0]) + len(held[1])
-    # two batches while within 24 copies, then one; worker 0, ahead of worker 1, waits for it
-    assert sizes == [8, 8, 8, 4, 0, 4]
-    assert flags == [False, False, False, True, False, True]
-    assert nxt(registry, job.job_id, 1, 4, held[0], worker_id=0, pid=10, max_batches=4).item_ids == []
-    pump(registry, pool)  # worker 0's 16 copies acknowledged: its queue is pinned and decoded again
+    # two batches while within 8 copies, then one with copy_now; worker 0, ahead of worker 1,
+    # waits for it once
+    assert sizes == [8, 4, 0, 4, 4, 4]
+    assert flags == [False, True, False, True, True, True]
+    for worker in (0, 1):  # both acknowledge everything they hold
+        assert nxt(registry, job.job_id, 1, 0, held[worker], worker_id=worker, pid=10 + worker).item_ids == []
+    assert job.ranks[0].handed_out == 0
+    pump(registry, pool)
     reply = nxt(registry, job.job_id, 1, 4, [], worker_id=0, pid=10, max_batches=4)
-    assert not reply.copy_now and len(reply.item_ids) == 8  # 16 + 8 copies: within 24 again
+    assert not reply.copy_now and len(reply.item_ids) == 8  # within the budget again
 
 
 def test_a_worker_ahead_of_one_that_has_not_asked_yet_waits_for_it() -> None:
@@ -151,7 +155,7 @@ def test_a_worker_ahead_of_one_that_has_not_asked_yet_waits_for_it() -> None:
     with copy_now. Dealt first come, worker 0 took the whole cache and the loop hung."""
     registry, pool, _ = make_registry(num_slots=24, lease_s=1000.0)
     job = attach(registry, "demo", BitMap(range(40)), "a", 8)
-    assert (job.cache_share, job.queue_capacity) == (24, 8)  # copies budget: 24 - 8
+    assert (job.cache_share, job.copies_share, job.queue_capacity) == (24, 12, 8)  # copies budget: 12 - 8
     for worker in (0, 1):  # the first pass: two workers, read through
         nxt(registry, job.job_id, 1, 8, [], worker_id=worker, pid=10 + worker)
     acks: dict[int, list[int]] = {0: [], 1: []}
@@ -168,7 +172,7 @@ def test_a_worker_ahead_of_one_that_has_not_asked_yet_waits_for_it() -> None:
     for _ in range(3):  # the second pass: worker 0 alone so far
         pump(registry, pool)
         sizes.append(len(nxt(registry, job.job_id, 2, 8, [], worker_id=0, pid=20).item_ids))
-    assert sizes == [8, 8, 0] and job.ranks[0].handed_out == 16
+    assert sizes == [8, 0, 0] and job.ranks[0].handed_out == 8  # a whole batch, then nothing more
     pump(registry, pool)
     first = nxt(registry, job.job_id, 2, 8, [], worker_id=1, pid=21)
     assert len(first.item_ids) == 8 and first.copy_now
