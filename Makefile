@@ -27,7 +27,8 @@ venv: $(STAMP)
 
 # The suite runs in TEST_WORKERS pytest processes at once (pytest-xdist): its tests mostly wait
 # on the processes they start (joaderd, jobs, torchrun), so three share two cores well. The few
-# tests marked `serial` need the machine to themselves (an idle core) and run after, alone.
+# tests marked `serial` need the machine to themselves (an idle core, no other joaderd starting,
+# jobs running in step) and run after, alone.
 # pytest exits 5 when it collects no test: that is a failure here, not a silent pass.
 TEST_WORKERS ?= 3
 test: venv

@@ -105,6 +105,7 @@ def test_a_second_server_on_the_same_socket_refuses(demo_root: Path, start_joade
     assert server.status()["sources"][0]["name"] == "demo"
 
 
+@pytest.mark.serial  # any joaderd that starts removes stale arenas: only this one may start meanwhile
 def test_restart_after_a_crash_removes_the_dead_servers_arena(demo_root: Path, start_joaderd: Any) -> None:
     crashed = start_joaderd({"demo": demo_root}, cache_items=16)
     arena = Path(crashed.status()["arena_path"])
