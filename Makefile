@@ -25,8 +25,9 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 	@$(PY) -m compileall -q joader server client bench tests >/dev/null
 
-# The suite runs in TEST_WORKERS pytest processes at once (pytest-xdist): its tests mostly wait
-# on the processes they start (joaderd, jobs, torchrun), so three share two cores well. The few
+# The suite runs in TEST_WORKERS pytest processes at once (pytest-xdist): one at a time, its tests
+# leave a core idle while they wait on the processes they start (joaderd, jobs, torchrun); three
+# keep both cores busy (17.5 minutes become about 9, most of it CPU: each job imports torch). The few
 # tests marked `serial` need the machine to themselves (an idle core, no other joaderd starting,
 # jobs running in step) and run after, alone.
 # pytest exits 5 when it collects no test: that is a failure here, not a silent pass.
