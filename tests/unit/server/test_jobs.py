@@ -8,7 +8,7 @@ from pyroaring import BitMap
 
 from joader.errors import InvalidArgumentError, TooManyJobsError, UnknownJobError
 from joader.server.jobs import printable_name
-from tests.unit.server._books import books
+from tests.support.job_books import books
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,7 +8,7 @@ import pytest
 from pyroaring import BitMap
 
 from joader.server.records import Job
-from tests.unit.server._books import books
+from tests.support.job_books import books
 
 pytestmark = pytest.mark.timeout(60)
 
