@@ -206,7 +206,7 @@ class NextProtocol:
             worker_id=call.worker_id, size=size, batch_items=call.max_items, held=pass_.held,
             served=pass_.served, members=pass_.members,
             recent_readers=max(len(p.members) for p in rank.passes.values()),
-            handed_out=rank.handed_out, budget=dealing.copies_budget(job.copies_share, job.queue_capacity))
+            handed_out=rank.handed_out, budget=_copies_budget(job))
 
     def _reply_size(self, call: NextCall, rank: Rank, epoch: int, left: int | None, ready: int) -> int:
         """How many items the reply takes once its first batch is ready (`dealing.reply_bound`,
@@ -216,7 +216,7 @@ class NextProtocol:
         most = dealing.reply_bound(
             batch_items=size, max_batches=call.max_batches, queue_len=len(rank.queue),
             keep=job.queue_capacity if len(job.source.job_ids) > 1 else 0, ready=ready,
-            handed_out=rank.handed_out, budget=dealing.copies_budget(job.copies_share, job.queue_capacity),
+            handed_out=rank.handed_out, budget=_copies_budget(job),
             left=left)
         if most is None:
             return size
@@ -383,6 +383,11 @@ class NextProtocol:
         self.items_reused += reused
         self._cond.notify_all()  # the queue has room again
         copy_now = dealing.copy_now(handed_out=rank.handed_out,
-                                    budget=dealing.copies_budget(job.copies_share, job.queue_capacity),
+                                    budget=_copies_budget(job),
                                     served=pass_.served[worker_id], batch_items=batch_items)
         return dataclasses.replace(batch, end_of_epoch=self._left(job, rank, epoch) == 0, copy_now=copy_now)
+
+
+def _copies_budget(job: Job) -> int:
+    """The rank's copies budget (`dealing.copies_budget`) from the shares `Registry._resize_queues` set."""
+    return dealing.copies_budget(job.copies_share, job.queue_capacity)
