@@ -8,8 +8,20 @@ Pins: `Item.pins` counts, for the item's whole life, every pinned queue entry (a
 head of its queue, within its share of the cache: `Scheduler.pin_ahead`) and every handed-out,
 unacknowledged copy of it. While the item is READY the RefCnt policy is told of every pin and
 unpin too (it must never choose a pinned victim), so `check_invariants` can compare both. The
-policy's refcount of a READY item is the number of jobs (of its source) that still need it in
-their current epoch; callers keep it current with `add_refcount` / `count_needed`.
+policy's refcount of a READY item is the number of reads still to come that the jobs' books
+know of: the jobs (of its source) that still need it in their current epoch, plus the queue
+entries that hold it (`planned`); callers keep it current with `add_refcount`, `plan` and `unplan`.
+
+NOTE [ Planned reads ]
+A DSA round gives an item to every job that takes part, and it leaves their remaining sets at
+once; the jobs read it later, each from its own queue. A job that lags reads it seconds after the
+job that asked for its decode. Counting only the remaining sets, that item has refcount 0 the
+moment the leader acknowledged it, the first victim, and the lagging job decodes it again: jobs
+that drift apart lose their sharing exactly when it is worth most. So every queue entry counts as
+a reference until it leaves its queue (handed out, skipped or dropped), pinned or not: an item
+some queue will still read is evicted only after every item nobody will read, and among the
+others (`RefCntPolicy.victim` with `Registry._reuse_hazard`) after the items whose next read is
+only a draw from a remaining set.
 
 Bytes: an item's range of the arena comes from a `ByteAllocator`, and a decode is given exactly
 the item's bytes whenever they are known. When no hole fits, victims are evicted (RefCnt order)
@@ -39,6 +51,7 @@ from joader.cache.allocator import ByteAllocator
 from joader.cache.policy import RefCntPolicy
 from joader.errors import InvariantError
 from joader.server.item_sizes import ItemSizes, bound_is_nominal, range_kind
+from joader.server.pacing import RateMeter
 from joader.server.records import Item, ItemState, Source
 
 logger = logging.getLogger(__name__)
@@ -98,10 +111,14 @@ class ItemCache:
         self._demand: list[tuple[float, int, int]] = []  # (due, round seq, key): earliest due first
         # What each queue entry found (`Lookups`), for the epoch its job reads and for later
         # epochs (lookahead); and what became of every requested decode.
+        # key -> the queue entries that hold it (pinned or not): its planned reads. A READY item's
+        # refcount counts them beside the jobs that still need it (NOTE [ Planned reads ]).
+        self.planned: dict[int, int] = {}
         self.lookups = Lookups()
         self.lookahead = Lookups()
         self.evictions = 0
         self.items_decoded = 0
+        self.decode_rate = RateMeter()  # decodes landed per second: how fast the cache turns over
         self.decode_failures = 0
         self.decodes_cancelled = 0  # requested, then dropped: every job that wanted it left first
         self.items_retried = 0
@@ -187,6 +204,26 @@ class ItemCache:
     def consume_unqueued(self, source: Source, item_id: int) -> None:
         """A pick nobody receives (drop_last) left a job's remaining set: one reference less."""
         key = source.key_base + item_id
+        item = self.items.get(key)
+        if item is not None and item.state is ItemState.READY:
+            self.policy.add_refcount(key, -1)
+
+    def plan(self, key: int) -> None:
+        """A queue entry now holds `key`: one more planned read (NOTE [ Planned reads ])."""
+        self.planned[key] = self.planned.get(key, 0) + 1
+        item = self.items.get(key)
+        if item is not None and item.state is ItemState.READY:
+            self.policy.add_refcount(key, 1)
+
+    def unplan(self, key: int) -> None:
+        """A queue entry of `key` left its queue (handed out, skipped or dropped)."""
+        count = self.planned.get(key, 0)
+        if count <= 0:
+            raise InvariantError(f"item key {key}: a planned read ended that was never planned")
+        if count == 1:
+            del self.planned[key]
+        else:
+            self.planned[key] = count - 1
         item = self.items.get(key)
         if item is not None and item.state is ItemState.READY:
             self.policy.add_refcount(key, -1)
@@ -345,6 +382,7 @@ class ItemCache:
             if source.failed.pop(item.item_id, None) is not None:
                 logger.info("source %s: item %d decodes again", source.name, item.item_id)
             self.items_decoded += 1
+            self.decode_rate.add(self._clock(), 1)
         else:
             self.decode_failures += 1
             item.move(ItemState.FAILED)
@@ -359,12 +397,14 @@ class ItemCache:
             )
         return item
 
-    def resync(self, expected_pins: dict[int, int], needed: Callable[[Item], int]) -> int:
-        """Rewrites every item's pins, and every cached item's refcount, from the jobs' own
-        books (`expected_pins`: key -> pinned queue entries and copies out; `needed(item)`: the
-        jobs that still need it). After a job whose bookkeeping broke was ended
+    def resync(self, expected_pins: dict[int, int], planned: dict[int, int], needed: Callable[[Item], int]) -> int:
+        """Rewrites every item's pins, the planned reads, and every cached item's refcount, from
+        the jobs' own books (`expected_pins`: key -> pinned queue entries and copies out;
+        `planned`: key -> queue entries; `needed(item)`: its refcount, the jobs that still need
+        it plus its planned reads). After a job whose bookkeeping broke was ended
         (`Registry._contain`), the counts it left behind are wrong; the jobs' queues and
         samplers are the truth. Returns how many items were corrected."""
+        self.planned = {key: count for key, count in planned.items() if count}
         corrected = 0
         policy = self.policy
         for key, item in self.items.items():
@@ -440,7 +480,8 @@ class ItemCache:
         return sum(item.pins for item in self.items.values())
 
     def check_invariants(self, expected_pins: dict[int, int] | None = None,
-                         needed: Callable[[Item], int] | None = None) -> None:
+                         needed: Callable[[Item], int] | None = None,
+                         planned: dict[int, int] | None = None) -> None:
         """Raises AssertionError if the cache's books disagree (tests call it after every step).
 
         - every READY item is in the policy with the same pin count and is listed in its
@@ -450,7 +491,7 @@ class ItemCache:
           allocator's books tile the arena; a known size is never above its source's bound;
         - `expected_pins` (key -> pins, from the jobs' queues and outstanding copies), if given,
           equals every item's pin count; `needed(item)`, if given, equals each READY item's
-          refcount.
+          refcount; `planned` (key -> queue entries), if given, equals the planned reads.
         """
         allocator = self.allocator
         allocator.check()
@@ -484,6 +525,9 @@ class ItemCache:
         accounted = self.items_decoded + self.decode_failures + self.decodes_cancelled + self.decodes_in_flight()
         assert self.decodes_requested == accounted, (
             f"{self.decodes_requested} decodes requested, {accounted} decoded, failed, cancelled or in flight")
+        if planned is not None:
+            wanted_plans = {key: n for key, n in planned.items() if n}
+            assert self.planned == wanted_plans, f"planned reads differ: cache {self.planned}, queues {wanted_plans}"
         if expected_pins is not None:
             actual = {key: item.pins for key, item in self.items.items() if item.pins}
             wanted = {key: n for key, n in expected_pins.items() if n}

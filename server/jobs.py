@@ -296,6 +296,16 @@ class JobTable:
 
     # ----------------------------------------------------------------------------- checks
 
+    def expected_planned(self) -> dict[int, int]:
+        """key -> queue entries holding it, over every job: the planned reads
+        (NOTE [ Planned reads ] in item_cache.py)."""
+        planned: dict[int, int] = {}
+        for job in self.jobs.values():
+            for rank in job.ranks:
+                for entry in rank.queue:
+                    planned[entry.key] = planned.get(entry.key, 0) + 1
+        return planned
+
     def expected_pins(self) -> dict[int, int]:
         """key -> pinned queue entries plus unacknowledged copies, over every job (for
         invariants); asserts each rank's own counts of both agree with its queue and passes."""

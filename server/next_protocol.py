@@ -328,6 +328,7 @@ class NextProtocol:
         epoch = pass_.epoch
         while queue and queue[0].epoch < epoch:  # leftovers of an abandoned epoch
             entry = queue.popleft()
+            self.cache.unplan(entry.key)
             if rank.pinned:
                 rank.pinned -= 1
                 self.cache.release(entry.key)
@@ -363,6 +364,7 @@ class NextProtocol:
             else:
                 break
             queue.popleft()
+            self.cache.unplan(entry.key)
             rank.pinned -= 1
         item_ids, failed = batch.item_ids, batch.failed
         if not item_ids and not failed:

@@ -297,6 +297,9 @@ class Job:
     # Items (of its source's largest size) of the cache each of its ranks may hold: queued
     # entries pinned ahead plus copies handed out and not yet acknowledged (Registry._resize_queues).
     cache_share: int = 1
+    # A rank below this many queued items takes part in its source's rounds (NOTE [ Planning a
+    # lagging job ahead ] in scheduler.py); a round runs once some rank is below queue_capacity.
+    plan_horizon: int = 2
     copies_share: int = 1  # what its copies may take: see NOTE [ Room for a job that joins ]
     sampler_epoch: int = 1  # the epoch the sampler is filling the queues with
     shares: dict[int, EpochShare] = field(default_factory=dict)  # epoch -> its split

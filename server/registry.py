@@ -53,6 +53,8 @@ __all__ = ["DecodeSubmitter", "Registry", "RegistryConfig", "Source", "max_indic
 
 logger = logging.getLogger(__name__)
 
+# The hazard of one planned read (a queue entry) in eviction: above any remaining-set draw's.
+PLANNED_HAZARD = 1e6
 _ROARING_CONTAINER_IDS = 1 << 16
 _ROARING_CONTAINER_MAX_BYTES = 8192 + 16  # a bitmap container plus its key, count and offset
 
@@ -94,6 +96,9 @@ class RegistryConfig:
     # ranks cannot read anyway, and a stale half-attached job would capture the next run's ranks.
     # Shorter than a client's item timeout (300 s), so the error names the missing rank.
     rank_attach_timeout_s: float = 60.0
+    # A rank with fewer queued items than this share of the cache's items takes part in rounds
+    # (NOTE [ Planning a lagging job ahead ] in scheduler.py); 0: twice its queue's capacity.
+    plan_horizon: float = 0.5
 
 
 class Registry(NextProtocol, SchedulerThread, ResultFiling):
@@ -243,7 +248,7 @@ class Registry(NextProtocol, SchedulerThread, ResultFiling):
             job = live
             if job is not None:
                 self.jobs.forget(job, reason)
-            self.cache.resync(self.jobs.expected_pins(), self._needed)
+            self.cache.resync(self.jobs.expected_pins(), self.jobs.expected_planned(), self._needed)
         if job is None:
             return False
         self._resize_queues()
@@ -282,6 +287,7 @@ class Registry(NextProtocol, SchedulerThread, ResultFiling):
                     "batches than len(loader) (ranks may differ). Raise --cache-size to at least "
                     "%d items' worth.", job.job_id, num_items, job.source.name, num_queues,
                     job.batch_size, 2 * num_queues * job.batch_size)
+            job.plan_horizon = max(2 * job.queue_capacity, int(num_items * self.config.plan_horizon))
             job.cache_share = max(1, num_items // num_queues)
             job.copies_share = max(1, num_items // (num_queues + 1))  # NOTE [ Room for a job that joins ]
             for rank in job.ranks:
@@ -290,10 +296,14 @@ class Registry(NextProtocol, SchedulerThread, ResultFiling):
 
     def _reuse_hazard(self, key: int) -> float:
         item = self.cache.items[key]
-        return self._scheduler.reuse_hazard(item.source, item.item_id, self.jobs.jobs, self._clock())
+        hazard = self._scheduler.reuse_hazard(item.source, item.item_id, self.jobs.jobs, self._clock())
+        # A planned read comes within a queue's horizon: sooner than any draw from a remaining
+        # set can be counted on (NOTE [ Planned reads ] in item_cache.py).
+        return hazard + PLANNED_HAZARD * self.cache.planned.get(key, 0)
 
     def _needed(self, item: Item) -> int:
-        return self._scheduler.needed(item.source, item.item_id)
+        """A cached item's refcount: the jobs that still need it, plus its planned reads."""
+        return self._scheduler.needed(item.source, item.item_id) + self.cache.planned.get(item.key, 0)
 
     def contain(self, error: Exception, job_ids: Sequence[str], where: str) -> str:
         """Ends `job_ids` after a bookkeeping error in `where` (server/containment.py); returns
@@ -315,14 +325,14 @@ class Registry(NextProtocol, SchedulerThread, ResultFiling):
             "the traceback; please report it): start the job again, from its checkpoint if it saved one")
         for job_id in ended:
             self._remove(job_id, reason)
-        self.cache.resync(self.jobs.expected_pins(), self._needed)
+        self.cache.resync(self.jobs.expected_pins(), self.jobs.expected_planned(), self._needed)
         self._cond.notify_all()
         return reason
 
     def check_invariants(self) -> None:
         """Raises AssertionError when the cache's pins or refcounts disagree with the jobs."""
         with self._cond:
-            self.cache.check_invariants(self.jobs.expected_pins(), self._needed)
+            self.cache.check_invariants(self.jobs.expected_pins(), self._needed, self.jobs.expected_planned())
 
     # ----------------------------------------------------------------------------- lifecycle
 

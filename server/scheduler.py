@@ -185,6 +185,7 @@ class Scheduler:
             if drop(entry):  # type: ignore[operator]
                 if held:
                     self._cache.release(entry.key)
+                self._cache.unplan(entry.key)
             else:
                 kept.append(entry)
                 pinned += held
@@ -255,10 +256,10 @@ class Scheduler:
             receiver = share.receiver()
             # A job whose picks are dropped (every rank has its share) runs at no cost.
             length = len(job.ranks[receiver].queue) if receiver is not None else 0
-            queued.append((job_id, length, job.queue_capacity))
-        if not any(length < capacity for _, length, capacity in queued):
+            queued.append((job, length))
+        if not any(length < job.queue_capacity for job, length in queued):
             return False
-        participants = [job_id for job_id, length, capacity in queued if length < 2 * capacity]
+        participants = self._participants(queued, now)
         self.acting = tuple(participants)
         sampler = source.sampler
         starting = [j for j in participants if sampler.num_remaining(j) == 0]
@@ -289,6 +290,25 @@ class Scheduler:
         self.acting = ()
         return True
 
+    def _participants(self, queued: list[tuple[Job, int]], now: float) -> list[str]:
+        """The jobs that take part in this round: NOTE [ Planning a lagging job ahead ]."""
+        decode_rate = self._cache.decode_rate.rate(now)
+        ahead: list[tuple[Job, int, float | None]] = []
+        soonest = float("inf")
+        for job, length in queued:
+            rate = job.rate.rate(now) if decode_rate else None
+            wait_s = length / rate if rate else None
+            ahead.append((job, length, wait_s))
+            soonest = min(soonest, wait_s if wait_s is not None else 0.0)
+        participants = []
+        for job, length, wait_s in ahead:
+            if length < 2 * job.queue_capacity:
+                participants.append(job.job_id)
+            elif (wait_s is not None and decode_rate and length < job.plan_horizon
+                  and wait_s <= soonest + job.plan_horizon / decode_rate):
+                participants.append(job.job_id)
+        return participants
+
     def _deal(self, job: Job, item_id: int) -> None:
         """Deals this round's pick of `job` to its receiving rank (or drops it: drop_last)."""
         source = job.source
@@ -317,7 +337,9 @@ class Scheduler:
             self._cache.consume_unqueued(job.source, item_id)
         if rank.closed:  # the rank is done: its share is not prepared
             return
-        rank.queue.append(Entry(share.epoch, item_id, job.source.key_base + item_id))
+        key = job.source.key_base + item_id
+        rank.queue.append(Entry(share.epoch, item_id, key))
+        self._cache.plan(key)
         self.pin_ahead(job, rank, self._now)
 
 

@@ -98,10 +98,13 @@ def test_a_job_that_stops_reading_holds_its_share_at_most_and_never_stalls_anoth
     assert status["paused"]["handed_out"] == 16 and status["paused"]["cache_share"] == 12
     # It reads on, acknowledging its first reply: still over its share less its lookahead, so
     # its next reply says to copy at once; then its epoch is whole.
+    # Its queued items are planned reads, kept in the cache while `other` read (NOTE [ Planned
+    # reads ] in item_cache.py): they come at once, or after their decode.
     order = list(held)
-    assert nxt(registry, paused.job_id, 1, 8, held[:8], max_batches=4).item_ids == []  # decoding
-    pump(registry, pool)
-    first = nxt(registry, paused.job_id, 1, 8, [], max_batches=4)
+    first = nxt(registry, paused.job_id, 1, 8, held[:8], max_batches=4)
+    if not first.item_ids:
+        pump(registry, pool)
+        first = nxt(registry, paused.job_id, 1, 8, [], max_batches=4)
     assert first.copy_now and 0 < len(first.item_ids) <= 8
     acks = held[8:] + first.item_ids
     order += first.item_ids
