@@ -113,7 +113,7 @@ class Attachment:
 
     def __init__(self, source: str, bitmap: BitMap | None, *, address: str, name: str | None, batch_size: int,
                  batched: bool, timeout_s: float, drop_last: bool, seed: int | None, verify: bool,
-                 rank: int | None, world_size: int | None) -> None:
+                 rank: int | None, world_size: int | None, order: str = "shared") -> None:
         self.source = source
         self.batched = batched
         self.timeout_s = timeout_s
@@ -128,6 +128,7 @@ class Attachment:
             "batch_size": batch_size,
             "drop_last": drop_last,
             "seed": seed,
+            "order": order,
             "timeout_s": timeout_s,
         }
         self.asked = (rank, world_size)
@@ -142,6 +143,7 @@ class Attachment:
         self.passes = 0  # started in this process on the job attached now
         self.job_name = ""
         self.seed = seed
+        self.order = order
         self.num_items = 0  # this rank's items per epoch, once attached
         found = placement.find(rank, world_size, distributed=torch.distributed)
         if found is None:

@@ -41,6 +41,7 @@ from joader.client.keeper import Keeper
 from joader.client.passes import Pass, Progress
 from joader.client.threads import set_threads
 from joader.errors import InvalidArgumentError
+from joader.sampling import check_order
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,18 @@ class JoaderDataset(IterableDataset):
             several hosts are not supported yet.
         drop_last: with ranks, floor(N / world_size) items each instead (no padding).
         seed: the job's seed. A job alone on its joaderd with a seed gets the same order in
-            every run; beside other jobs the order also depends on when each job reads.
+            every run; beside other jobs the order also depends on when each job reads
+            (unless order="independent").
+        order: "shared" (default) or "independent". Every job's epoch is an exactly-once,
+            uniformly shuffled order either way. "shared": joaderd correlates this job's order
+            with the other jobs' on the same source, so that one decode serves several jobs
+            at once (two identical jobs read mostly the same item at the same step); the
+            jobs' orders are then NOT independent of each other. "independent": this job's
+            order is independent of every other job's (an ensemble member, a variance study,
+            a comparison between runs), drawn from its own seed's stream only; it still reads
+            items other jobs had decoded when they are cached, but it shares fewer decodes.
+            Every rank of a DDP job must give the same order. Two independent jobs with the
+            same `seed` get the same order: give them different seeds (or none).
         threads: torch's intra-op threads in this process. "auto" (default) sets one, once:
             joaderd's decoders keep this host's cores busy, and a collate or transform that runs
             as a multi-threaded parallel region on busy cores is tens of times slower (OpenMP
@@ -155,6 +167,7 @@ class JoaderDataset(IterableDataset):
         world_size: int | None = None,
         drop_last: bool = False,
         seed: int | None = None,
+        order: str = "shared",
         threads: int | str | None = "auto",
         verify: bool | None = None,
         prefetch: int = 1,
@@ -182,6 +195,7 @@ class JoaderDataset(IterableDataset):
         if seed is not None and not 0 <= seed < 2**64:
             raise InvalidArgumentError(f"seed must be in 0..2**64-1, got {seed}")
         self._seed_given = seed is not None
+        self.order = check_order(order)
         if verify is None:
             verify = os.environ.get("JOADER_VERIFY", "") not in ("", "0")
         self._pool = ProcessBatchPool()  # batched: reused batch buffers
@@ -191,7 +205,7 @@ class JoaderDataset(IterableDataset):
         self._attachment = Attachment(
             source, to_bitmap(indices), address=self.address, name=name, batch_size=self.batch_size,
             batched=batched, timeout_s=timeout_s, drop_last=drop_last, seed=seed, verify=bool(verify),
-            rank=rank, world_size=world_size)
+            rank=rank, world_size=world_size, order=order)
 
     # ----------------------------------------------------------------------------- the job
 

@@ -185,6 +185,7 @@ def _requests(registration: dict[str, Any], stop: threading.Event, interval: lis
         describe=bool(registration.get("describe")),
         resume_epoch=int(registration.get("resume_epoch", 0)),
         resume_consumed=registration.get("resume_consumed", b""),
+        order=registration.get("order", "shared"),
     )
     if registration.get("describe"):
         return  # one reply, no lease

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from pyroaring import BitMap
 
 from joader.errors import InvalidArgumentError, TooManyJobsError, UnknownJobError
+from joader.sampling import check_order
 from joader.server.item_cache import ItemCache
 from joader.server.passes import release_outstanding
 from joader.server.records import Job, Rank, Source
@@ -73,9 +74,11 @@ class JobTable:
     # ----------------------------------------------------------------------------- attach
 
     def attach(self, source: Source, dataset: BitMap, name: str, batch_size: int, *, rank: int = 0,
-               world_size: int = 1, drop_last: bool = False, seed: int | None = None) -> tuple[Job, Rank]:
+               world_size: int = 1, drop_last: bool = False, seed: int | None = None,
+               order: str = "shared") -> tuple[Job, Rank]:
         """Registers rank `rank` of a job: creates the job, or joins the one its ranks share."""
         name = printable_name(name)
+        check_order(order)
         if batch_size < 1:
             raise InvalidArgumentError(f"job {name!r}: batch_size must be >= 1, got {batch_size}")
         if not 1 <= world_size <= MAX_WORLD_SIZE:
@@ -100,6 +103,10 @@ class JobTable:
                     raise InvalidArgumentError(
                         f"job {name!r}: rank {rank} asks for seed {seed}, but rank 0..{world_size - 1} "
                         f"of this job started with seed {job.seed}; give every rank the same seed")
+                if order != job.order:
+                    raise InvalidArgumentError(
+                        f"job {name!r}: rank {rank} asks for order={order!r}, but rank 0..{world_size - 1} "
+                        f"of this job started with order={job.order!r}; give every rank the same order")
                 member = job.ranks[rank]
                 member.attached = True
                 member.last_seen_s = member.attached_s = now
@@ -118,12 +125,13 @@ class JobTable:
             seed = random.Random(f"joader-job:{source.seed}:{source.jobs_attached}").getrandbits(63)
         ranks = [Rank(r, now, attached=(r == rank), attached_s=now) for r in range(world_size)]
         job = Job(job_id, name or job_id, secrets.token_bytes(16), source, dataset, batch_size, now,
-                  world_size, drop_last, seed, random.Random(seed), ranks, group_key=key)
+                  world_size, drop_last, seed, random.Random(seed), ranks, group_key=key, order=order)
         self.jobs[job_id] = job
         self._scheduler.add(job)
         logger.info(
-            "job %s: attached to source %s with %d items%s", job_id, source.name, len(dataset),
+            "job %s: attached to source %s with %d items%s%s", job_id, source.name, len(dataset),
             f" (rank {rank} of {world_size})" if world_size > 1 else "",
+            ", its own order (independent)" if order == "independent" else "",
         )
         return job, ranks[rank]
 

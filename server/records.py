@@ -292,6 +292,10 @@ class Job:
     rng: random.Random
     ranks: list[Rank]
     group_key: tuple[object, ...] = ()
+    # joader.sampling.ORDERS: "shared" (its order is correlated with the other jobs' on the
+    # source, to share rounds) or "independent" (its rounds are its own: DependentSampler,
+    # "Independent jobs")
+    order: str = "shared"
     queue_capacity: int = 1  # per rank
     partial_warned: bool = False  # logged once: the cache is too small for its whole batches
     # Items (of its source's largest size) of the cache each of its ranks may hold: queued

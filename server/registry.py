@@ -164,11 +164,13 @@ class Registry(NextProtocol, SchedulerThread, ResultFiling):
     @contained("Attach", lambda registry, source_name, indices, name, *_, **__: registry.jobs.named(name))
     def attach(self, source_name: str, indices: BitMap | None, name: str, batch_size: int, *,
                rank: int = 0, world_size: int = 1, drop_last: bool = False,
-               seed: int | None = None, restart_report: tuple[int, BitMap] | None = None) -> Job:
+               seed: int | None = None, restart_report: tuple[int, BitMap] | None = None,
+               order: str = "shared") -> Job:
         """Registers rank `rank` of a job on `source_name` over `indices` (None: the whole
         source): a new job, or the job the other ranks of the same name already started.
         `restart_report` (epoch, items received): a lease keeper attaching again after a
-        restart reports for its rank (`JobTable.report_restart`)."""
+        restart reports for its rank (`JobTable.report_restart`). `order`: "shared" or
+        "independent" (joader.sampling.ORDERS; every rank of a job must give the same)."""
         with self._cond:
             self._check_alive()
             source = self.source(source_name)
@@ -184,7 +186,8 @@ class Registry(NextProtocol, SchedulerThread, ResultFiling):
                     f"{source_name!r}, which has items 0..{source.num_items - 1}"
                 )
             job, _ = self.jobs.attach(source, dataset, name, batch_size, rank=rank,
-                                      world_size=world_size, drop_last=drop_last, seed=seed)
+                                      world_size=world_size, drop_last=drop_last, seed=seed,
+                                      order=order)
             if restart_report is not None:
                 self.resumes.report_restart(job, rank, *restart_report)
             self.resumes.settle_restart(job)  # the last rank of a restarted job: it resumes now

@@ -18,6 +18,9 @@ its share of the cache, counting the copies it was handed and has not acknowledg
 Refcounts: an item's refcount is the number of jobs that still need it in their current epoch.
 -1 when a round gives it to a job, +1 for every cached item of a job's new epoch, recomputed
 from the sampler when a decode lands (`needed`).
+
+A job with order="independent" takes part in rounds by the same rule, but the sampler gives it a
+draw of its own (NOTE [ Independent jobs share no round ]).
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ class Scheduler:
 
     def add(self, job: Job) -> None:
         """A new job: its first epoch, `job.sampler_epoch`, covers its whole dataset."""
-        job.source.sampler.add_job(job.job_id, job.dataset, rng=job.rng)
+        job.source.sampler.add_job(job.job_id, job.dataset, rng=job.rng, independent=_alone(job))
         job.source.job_ids.append(job.job_id)
         self._cache.add_refcount(job.source, job.dataset, 1)
         self._open(job, job.sampler_epoch, [0] * job.world_size)
@@ -158,12 +161,13 @@ class Scheduler:
         job.sampler_abandoned.clear()
         counts = [len(ids & job.dataset) for ids in consumed]
         if remaining:
-            sampler.add_job(job.job_id, job.dataset, remaining=remaining, rng=job.rng)
+            sampler.add_job(job.job_id, job.dataset, remaining=remaining, rng=job.rng,
+                            independent=_alone(job))
             self._cache.add_refcount(source, remaining, 1)
             job.sampler_epoch = epoch
             self._open(job, epoch, counts)
         else:  # the checkpoint came after the epoch's last item: only padding may be owed
-            sampler.add_job(job.job_id, job.dataset, rng=job.rng)
+            sampler.add_job(job.job_id, job.dataset, rng=job.rng, independent=_alone(job))
             self._cache.add_refcount(source, job.dataset, 1)
             share = self._open(job, epoch, counts)
             self._now = self._clock()
@@ -268,8 +272,7 @@ class Scheduler:
             # A pick for a job sitting out refills it silently: then a refcount below zero or
             # an item twice in an epoch. Loud and contained instead (a sampler bug did that).
             raise InvariantError(f"a round for {sorted(participants)} gave picks to {sorted(picks)}")
-        if 2 <= len(picks) <= MAX_PAIR_COUNTED_JOBS:
-            _count_pairs(source.pair_rounds, picks)
+        self._count_sharing(source, picks, jobs)
         for job_id in starting:
             job = jobs[job_id]
             job.sampler_epoch += 1
@@ -309,6 +312,18 @@ class Scheduler:
                 participants.append(job.job_id)
         return participants
 
+    @staticmethod
+    def _count_sharing(source: Source, picks: dict[str, int], jobs: dict[str, Job]) -> None:
+        """Pair counts of the round: among the jobs that shared it. NOTE [ Independent jobs
+        share no round ]: a job with order="independent" draws alone (its own stream, outside
+        the chain; joader.sampling.dependent, "Independent jobs"), so it took part in no round
+        with anyone, even when its pick happens to equal another job's (it then shares that
+        decode, which the cache counts, not a round)."""
+        if any(_alone(jobs[job_id]) for job_id in picks):
+            picks = {job_id: item for job_id, item in picks.items() if not _alone(jobs[job_id])}
+        if 2 <= len(picks) <= MAX_PAIR_COUNTED_JOBS:
+            _count_pairs(source.pair_rounds, picks)
+
     def _deal(self, job: Job, item_id: int) -> None:
         """Deals this round's pick of `job` to its receiving rank (or drops it: drop_last)."""
         source = job.source
@@ -341,6 +356,11 @@ class Scheduler:
         rank.queue.append(Entry(share.epoch, item_id, key))
         self._cache.plan(key)
         self.pin_ahead(job, rank, self._now)
+
+
+def _alone(job: Job) -> bool:
+    """Whether the job opted out of correlated orders (`Job.order`)."""
+    return job.order == "independent"
 
 
 def _count_pairs(counts: dict[tuple[str, str], list[int]], picks: dict[str, int]) -> None:

@@ -105,6 +105,7 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
                 first.source, indices, first.name, first.batch_size or 64, rank=rank,
                 world_size=first.world_size or 1, drop_last=first.drop_last,
                 seed=first.seed if first.has_seed else None, restart_report=report,
+                order=first.order or "shared",
             )
         except JoaderError as error:
             await _abort(context, error)

@@ -129,6 +129,7 @@ def _job(job: Job, now: float) -> dict[str, Any]:
         "source": job.source.name,
         "num_items": job.num_items,
         "world_size": job.world_size,
+        "order": job.order,  # "shared" or "independent" (joader.sampling.ORDERS)
         "ranks_attached": sum(1 for r in job.ranks if r.attached),
         "epoch": epoch,
         "epoch_items": epoch_items,

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AttachRequest(_message.Message):
-    __slots__ = ("source", "indices", "name", "batch_size", "heartbeat", "rank", "world_size", "drop_last", "seed", "has_seed", "closing", "describe", "resume_epoch", "resume_consumed")
+    __slots__ = ("source", "indices", "name", "batch_size", "heartbeat", "rank", "world_size", "drop_last", "seed", "has_seed", "closing", "describe", "resume_epoch", "resume_consumed", "order")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class AttachRequest(_message.Message):
     DESCRIBE_FIELD_NUMBER: _ClassVar[int]
     RESUME_EPOCH_FIELD_NUMBER: _ClassVar[int]
     RESUME_CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    ORDER_FIELD_NUMBER: _ClassVar[int]
     source: str
     indices: bytes
     name: str
@@ -36,7 +37,8 @@ class AttachRequest(_message.Message):
     describe: bool
     resume_epoch: int
     resume_consumed: bytes
-    def __init__(self, source: _Optional[str] = ..., indices: _Optional[bytes] = ..., name: _Optional[str] = ..., batch_size: _Optional[int] = ..., heartbeat: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., closing: _Optional[bool] = ..., describe: _Optional[bool] = ..., resume_epoch: _Optional[int] = ..., resume_consumed: _Optional[bytes] = ...) -> None: ...
+    order: str
+    def __init__(self, source: _Optional[str] = ..., indices: _Optional[bytes] = ..., name: _Optional[str] = ..., batch_size: _Optional[int] = ..., heartbeat: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., closing: _Optional[bool] = ..., describe: _Optional[bool] = ..., resume_epoch: _Optional[int] = ..., resume_consumed: _Optional[bytes] = ..., order: _Optional[str] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("job_id", "source", "classes", "num_source_items", "num_items", "image_size", "item_nbytes", "arena_path", "lease_s", "job_secret", "server_pid", "world_size", "rank", "num_rank_items", "seed", "targets", "stage", "item_shape", "item_dtype", "fingerprint", "class_labels")

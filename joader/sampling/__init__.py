@@ -13,16 +13,18 @@ import random
 from collections.abc import Callable
 
 from joader.errors import InvalidArgumentError
-from joader.sampling.base import Sampler
+from joader.sampling.base import ORDERS, Sampler, check_order
 from joader.sampling.dependent import ChainNode, DependentSampler
 from joader.sampling.independent import IndependentSampler
 
 __all__ = [
+    "ORDERS",
     "SAMPLERS",
     "ChainNode",
     "DependentSampler",
     "IndependentSampler",
     "Sampler",
+    "check_order",
     "make_sampler",
 ]
 

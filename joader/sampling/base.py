@@ -20,7 +20,14 @@ Randomness: `add_job(..., rng=random.Random(seed))` gives the job a stream of it
 without one use the sampler's stream. Which stream a round draws from is each sampler's business
 (see its module). In both samplers, a job that is the only participant of its rounds gets picks
 that depend only on its own stream and its own remaining sets (the independent sampler: in every
-round), so a job alone with `rng=random.Random(7)` gets the same picks in every run.
+round), so a job alone with `rng=random.Random(7)` gets the same picks in every run. A job added
+with `independent=True` is such a job whoever else is listed: its picks are a function of its
+own stream, so its order is independent of every other job's (joader.sampling.dependent,
+"Independent jobs").
+
+Orders: `ORDERS` names what a job may ask for. "shared" (the default): its random order is
+correlated with the other jobs' on the source so that rounds give several jobs the same item;
+"independent": it opts out of that correlation.
 """
 
 from __future__ import annotations
@@ -37,7 +44,20 @@ from joader.errors import DuplicateJobError, InvalidArgumentError, UnknownJobErr
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Sampler"]
+__all__ = ["ORDERS", "Sampler", "check_order"]
+
+ORDERS = ("shared", "independent")
+
+
+def check_order(order: object) -> str:
+    """`order` if it is one of `ORDERS`, else an `InvalidArgumentError` naming the choices."""
+    if order not in ORDERS:
+        raise InvalidArgumentError(
+            f"order must be one of {', '.join(repr(o) for o in ORDERS)}, got {order!r}: "
+            "'shared' (the default) correlates this job's random order with the other jobs' "
+            "on its source so that they share decodes; 'independent' opts out (an ensemble "
+            "member, a variance study)")
+    return order  # type: ignore[return-value]
 
 
 class Sampler(abc.ABC):
@@ -89,11 +109,14 @@ class Sampler(abc.ABC):
         *,
         remaining: AbstractBitMap | Iterable[int] | None = None,
         rng: random.Random | None = None,
+        independent: bool = False,
     ) -> None:
         """Register a job; its first epoch covers `remaining` if given (a non-empty subset of
         `dataset`: a resumed epoch), else `dataset`; later epochs cover `dataset`. Both are
         copied, so later changes to the caller's bitmaps do not leak in. `rng` is the job's own
-        random stream (default: the sampler's)."""
+        random stream (default: the sampler's). `independent`: the job's order must not be
+        correlated with any other job's (a job's `order="independent"`); it draws alone, from
+        a stream of its own, in every round it is listed in."""
 
     @abc.abstractmethod
     def remove_job(self, job_id: str) -> None:

@@ -9,6 +9,9 @@
 - `wilson_interval` and `martingale_z` judge a sharing rate.
 - `cross_epoch_z` tests that one job's consecutive epochs are independent shuffles (what epoch
   alignment can break: the same half first every epoch).
+- `same_position_matches`, `agreement_z` and `relative_positions` measure how two jobs' orders
+  relate: how often they have the same item at the same position (high for jobs that share
+  rounds; about 1/N for independent ones), and the joint table of an item's positions in both.
 
 Why the chi-square statistic is rescaled. For one uniform random permutation matrix P (N x N),
 Cov(vec P) = (1/(N-1)) (I - J/N) ⊗ (I - J/N), a projector of rank (N-1)^2 times 1/(N-1). Sum E
@@ -37,10 +40,13 @@ __all__ = [
     "EpochRecorder",
     "UniformityResult",
     "chi2_sf",
+    "agreement_z",
     "cross_epoch_z",
     "martingale_z",
     "permutation_chi2",
     "position_table",
+    "relative_positions",
+    "same_position_matches",
     "wilson_interval",
 ]
 
@@ -291,3 +297,32 @@ def cross_epoch_z(epochs: Sequence[Sequence[int]]) -> tuple[float, float]:
     z_same = (same_sum - pairs * mean) / math.sqrt(pairs * variance)
     z_rho = rho_sum / math.sqrt(pairs / (n - 1))
     return z_same, z_rho
+
+
+def same_position_matches(a_epochs: Sequence[Sequence[int]], b_epochs: Sequence[Sequence[int]]) -> int:
+    """How many (epoch, position) pairs give jobs a and b the same item, over paired epochs
+    (a's epoch e with b's epoch e; both permutations of the same items)."""
+    return sum(x == y for a, b in zip(a_epochs, b_epochs, strict=True) for x, y in zip(a, b, strict=True))
+
+
+def agreement_z(matches: int, epochs: int) -> float:
+    """z-score of `same_position_matches` over `epochs` paired epochs against independence.
+
+    If b's epoch is a uniform permutation independent of a's, the items' positions in b, read
+    in a's order, are a uniform random permutation sigma, and the matches are its fixed points:
+    mean 1 and variance 1 exactly (for N >= 2), whatever N. Paired epochs are independent of
+    each other (each job's epochs are independent shuffles), so the sum over E epochs has mean
+    E and variance E, and z = (matches - E) / sqrt(E) is close to normal for E >= 20 (a Poisson
+    sum: for small E, compare with a Poisson(E) tail instead)."""
+    return (matches - epochs) / math.sqrt(epochs)
+
+
+def relative_positions(a: Sequence[int], b: Sequence[int]) -> list[int]:
+    """The position in b of each item of a, in a's order: a permutation of 0..N-1. Under
+    independence of the two epochs it is a uniform random permutation, so the table of
+    (position in a, position in b) over epochs is `position_table` of these, tested with
+    `permutation_chi2` like one job's order (dataset = range(N))."""
+    where = {item: i for i, item in enumerate(b)}
+    if len(where) != len(a) or any(item not in where for item in a):
+        raise ValueError("relative_positions: both epochs must be permutations of the same items")
+    return [where[item] for item in a]

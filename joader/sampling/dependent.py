@@ -86,6 +86,33 @@ e+1's first half is epoch e's: full sharing at a fixed offset forces it), so con
 are far from independent (measured in tests/statistical/test_sampling_alignment.py); it is an
 opt-in trade. "first" leaves later epochs alone.
 
+Independent jobs (`add_job(..., independent=True)`, a job's `order="independent"`). Such a job
+is kept out of the chain: it has no vertex, no leaf and no chain position, and `sample` gives
+it a round of its own whatever else is listed: one draw from its own stream picks x uniformly
+from its remaining set (the single-participant round above, with a chain of one). Its stream is
+its own `rng` (or, without one, a `random.Random` seeded once from the sampler's stream when it
+is added); no other job's round ever reads it. Why its order is independent of every other
+job's:
+- its picks are a function of its own stream U alone: R starts at D (or the resumed R0), each
+  pick is R's element at index floor(u |R|) for its next u, and R then loses that item; nothing
+  else reads or changes R. So the whole sequence of its picks is F(U);
+- the other jobs' rounds read the other streams V (independent of U) and their chain, built from
+  their own remaining sets only. Condition on U: the participant lists still come from the past
+  only (the condition the claim above already has; the scheduler's lists depend on queue
+  lengths, never on a draw not made yet), every u the chain's rounds read is still a fresh
+  uniform, and the claim goes through unchanged: each other job's order is a uniform
+  permutation given U, hence independent of U and of F(U). When the participant lists do not
+  depend on U at all (the statistical tests, or jobs reading at steady speeds), the other jobs'
+  joint law (their sharing too) is a function of V and the lists only, so the independent job is
+  independent of all of them jointly, not only of each one.
+Keeping it out of the chain matters for the others: a non-participant's set in the chain splits
+the vertices the participants walk, and changes how often they share (two jobs with R = {1, 2}
+and {1, 2, 3, 4} share a round with probability 1/2; a third job {1, 3} in the chain between
+them, sitting out, makes it 5/12). The jobs that share are thus exactly the DSA of the jobs that
+chose to share. An independent job is never aligned (`align`) and no job is aligned with it:
+an aligned first phase is another job's remaining set, a function of that job's draws. Its own
+epochs are marginally uniform and exactly once (uniform draws without replacement).
+
 A round with a single participant j skips the walk: one draw picks x uniformly from R_j (the
 distribution the walk gives, by the claim above), then the same incremental update runs, with x
 found in the one vertex I_1..I_{k_j} or leaf L_{k_j} that holds it. The joint law of everything
@@ -140,7 +167,10 @@ class DependentSampler(Sampler):
         self._align = align
         self._rest: dict[str, BitMap] = {}  # the second phase of an aligned epoch (module doc)
         self._whole_start: set[str] = set()  # added with a whole first epoch: may be aligned
-        self._remaining: dict[str, BitMap] = {}
+        self._remaining: dict[str, BitMap] = {}  # the chain's jobs (every job not independent)
+        # Independent jobs (module docstring): their remaining sets and streams, outside the chain.
+        self._solo: dict[str, BitMap] = {}
+        self._solo_rands: dict[str, Callable[[], float]] = {}
         self._job_rngs: dict[str, random.Random] = {}  # the job's rng, or the sampler's
         # The chain, by position: job ids, their remaining sets and sizes, vertices and leaves
         # with their sizes kept as ints, so a round never calls len() on a bitmap.
@@ -155,17 +185,30 @@ class DependentSampler(Sampler):
         self._rands: list[Callable[[], float]] = []  # each position's job's rng.random
 
     # ----------------------------------------------------------------------------- queries
+    def independent(self, job_id: str) -> bool:
+        """Whether the job was added with `independent=True` (its rounds are its own)."""
+        return self._known(job_id, "independent") in self._solo
+
     def remaining(self, job_id: str) -> FrozenBitMap:
+        solo = self._solo.get(job_id)
+        if solo is not None:
+            return FrozenBitMap(solo)
         current = self._remaining[self._known(job_id, "remaining")]
         rest = self._rest.get(job_id)
         return FrozenBitMap(current | rest if rest is not None else current)
 
     def num_remaining(self, job_id: str) -> int:
+        solo = self._solo.get(job_id)
+        if solo is not None:
+            return len(solo)
         size = self._rsizes[self._pos[self._known(job_id, "num_remaining")]]
         rest = self._rest.get(job_id)
         return size + len(rest) if rest is not None else size
 
     def needs(self, job_id: str, item: int) -> bool:
+        solo = self._solo.get(job_id)
+        if solo is not None:
+            return item in solo
         rest = self._rest.get(job_id)
         return item in self._remaining[self._known(job_id, "needs")] or (rest is not None and item in rest)
 
@@ -184,8 +227,15 @@ class DependentSampler(Sampler):
         *,
         remaining: AbstractBitMap | Iterable[int] | None = None,
         rng: random.Random | None = None,
+        independent: bool = False,
     ) -> None:
         _, first = self._register(job_id, dataset, remaining, rng)
+        if independent:
+            # A stream no other job reads (module docstring, "Independent jobs").
+            own = rng if rng is not None else random.Random(self._rng.getrandbits(64))
+            self._solo[job_id] = first
+            self._solo_rands[job_id] = own.random
+            return
         self._remaining[job_id] = first
         self._job_rngs[job_id] = rng if rng is not None else self._rng
         if remaining is None:
@@ -195,6 +245,10 @@ class DependentSampler(Sampler):
     def remove_job(self, job_id: str) -> None:
         self._known(job_id, "remove_job")
         self._unregister(job_id)
+        if job_id in self._solo:
+            del self._solo[job_id]
+            del self._solo_rands[job_id]
+            return
         del self._remaining[job_id]
         del self._job_rngs[job_id]
         self._rest.pop(job_id, None)
@@ -204,7 +258,11 @@ class DependentSampler(Sampler):
     def reset_epoch(
         self, job_id: str, remaining: AbstractBitMap | Iterable[int] | None = None
     ) -> None:
-        self._remaining[job_id] = self._reset(job_id, remaining)
+        fresh = self._reset(job_id, remaining)
+        if job_id in self._solo:
+            self._solo[job_id] = fresh
+            return
+        self._remaining[job_id] = fresh
         self._rest.pop(job_id, None)
         self._whole_start.discard(job_id)  # a resumed or abandoned epoch is not aligned
         self._rebuild()
@@ -286,6 +344,8 @@ class DependentSampler(Sampler):
     def sample(self, job_ids: Sequence[str]) -> dict[str, int]:
         if not job_ids:
             return {}
+        if self._solo and any(job_id in self._solo for job_id in job_ids):
+            return self._sample_with_solo(job_ids)
         pos = self._pos
         try:
             active = [pos[job_id] for job_id in job_ids]
@@ -353,6 +413,35 @@ class DependentSampler(Sampler):
 
         self._apply(deliveries)
         return picks
+
+    def _sample_with_solo(self, job_ids: Sequence[str]) -> dict[str, int]:
+        """A round listing independent jobs: the chain's participants walk together, then each
+        independent job draws alone from its own stream (module docstring)."""
+        if len(set(job_ids)) != len(job_ids) or not all(j in self._datasets for j in job_ids):
+            raise self._bad_participants(job_ids)
+        solo = self._solo
+        chained = [job_id for job_id in job_ids if job_id not in solo]
+        picks = self.sample(chained) if chained else {}
+        for job_id in job_ids:
+            if job_id in solo:
+                picks[job_id] = self._sample_solo(job_id)
+        return picks
+
+    def _sample_solo(self, job_id: str) -> int:
+        """An independent job's round: x uniform in its R, from its own stream; a new epoch
+        (R = D) first when R is empty."""
+        remaining = self._solo[job_id]
+        if job_id in self._pending_start:
+            super()._start_pending([job_id])
+        elif not remaining:
+            remaining = self._solo[job_id] = copy_bitmap(self._datasets[job_id])
+            self._epochs[job_id] += 1
+            logger.debug("job %s: epoch %d starts", job_id, self._epochs[job_id])
+        size = len(remaining)
+        index = int(self._solo_rands[job_id]() * size)
+        item = remaining[index if index < size else size - 1]
+        remaining.remove(item)
+        return item
 
     def _sample_alone(self, p: int, rand: Callable[[], float]) -> dict[str, int]:
         """The round of a single participant, at chain position p: x uniform in R_p, one draw

@@ -8,7 +8,8 @@ which is what every sharing measurement compares DSA against.
 
 Each job draws from its own stream: the `rng` given to add_job, or the sampler's. So a job with
 an rng of its own gets picks that depend only on that stream and its own remaining sets, whoever
-else takes part in its rounds.
+else takes part in its rounds. `independent=True` changes nothing else here (every job already
+draws alone): it only gives a job without an rng a stream of its own.
 """
 
 from __future__ import annotations
@@ -55,10 +56,13 @@ class IndependentSampler(Sampler):
         *,
         remaining: AbstractBitMap | Iterable[int] | None = None,
         rng: random.Random | None = None,
+        independent: bool = False,
     ) -> None:
         _, first = self._register(job_id, dataset, remaining, rng)
         self._remaining[job_id] = first
         self._sizes[job_id] = len(first)
+        if rng is None and independent:  # a stream of its own, as DependentSampler gives it
+            rng = random.Random(self._rng.getrandbits(64))
         self._rands[job_id] = (rng if rng is not None else self._rng).random
 
     def remove_job(self, job_id: str) -> None:

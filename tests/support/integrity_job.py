@@ -4,6 +4,7 @@ and of the chaos soak (`bench/chaos.py`).
     python -m tests.support.integrity_job --address A --records FILE [--workers N]
         [--batched] [--transform] [--reseed] [--epochs E] [--indices a:b[:c]] [--sleep S]
         [--state CHECKPOINT] [--setup-s S] [--stop-after-batches N] [--shm-full]
+        [--order shared|independent] [--start-file FILE]
 
 One JSON line per sample (flushed per batch): epoch, index, label, crc32 of its pixels, so a
 job killed -9 leaves what it received. With `--reseed`, torch.manual_seed(0) before each
@@ -76,6 +77,9 @@ def main() -> int:
                              "a scheduler stopped), and exit 0")
     parser.add_argument("--shm-full", action="store_true",
                         help="allocating shared memory fails as torch fails when /dev/shm is full")
+    parser.add_argument("--order", default="shared", help="JoaderDataset(order=)")
+    parser.add_argument("--start-file", default=None,
+                        help="attach, then wait for this file before the first read (jobs start together)")
     args = parser.parse_args()
     if args.state and args.workers:
         parser.error("--state checkpoints ds.state_dict(), which covers num_workers=0 only")
@@ -92,7 +96,7 @@ def main() -> int:
                        batch_size=None if args.follow_loader else args.batch_size,
                        batched=args.batched, return_index=True,
                        transform=_identity if args.transform else None, timeout_s=args.timeout_s,
-                       )  # JOADER_VERIFY=1 in the environment checks every crc32
+                       order=args.order)  # JOADER_VERIFY=1 in the environment checks every crc32
     loader = DataLoader(ds, batch_size=None if args.batched else args.batch_size, num_workers=args.workers)
     first_epoch = 1
     if args.state and os.path.exists(args.state):
@@ -102,6 +106,10 @@ def main() -> int:
             records.truncate(checkpoint["offset"])
         ds.load_state_dict(checkpoint["state"])
         first_epoch = checkpoint["epoch"]
+    if args.start_file:
+        len(ds)  # attached: joaderd knows the job before it waits
+        while not os.path.exists(args.start_file):
+            time.sleep(0.01)
     if args.setup_s:  # attached (the dataset exists), not reading yet: as a script building its model
         time.sleep(args.setup_s)
     batches = 0

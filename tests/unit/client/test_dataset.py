@@ -22,6 +22,7 @@ from .conftest import ITEMS
     ({"prefetch": True}, "prefetch must be an int >= 0"),
     ({"batch_size": 0}, "batch_size must be >= 1"),
     ({"seed": -1}, "seed must be in 0..2**64-1"),
+    ({"order": "random"}, "order must be one of 'shared', 'independent', got 'random'"),
     ({"threads": 0}, "threads must be 'auto', None or a positive int"),
     ({"indices": []}, "indices is empty"),
     ({"indices": [1, 1, 2]}, "indices repeat items: 1 (2 times)"),

@@ -12,9 +12,11 @@ from pyroaring import BitMap, FrozenBitMap
 
 from joader.errors import DuplicateJobError, InvalidArgumentError, JoaderError, UnknownJobError
 from joader.sampling import (
+    ORDERS,
     DependentSampler,
     IndependentSampler,
     Sampler,
+    check_order,
     make_sampler,
 )
 from joader.sampling.chain import build_chain, chain_order
@@ -455,6 +457,69 @@ def test_a_round_draws_from_the_root_most_participants_stream() -> None:
     assert roots == {"small", "plain", "big"}
 
 
+@pytest.mark.parametrize("align", ["off", "first", "always"])
+@pytest.mark.parametrize("seed", range(4))
+def test_an_independent_job_is_out_of_every_other_jobs_rounds(align: str, seed: int) -> None:
+    """An independent job's picks are a function of its own stream, and the other jobs' picks
+    are exactly what they would be without it: it is out of the chain (no vertex splits the
+    others' walk, nobody aligns with it), its rounds read no other stream, and the others'
+    rounds never read its stream. Exact, not statistical: the same streams give the same picks."""
+    rng = random.Random(seed)
+    datasets = {"a": BitMap(range(40)), "b": BitMap(range(40)), "c": BitMap(range(20, 60))}
+    plan = [[j for j in ("a", "b", "c", "solo") if rng.random() < 0.7] for _ in range(400)]
+    late = rng.randrange(1, 40)
+
+    def run(with_solo: bool, with_others: bool) -> tuple[dict[str, list[int]], DependentSampler]:
+        sampler = DependentSampler(rng=random.Random(seed + 100), align=align)
+        got: dict[str, list[int]] = {j: [] for j in ("a", "b", "c", "solo")}
+        if with_others:
+            sampler.add_job("a", datasets["a"], rng=random.Random(seed + 1))
+        if with_solo:
+            sampler.add_job("solo", BitMap(range(40)), rng=random.Random(seed + 4), independent=True)
+            assert sampler.independent("solo")
+            assert "solo" not in [node.job_id for node in sampler.tree()]
+        for step, listed in enumerate(plan):
+            if with_others and step == late:  # late joiners: candidates for alignment
+                sampler.add_job("b", datasets["b"], rng=random.Random(seed + 2))
+                sampler.add_job("c", datasets["c"], rng=random.Random(seed + 3))
+            participants = [j for j in listed if j in sampler.jobs() and (with_solo or j != "solo")]
+            picks = sampler.sample(participants)
+            assert sorted(picks) == sorted(participants)
+            for job_id, item in picks.items():
+                got[job_id].append(item)
+        return got, sampler
+
+    both, sampler = run(True, True)
+    alone, _ = run(True, False)
+    without, _ = run(False, True)
+    assert both["solo"] == alone["solo"]  # its order ignores whoever else is registered
+    assert {j: both[j] for j in "abc"} == {j: without[j] for j in "abc"}  # and theirs ignores it
+    for epoch in range(len(both["solo"]) // 40):
+        assert sorted(both["solo"][40 * epoch: 40 * (epoch + 1)]) == list(range(40))
+    assert not sampler.independent("a")
+
+
+def test_an_independent_job_without_an_rng_gets_a_stream_of_its_own() -> None:
+    """Without `rng`, an independent job's stream is seeded once from the sampler's when it is
+    added: the other jobs' rounds (which read the sampler's stream) never read it."""
+    def run(with_other_rounds: bool) -> list[int]:
+        sampler = DependentSampler(seed=5)
+        sampler.add_job("solo", BitMap(range(30)), independent=True)
+        sampler.add_job("plain", BitMap(range(30)))
+        return [sampler.sample(["plain", "solo"] if with_other_rounds else ["solo"])["solo"]
+                for _ in range(60)]
+
+    assert run(True) == run(False)
+
+
+def test_order_names_are_checked_with_the_choices() -> None:
+    assert check_order("shared") == "shared"
+    assert check_order("independent") == "independent"
+    with pytest.raises(InvalidArgumentError, match="'shared', 'independent'.*got 'indep'"):
+        check_order("indep")
+    assert ORDERS == ("shared", "independent")
+
+
 def check_chain(sampler: DependentSampler) -> None:
     """The incrementally updated chain equals a rebuild, and partitions every R."""
     nodes = sampler.tree()
@@ -487,13 +552,15 @@ def test_own_streams_resumes_and_resets_keep_the_invariants(name: str, seed: int
             density = rng.uniform(0.2, 1.0)
             datasets[job_id] = BitMap(x for x in range(40) if rng.random() < density) or BitMap([3])
             own = random.Random(rng.random()) if rng.random() < 0.7 else None
+            alone = rng.random() < 0.25  # an independent job (order="independent")
             if rng.random() < 0.5:
                 subset = BitMap(x for x in datasets[job_id] if rng.random() < 0.5)
-                sampler.add_job(job_id, datasets[job_id], remaining=subset or None, rng=own)
+                sampler.add_job(job_id, datasets[job_id], remaining=subset or None, rng=own,
+                                independent=alone)
                 if subset:
                     recorder.resumed(sampler, job_id)
             else:
-                sampler.add_job(job_id, datasets[job_id], rng=own)
+                sampler.add_job(job_id, datasets[job_id], rng=own, independent=alone)
         names = list(datasets)
         for step in range(200):
             if step % 41 == 40:

@@ -41,6 +41,19 @@ def test_ranks_must_agree_on_the_seed_and_bad_registrations_name_the_problem() -
         table.attach(source, BitMap(range(1)), "a", 4, world_size=2, drop_last=True)
 
 
+def test_ranks_must_agree_on_the_order_and_a_bad_order_names_the_choices() -> None:
+    table, _, source, _ = books()
+    job, _ = table.attach(source, BitMap(range(20)), "ddp", 4, rank=0, world_size=2, order="independent")
+    assert job.order == "independent"
+    with pytest.raises(InvalidArgumentError, match="order='shared'.*order='independent'.*same order"):
+        table.attach(source, BitMap(range(20)), "ddp", 4, rank=1, world_size=2)
+    joined, _ = table.attach(source, BitMap(range(20)), "ddp", 4, rank=1, world_size=2, order="independent")
+    assert joined is job
+    with pytest.raises(InvalidArgumentError, match="'shared', 'independent'.*got 'random'"):
+        table.attach(source, BitMap(range(20)), "b", 4, order="random")
+    assert table.attach(source, BitMap(range(20)), "c", 4)[0].order == "shared"
+
+
 def test_jobs_beyond_max_jobs_are_refused_naming_the_flag() -> None:
     table, _, source, _ = books(max_jobs=2)
     for name in ("a", "b"):

@@ -130,6 +130,40 @@ def test_jobs_on_one_source_share_rounds_and_their_pairs_are_counted() -> None:
     assert _epoch(a, 0, 1) == _epoch(b, 0, 1)
 
 
+def test_an_independent_job_takes_part_but_shares_no_round_and_is_in_no_pair() -> None:
+    """order="independent": the job takes part in rounds by the same rule (its queue fills),
+    but it draws alone (its own stream, outside the chain), so no pair count names it, even
+    in rounds where its pick happens to equal another job's; the shared pair still counts."""
+    table, scheduler, source, _ = books()
+    a, _ = table.attach(source, BitMap(range(20)), "a", 4, seed=5)
+    b, _ = table.attach(source, BitMap(range(20)), "b", 4, seed=6)
+    solo, _ = table.attach(source, BitMap(range(20)), "solo", 4, seed=7, order="independent")
+    assert source.sampler.independent(solo.job_id) and not source.sampler.independent(a.job_id)
+    for job in (a, b, solo):
+        _reading(job, capacity=8)
+    _run_rounds(scheduler, source, table.jobs)
+    assert len(_epoch(solo, 0, 1)) == len(_epoch(a, 0, 1)) >= 8  # it took part in every round
+    assert list(source.pair_rounds) == [tuple(sorted((a.job_id, b.job_id)))]
+    rounds, shared = source.pair_rounds[tuple(sorted((a.job_id, b.job_id)))]
+    assert rounds >= 8 and shared == rounds
+    # its order is its own stream's: the same seed alone on a fresh source gives the same picks
+    table2, scheduler2, source2, _ = books()
+    alone, _ = table2.attach(source2, BitMap(range(20)), "solo", 4, seed=7, order="independent")
+    _reading(alone, capacity=8)
+    _run_rounds(scheduler2, source2, table2.jobs)
+    assert _epoch(alone, 0, 1) == _epoch(solo, 0, 1)
+
+
+def test_a_resumed_independent_job_stays_independent() -> None:
+    table, scheduler, source, _ = books()
+    job, _ = table.attach(source, BitMap(range(12)), "a", 4, seed=5, order="independent")
+    _reading(job)
+    scheduler.start_resumed(job, 2, [BitMap([0, 1, 2])])
+    assert source.sampler.independent(job.job_id)
+    _run_rounds(scheduler, source, table.jobs)
+    assert sorted(_epoch(job, 0, 2)) == list(range(3, 12))
+
+
 def test_a_resumed_epoch_is_dealt_without_what_was_consumed() -> None:
     table, scheduler, source, _ = books()
     job, rank = table.attach(source, BitMap(range(12)), "a", 4, world_size=2, seed=5)
