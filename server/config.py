@@ -16,6 +16,7 @@ TOML (`--config FILE`), every key optional, command-line flags win:
     rank_attach_timeout_s = 60 # a job whose ranks do not all attach within this long ends
     max_jobs = 1024            # jobs attached at once; more are refused
     pacing = "deadline"        # decode by when jobs read, evict by speed; "rounds": the old order
+    plan_horizon = 0.5         # a lagging job plans ahead within this share of the cache; 0: off
     epoch_align = "first"      # a late job's first epoch takes a running job's rest first; "off"; "always" (see docs/decisions.md, "Epoch alignment")
     ready_file = "/run/joaderd.ready"   # JSON written once joaderd serves (joader.launch)
     metrics_listen = "127.0.0.1:9400"  # Prometheus /metrics (off by default; loopback unless allow_remote)
@@ -110,6 +111,7 @@ class ServerConfig:
     max_jobs: int = 1024
     pacing: str = "deadline"
     epoch_align: str = "first"
+    plan_horizon: float = 0.5  # NOTE [ Planning a lagging job ahead ] in scheduler.py
     metrics_listen: str | None = None  # HOST:PORT of Prometheus /metrics; None: off
 
 
@@ -117,6 +119,12 @@ class ServerConfig:
 
 
 Check = Callable[[Any, str, str], Any]
+
+
+def _fraction(value: Any, where: str, example: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise _fail(where, "a number from 0 to 1", value, example)
+    return float(value)
 
 
 def _fail(where: str, form: str, value: Any, example: str) -> InvalidArgumentError:
@@ -249,6 +257,7 @@ _KEYS: dict[str, _Key] = {
     "max_jobs": _Key("--max-jobs", _positive_int, "1024"),
     "pacing": _Key("--pacing", lambda v, w, e: _choice(v, w, e, PACINGS), '"deadline"'),
     "epoch_align": _Key("--epoch-align", lambda v, w, e: _choice(v, w, e, ALIGN_MODES), '"first"'),
+    "plan_horizon": _Key("--plan-horizon", _fraction, "0.5"),
     "ready_file": _Key("--ready-file", _path, '"/run/user/1000/joaderd.ready"'),
     "metrics_listen": _Key("--metrics-listen", _string, '"127.0.0.1:9400"'),
 }
@@ -315,6 +324,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="first (default): a job whose first epoch starts while another job on the same "
              "dataset is mid-epoch takes that job's rest first, and shares it; always: at every "
              "epoch (shares every round, but a late job takes the same half first every epoch); off")
+    add("--plan-horizon", type=float, metavar="F",
+        help="a job that lags the others on its source keeps taking part in their rounds while "
+             "its queue fits in this share of the cache and the cache can keep the items between "
+             "its reads and theirs (default 0.5; 0: only within two lookaheads)")
     add("--ready-file", metavar="PATH",
         help="once serving, write JSON there: address, port, arena_path, pid, num_workers, metrics_port")
     add("--metrics-listen", metavar="HOST:PORT",
@@ -364,7 +377,7 @@ def _worker_settings(workers: int | str) -> dict[str, Any]:
 # Settings whose ServerConfig field has the same name as the key.
 _PLAIN_FIELDS = ("lease_s", "lookahead_batches", "seed", "log_level", "allow_remote",
                  "ready_file", "retry_failed_s", "decode_timeout_s", "rank_attach_timeout_s", "max_jobs",
-                 "pacing", "epoch_align", "metrics_listen")
+                 "pacing", "epoch_align", "plan_horizon", "metrics_listen")
 
 
 def _read_toml(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:

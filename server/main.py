@@ -153,7 +153,7 @@ def run(config: ServerConfig) -> int:
                 lookahead_batches=config.lookahead_batches, lease_s=config.lease_s,
                 retry_failed_s=config.retry_failed_s, max_jobs=config.max_jobs,
                 rank_attach_timeout_s=config.rank_attach_timeout_s,
-                deadline_pacing=config.pacing == "deadline",
+                deadline_pacing=config.pacing == "deadline", plan_horizon=config.plan_horizon,
             ),
         )
         return asyncio.run(_serve(config, address, arena, pool, registry, [len(s.listing.paths) for s in sources],

@@ -1,10 +1,39 @@
 """The scheduler: DSA rounds that fill the ranks' queues, epoch by epoch.
 
 A round runs, per source, whenever some job's next receiving rank has fewer queued items than
-its capacity; every job whose receiving rank is below twice its capacity takes part, so jobs
-reading at about the same speed share nearly every round, and a slow job sits rounds out (it
-loses sharing, not speed). A job takes part once all its ranks attached and one of them asked
-for items, and not while a resumed epoch is still gathering its reports.
+its capacity; every job whose receiving rank is below twice its capacity takes part, and so does
+a job that lags the others by no more than the cache can bridge (NOTE [ Planning a lagging job
+ahead ]), so jobs reading at about the same speed share nearly every round, and a slow job sits
+rounds out (it loses sharing, not speed). A job takes part once all its ranks attached and one
+of them asked for items, and not while a resumed epoch is still gathering its reports.
+
+NOTE [ Planning a lagging job ahead ]
+Real training drifts: step times jitter, jobs compete for cores, and two jobs of a sweep that
+started together are soon a few batches apart. With the old rule (take part below twice the
+queue's capacity, one batch of slack) the job behind sits out the rounds its queue is too full
+for; the leader draws alone meanwhile, their remaining sets part, and Theorem 1's share
+|R1 ∩ R2| / max(|R1|, |R2|) falls for the rest of the epoch: simulated (bench/drift_sim.py), three
+jobs with 30% step jitter served 2.75 jobs per decode, not 3. Picks are only indices, cheap to
+make early: a job behind may as well take the same picks as the leader now and read them later,
+if the cache still holds each item when it comes to it. So a rank also takes part while
+
+    its queue's wait (queued items / its rate) <= the shortest wait of this round's jobs
+                                                  + plan_horizon x cache items / decode rate
+
+and its queue is below `plan_horizon` x the cache's items: the item it will read last was decoded
+for the leader that much earlier, and `cache items / decode rate` is how long the cache keeps an
+item it decoded. The queue entries are planned reads that keep their items cached ahead of any
+item only a remaining set still needs (NOTE [ Planned reads ] in item_cache.py). A job that is
+slower for good reaches the bound and sits out as before: it shares what it draws beside the
+leader, not plans the cache could not keep. Rates unknown (a job's first half second): the old
+rule alone.
+
+Why each job's order stays exactly once and uniform: DSA's claim (joader.sampling.dependent)
+needs only that the participant list of a round is fixed before its first draw and chosen from
+the past, not from future draws. The list here is a function of queue lengths, delivery rates
+and the decode rate, all of them results of earlier rounds, requests and decodes, so every
+round's draws are fresh uniforms given the list, and the induction of the claim goes through
+unchanged. (A rule that looked at what a job would draw next would break it.)
 
 Each pick of a job is dealt to one of its ranks (`EpochShare.receiver`): round-robin for a fresh
 epoch, so every rank gets `ceil(N / W)` items (padding with the epoch's first picks once the
@@ -15,9 +44,10 @@ Queued is not pinned: a rank pins the head of its queue (asking for those decode
 its share of the cache, counting the copies it was handed and has not acknowledged
 (`pin_ahead`); a rank that stops reading holds its share at most, never the others'.
 
-Refcounts: an item's refcount is the number of jobs that still need it in their current epoch.
--1 when a round gives it to a job, +1 for every cached item of a job's new epoch, recomputed
-from the sampler when a decode lands (`needed`).
+Refcounts: an item's refcount is the number of jobs that still need it in their current epoch
+plus its queue entries (planned reads). A round's pick leaves a remaining set and enters a queue
+(no change), a queue entry that leaves its queue is -1, +1 for every cached item of a job's new
+epoch; recomputed from the sampler and the queues when a decode lands (`Registry._needed`).
 
 A job with order="independent" takes part in rounds by the same rule, but the sampler gives it a
 draw of its own (NOTE [ Independent jobs share no round ]).

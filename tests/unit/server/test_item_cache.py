@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from joader.errors import InvariantError
 from joader.server.item_cache import ItemCache
 from joader.server.item_sizes import MISFITS
 from joader.server.records import ItemState, Source
@@ -338,3 +339,37 @@ def test_random_steps_keep_the_books(seed: int) -> None:
         dispatch(cache, pool, limit=2 * pool.num_workers)
         pool.finish(cache)
     assert not pinned and not pool.tasks and cache.pins() == 0
+
+
+def test_an_item_a_queue_will_still_read_is_evicted_after_every_item_nobody_will_read() -> None:
+    """NOTE [ Planned reads ]: a queue entry counts as a reference until it leaves its queue,
+    pinned or not. Twenty items were read by a leader (their pins released); five of them wait
+    in a lagging job's queue. Decoding twenty more evicts the fifteen nobody will read first,
+    and the five planned ones only once those are gone; their refcount follows plan/unplan."""
+    pool = Pool(probes=False, sizes_first=False)
+    for i in range(NUM_ITEMS):
+        pool.sizes[i] = 1024
+    fixed = SimpleNamespace(name="center-crop:8", spec=ItemSpec.fixed((1, 1, 1024), "uint8"))
+    cache, source = make(25 * 1024, fixed)  # room for 25 items
+    first = range(20)
+    want(cache, source, first)
+    while pool.tasks or any(not cache.items[source.key_base + i].state.settled for i in first):
+        dispatch(cache, pool)
+        pool.finish(cache)
+    planned = [3, 7, 11, 15, 19]
+    for item_id in planned:
+        cache.plan(source.key_base + item_id)
+    read_all(cache, source, first)
+    assert [cache.policy.refcount(source.key_base + i) for i in planned] == [1] * 5
+    want(cache, source, range(20, 40))
+    while pool.tasks or any(not cache.items[source.key_base + i].state.settled for i in range(20, 40)):
+        dispatch(cache, pool)
+        pool.finish(cache)
+    kept = {i for i in first if source.key_base + i in cache.items}
+    assert set(planned) <= kept and cache.evictions >= 15
+    assert kept == set(planned)  # 25 slots: the 20 new items and the 5 planned ones
+    key = source.key_base + planned[0]
+    cache.unplan(key)
+    assert cache.policy.refcount(key) == 0 and key not in cache.planned
+    with pytest.raises(InvariantError):
+        cache.unplan(key)

@@ -173,3 +173,68 @@ def test_a_resumed_epoch_is_dealt_without_what_was_consumed() -> None:
     _run_rounds(scheduler, source, table.jobs)
     got = _epoch(job, 0, 3) + _epoch(job, 1, 3)
     assert sorted(got) == list(range(4, 12)) and len(_epoch(job, 0, 3)) == 3
+
+
+def _measured(job: Job, clock, items_per_s: float) -> None:  # type: ignore[no-untyped-def]
+    """The job's delivery rate as its RateMeter would have measured it up to `clock.now`."""
+    job.rate.add(clock.now - 2.0, 0)
+    job.rate.add(clock.now, int(items_per_s * 2.0))
+
+
+def _decoding(scheduler, clock, per_s: float) -> None:  # type: ignore[no-untyped-def]
+    meter = scheduler._cache.decode_rate
+    meter.add(clock.now - 2.0, 0)
+    meter.add(clock.now, int(per_s * 2.0))
+
+
+def _lagging_pair(lag: int, *, plan_horizon: int, rates: bool = True):  # type: ignore[no-untyped-def]
+    """Two jobs of equal speed (100 items/s): `a` below its capacity (it wants a round), `b`
+    `lag` items behind it (a longer queue); the cache turns over at 100 decodes/s."""
+    table, scheduler, source, clock = books(num_items=400)
+    a, ra = table.attach(source, BitMap(range(400)), "a", 4, seed=5)
+    b, rb = table.attach(source, BitMap(range(400)), "b", 4, seed=6)
+    for job in (a, b):
+        _reading(job, capacity=4)
+        job.plan_horizon = plan_horizon
+    scheduler.run_round(source, table.jobs)  # both queues get one entry
+    while len(rb.queue) < 1 + lag:  # b's own rounds: its queue grows past a's
+        b.reading, a.reading = True, False
+        b.queue_capacity = lag + 2
+        scheduler.run_round(source, table.jobs)
+        b.queue_capacity, a.reading = 4, True
+    if rates:
+        for job in (a, b):
+            _measured(job, clock, 100.0)
+        _decoding(scheduler, clock, 100.0)
+    return table, scheduler, source, (a, ra), (b, rb)
+
+
+def test_a_lagging_job_takes_part_while_the_cache_can_bridge_its_lag() -> None:
+    """NOTE [ Planning a lagging job ahead ]: `b` is 20 items (0.2 s) behind `a`. With a
+    horizon of 40 items the cache keeps an item 0.4 s at 100 decodes/s: `b` takes the round's
+    pick with `a` (the same item: identical datasets). With a horizon of 10 items it is past
+    the bound and sits out, as it would beyond twice its capacity under the old rule."""
+    table, scheduler, source, (a, ra), (b, rb) = _lagging_pair(20, plan_horizon=40)
+    before = len(rb.queue)
+    assert scheduler.run_round(source, table.jobs)
+    assert len(rb.queue) == before + 1 and rb.queue[-1].item_id == ra.queue[-1].item_id
+    table, scheduler, source, (a, ra), (b, rb) = _lagging_pair(20, plan_horizon=10)
+    before = len(rb.queue)
+    assert scheduler.run_round(source, table.jobs)
+    assert len(rb.queue) == before
+
+
+def test_a_lagging_job_sits_out_beyond_what_the_cache_keeps_or_with_rates_unknown() -> None:
+    """The wait rule: 60 items behind at 100 items/s is a wait of 0.6 s, more than the 0.5 s
+    the cache keeps its 80-item horizon at 160 decodes/s: within the horizon's items but not
+    its time, `b` sits out. Before rates are measured, only the old rule counts."""
+    table, scheduler, source, (a, ra), (b, rb) = _lagging_pair(60, plan_horizon=80)
+    scheduler._cache.decode_rate = type(scheduler._cache.decode_rate)()
+    _decoding(scheduler, table._clock, 160.0)  # keeps 80 items 0.5 s
+    before = len(rb.queue)
+    assert scheduler.run_round(source, table.jobs)
+    assert len(rb.queue) == before
+    table, scheduler, source, (a, ra), (b, rb) = _lagging_pair(20, plan_horizon=40, rates=False)
+    before = len(rb.queue)
+    assert scheduler.run_round(source, table.jobs)
+    assert len(rb.queue) == before
