@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             summary[f"{side}@{step_s}"] = {"side": side, "step_s": step_s, **summarize(runs)}
     info["loadavg_at_end"] = list(os.getloadavg())
     report(summary, steps, sides, args)
-    path = write_json(args.name, {"machine": info, "args": vars(args), "summary": summary, "trials": trials})
+    path = write_json(args.name, {"machine": info, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "summary": summary, "trials": trials})
     print(f"\nwrote {path}")
     return 0
 
