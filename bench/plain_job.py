@@ -139,18 +139,53 @@ def main() -> int:
         epochs.append({"started_at": epoch_started, "ended_at": time.time()})
     ended_at, ended_cpu = time.time(), _cpu()
     helpers_cpu = tree_cpu_s(os.getpid()) - _own_tree_cpu()
+    helpers_by_kind = _helpers_by_kind()
     report = {
         "side": args.side, "pid": os.getpid(), "samples": samples, "steps": steps, "epochs": epochs,
         "launched_at": LAUNCHED_AT or None, "imported_at": imported_at, "ready_at": ready_at,
         "started_at": started_at, "first_batch_at": first_batch_at, "ended_at": ended_at,
         "cpu": {"imported": imported_cpu, "ready": ready_cpu, "started": started_cpu,
-                "first_batch": first_batch_cpu, "ended": ended_cpu, "helpers": helpers_cpu},
+                "first_batch": first_batch_cpu, "ended": ended_cpu, "helpers": helpers_cpu,
+                "helpers_by_kind": helpers_by_kind},
         "wait_s": wait_s, "next_cpu_s": next_cpu_s, "step_s": step_s, "waits": waits,
     }
     args.out.write_text(json.dumps(report))
     if args.side == "joader":
         ds.close()
     return 0
+
+
+def _helpers_by_kind() -> dict[str, float]:
+    """The live descendants' CPU (and what they reaped) by kind: the lease keeper
+    (`joader.client.keeper`), DataLoader workers (every other descendant), and what this
+    process reaped itself (its cutime + cstime: exited helpers, e.g. non-persistent workers)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    table: dict[int, tuple[int, float, str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        table[int(entry)] = (int(fields[1]), sum(int(x) for x in fields[11:15]) / tick, cmdline)
+    out = {"lease keeper": 0.0, "DataLoader workers": 0.0, "reaped": 0.0}
+    me = os.getpid()
+    with open(f"/proc/{me}/stat", "rb") as f:
+        stat = f.read().decode(errors="replace")
+    out["reaped"] = sum(int(x) for x in stat[stat.rfind(")") + 2:].split()[13:15]) / tick
+    frontier = [me]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, cpu, cmdline) in table.items():
+            if ppid == parent:
+                out["lease keeper" if "joader.client.keeper" in cmdline else "DataLoader workers"] += cpu
+                frontier.append(pid)
+    return out
 
 
 def _own_tree_cpu() -> float:

@@ -295,6 +295,7 @@ def _autoscale(pool: DecodePool, status: Callable[[], dict[str, Any]], config: S
         now = time.monotonic()
         period = meter.measure(now, psutil.cpu_times().idle, status())
         decision = scaler.decide(now, period) if period is not None else None
+        logger.debug("autoscale: %s -> %s", period, decision)
         if decision is not None:
             pool.resize(decision[0], reason=decision[1])
 

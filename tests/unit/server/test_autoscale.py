@@ -39,9 +39,20 @@ def test_a_job_waiting_a_third_of_its_time_grows_the_pool_at_once() -> None:
     new, reason = scaler.decide(2.0, period(1, 0.95, 1.0, (0.1, 0.4))) or (0, "")
     assert new == 2 and "waits 40%" in reason
     assert scaler.decide(4.0, period(2, 0.95, 1.0, (0.5,))) is None  # the cooldown still holds
-    # the rest of the rule still holds: no idle core, or workers that are not the bottleneck
-    assert run(Autoscaler(CONFIG, workers=1), [period(1, 0.95, 0.2, (0.6,))] * 3) == []
+    # the rest of the rule still holds: workers that are not the bottleneck do not grow
     assert run(Autoscaler(CONFIG, workers=1), [period(1, 0.40, 1.5, (0.6,))] * 3) == []
+
+
+def test_jobs_waiting_a_third_of_their_time_grow_the_pool_on_a_host_with_no_idle_core() -> None:
+    """Issue 29: other work kept the host's cores busy (0.0 idle in every period), four jobs
+    waited 55-70% of their time on one worker busy 84-88%, and the pool never grew."""
+    scaler = Autoscaler(AutoscaleConfig(min_workers=1, max_workers=2), workers=1)
+    measured = Period(duration_s=2.014, workers=1, busy_s=1.686, idle_cores=0.0, jobs_reading=4,
+                      stalls=(0.583, 0.586, 0.578, 0.580))
+    new, reason = scaler.decide(45.9, measured) or (0, "")
+    assert new == 2 and "0.0 cores idle" in reason
+    # jobs that compute most of the time (a stall below a third) still need an idle core
+    assert run(Autoscaler(CONFIG, workers=1), [period(1, 0.95, 0.0, (0.2,))] * 6) == []
 
 
 def test_growth_waits_for_the_cooldown_and_stops_at_the_bound() -> None:
@@ -51,7 +62,7 @@ def test_growth_waits_for_the_cooldown_and_stops_at_the_bound() -> None:
 
 
 def test_no_growth_without_idle_cores_or_when_the_workers_are_not_the_bottleneck() -> None:
-    assert run(Autoscaler(CONFIG, workers=1), [period(1, 0.95, 0.2, (0.6,))] * 6) == []  # host full
+    assert run(Autoscaler(CONFIG, workers=1), [period(1, 0.95, 0.2, (0.3,))] * 6) == []  # host full
     assert run(Autoscaler(CONFIG, workers=1), [period(1, 0.40, 1.5, (0.6,))] * 6) == []  # workers idle
 
 
