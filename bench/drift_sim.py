@@ -49,6 +49,57 @@ class Clock:
         return self.now
 
 
+class Cpu:
+    """`cores` shared by every task that computes (training steps, decodes), processor
+    sharing: n tasks each progress at min(1, cores / n) seconds of work per second. None: every
+    task runs at full speed (a GPU step, decoders on cores of their own)."""
+
+    def __init__(self, sim: Simulation, cores: float | None) -> None:
+        self.sim = sim
+        self.cores = cores
+        self.tasks: dict[tuple[Any, ...], float] = {}  # done-event -> work left (s)
+        self.updated = 0.0
+        self.version = 0
+        self.busy_s = 0.0
+
+    def run(self, work_s: float, done: tuple[Any, ...]) -> None:
+        if self.cores is None:
+            self.sim.at(self.sim.clock.now + work_s, done)
+            return
+        self._advance()
+        self.tasks[done] = work_s
+        self._schedule()
+
+    def _speed(self) -> float:
+        return min(1.0, self.cores / len(self.tasks)) if self.tasks else 1.0
+
+    def _advance(self) -> None:
+        now = self.sim.clock.now
+        progress = (now - self.updated) * self._speed()
+        for key in self.tasks:
+            self.tasks[key] -= progress
+        self.busy_s += (now - self.updated) * min(len(self.tasks), self.cores or 0)
+        self.updated = now
+
+    def _schedule(self) -> None:
+        self.version += 1
+        if self.tasks:
+            key = min(self.tasks, key=self.tasks.__getitem__)
+            at = self.sim.clock.now + max(0.0, self.tasks[key]) / self._speed()
+            self.sim.at(at, ("cpu", self.version))
+
+    def tick(self, version: int) -> None:
+        if version != self.version:
+            return
+        self._advance()
+        done = [key for key, left in self.tasks.items() if left <= 1e-9]
+        for key in done:
+            del self.tasks[key]
+        self._schedule()
+        for key in done:
+            self.sim.handle(key)
+
+
 class Pool:
     """W workers, each decode `decode_s`; finished decodes are filed by the event loop."""
 
@@ -73,7 +124,7 @@ class Pool:
             task_id, _ = self.waiting.pop(0)
             self.running += 1
             self.decodes += 1
-            self.sim.at(self.sim.clock.now + self.decode_s, ("decoded", task_id))
+            self.sim.cpu.run(self.decode_s, ("decoded", task_id))
 
 
 @dataclass
@@ -108,6 +159,7 @@ class Simulation:
             root=Path("/nonexistent"), classes=("a", "b"), class_to_idx={"a": 0, "b": 1},
             paths=tuple(f"{'ab'[i % 2]}/{i:05d}.png" for i in range(n)),
             labels=np.array([i % 2 for i in range(n)], dtype=np.int32))
+        self.cpu = Cpu(self, args.cores)
         self.pool = Pool(self, args.workers, args.decode_s)
         config = {"start_grace_s": 0.2, "next_wait_s": 1.0, "linger_s": 0.05}
         for pair in args.server_arg:
@@ -132,6 +184,7 @@ class Simulation:
         attached = registry.attach("sim", None, f"job{job.index}", self.args.batch,
                                    seed=self.args.seed * 100 + job.index)
         job.job_id = attached.job_id
+        attached.cpu_bound = self.args.cores is not None  # its steps compute on the shared cores
         job.secret = attached.secret  # type: ignore[attr-defined]
         job.started_s = self.clock.now
         job.orders.append([])
@@ -176,7 +229,7 @@ class Simulation:
                 step = job.step_s * count / args.batch
                 if args.jitter:
                     step *= self.rng.lognormvariate(0.0, args.jitter)
-                self.at(self.clock.now + step, ("stepped", job.index, result.end_of_epoch))
+                self.cpu.run(step, ("stepped", job.index, result.end_of_epoch))
             else:
                 self.stepped(job, result.end_of_epoch)
         else:
@@ -208,18 +261,12 @@ class Simulation:
         while self.events:
             t, _, event = heapq.heappop(self.events)
             self.clock.now = max(self.clock.now, t)
-            kind = event[0]
-            if kind == "arrive":
-                self.arrive(self.jobs[event[1]])
-            elif kind == "decoded":
-                self.pool.running -= 1
-                registry.file_result(event[1], True, None, self.pool.decode_s, shape=(1, 8, 8), dtype="uint8",
-                                     nbytes=ITEM_BYTES)
-                self.pool.start()
-            elif kind == "stepped":
-                self.stepped(self.jobs[event[1]], event[2])
-            elif kind == "poll" and (self.jobs[event[1]].call is None or self.jobs[event[1]].wake_s != event[2]):
-                continue
+            if event[0] == "cpu":
+                self.cpu.tick(event[1])
+            else:
+                self.handle(event)
+            if self.args.cores is not None:  # what joaderd's CPU meter would read
+                registry._scheduler.host_busy = len(self.cpu.tasks) >= self.args.cores
             while registry.schedule_once():
                 pass
             self.pool.start()
@@ -230,6 +277,19 @@ class Simulation:
             if all(job.ended_s is not None for job in self.jobs):
                 break
         return self.report()
+
+    def handle(self, event: tuple[Any, ...]) -> None:
+        """One event (a "poll" only wakes the loop: every waiting job is polled after each)."""
+        kind = event[0]
+        if kind == "arrive":
+            self.arrive(self.jobs[event[1]])
+        elif kind == "decoded":
+            self.pool.running -= 1
+            self.registry.file_result(event[1], True, None, self.pool.decode_s, shape=(1, 8, 8), dtype="uint8",
+                                      nbytes=ITEM_BYTES)
+            self.pool.start()
+        elif kind == "stepped":
+            self.stepped(self.jobs[event[1]], event[2])
 
     def report(self) -> dict[str, Any]:
         status = self.registry.status()
@@ -260,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=float, default=0.25, help="the cache's share of the items")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--decode-s", type=float, default=0.002)
+    parser.add_argument("--cores", type=float, help="steps and decodes share this many cores (default: no contention)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--server-arg", action="append", default=[], metavar="KEY=VALUE")

@@ -17,6 +17,7 @@ TOML (`--config FILE`), every key optional, command-line flags win:
     max_jobs = 1024            # jobs attached at once; more are refused
     pacing = "deadline"        # decode by when jobs read, evict by speed; "rounds": the old order
     plan_horizon = 0.5         # a lagging job plans ahead within this share of the cache; 0: off
+    max_hold_s = 1.0           # on a busy host, rounds wait up to this long for a CPU-bound job behind; 0: never
     epoch_align = "first"      # a late job's first epoch takes a running job's rest first; "off"; "always" (see docs/decisions.md, "Epoch alignment")
     ready_file = "/run/joaderd.ready"   # JSON written once joaderd serves (joader.launch)
     metrics_listen = "127.0.0.1:9400"  # Prometheus /metrics (off by default; loopback unless allow_remote)
@@ -111,7 +112,8 @@ class ServerConfig:
     max_jobs: int = 1024
     pacing: str = "deadline"
     epoch_align: str = "first"
-    plan_horizon: float = 0.5  # NOTE [ Planning a lagging job ahead ] in scheduler.py
+    plan_horizon: float = 0.5  # NOTE [ Planning a lagging job ahead ] in in_step.py
+    max_hold_s: float = 1.0  # NOTE [ A leader waits only where it costs the sweep nothing ] in in_step.py
     metrics_listen: str | None = None  # HOST:PORT of Prometheus /metrics; None: off
 
 
@@ -258,6 +260,7 @@ _KEYS: dict[str, _Key] = {
     "pacing": _Key("--pacing", lambda v, w, e: _choice(v, w, e, PACINGS), '"deadline"'),
     "epoch_align": _Key("--epoch-align", lambda v, w, e: _choice(v, w, e, ALIGN_MODES), '"first"'),
     "plan_horizon": _Key("--plan-horizon", _fraction, "0.5"),
+    "max_hold_s": _Key("--max-hold-s", _non_negative_seconds, "1"),
     "ready_file": _Key("--ready-file", _path, '"/run/user/1000/joaderd.ready"'),
     "metrics_listen": _Key("--metrics-listen", _string, '"127.0.0.1:9400"'),
 }
@@ -328,6 +331,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="a job that lags the others on its source keeps taking part in their rounds while "
              "its queue fits in this share of the cache and the cache can keep the items between "
              "its reads and theirs (default 0.5; 0: only within two lookaheads)")
+    add("--max-hold-s", type=float, metavar="S",
+        help="on a host whose cores are all busy, a round waits up to S seconds for a CPU-bound "
+             "job of about the same speed that fell behind, so the jobs stay in step and share "
+             "(default 1; 0: never)")
     add("--ready-file", metavar="PATH",
         help="once serving, write JSON there: address, port, arena_path, pid, num_workers, metrics_port")
     add("--metrics-listen", metavar="HOST:PORT",
@@ -377,7 +384,7 @@ def _worker_settings(workers: int | str) -> dict[str, Any]:
 # Settings whose ServerConfig field has the same name as the key.
 _PLAIN_FIELDS = ("lease_s", "lookahead_batches", "seed", "log_level", "allow_remote",
                  "ready_file", "retry_failed_s", "decode_timeout_s", "rank_attach_timeout_s", "max_jobs",
-                 "pacing", "epoch_align", "plan_horizon", "metrics_listen")
+                 "pacing", "epoch_align", "plan_horizon", "max_hold_s", "metrics_listen")
 
 
 def _read_toml(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:

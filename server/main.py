@@ -36,6 +36,7 @@ from joader.address import is_loopback, prepare_server_socket, resolve_address, 
 from joader.cache.arena import Arena, format_size, remove_stale_arenas
 from joader.errors import JoaderError
 from joader.launch import write_ready_file
+from joader.server import cpu_meter
 from joader.server.autoscale import AutoscaleConfig, Autoscaler, PeriodMeter
 from joader.server.config import ServerConfig, load_config
 from joader.server.decode_pool import DecodePool, PoolConfig, SourceSpec
@@ -154,6 +155,7 @@ def run(config: ServerConfig) -> int:
                 retry_failed_s=config.retry_failed_s, max_jobs=config.max_jobs,
                 rank_attach_timeout_s=config.rank_attach_timeout_s,
                 deadline_pacing=config.pacing == "deadline", plan_horizon=config.plan_horizon,
+                max_hold_s=config.max_hold_s,
             ),
         )
         return asyncio.run(_serve(config, address, arena, pool, registry, [len(s.listing.paths) for s in sources],
@@ -197,6 +199,9 @@ async def _serve(
     supervisor.spawn("joaderd-scheduler", registry.run_scheduler)
     supervisor.spawn("joaderd-results", lambda: _forward_results(pool, registry, stopping))
     supervisor.spawn("joaderd-sources", lambda: checker.run(registry.source_checked, stopping))
+    if config.max_hold_s > 0:
+        supervisor.spawn("joaderd-cpu", lambda: cpu_meter.run(registry.job_pids, registry.set_cpu, stopping,
+                                                              time.monotonic))
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(signum, stop.set)
 

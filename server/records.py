@@ -81,6 +81,12 @@ class Source:
     # pairs with a removed job, newest last: (name a, name b, rounds, shared, bound)
     pair_history: dict[tuple[str, str], tuple[str, str, int, int, float]] = field(default_factory=dict)
 
+    # Rounds held for a job behind (server/in_step.py): since when (None: not held), how
+    # often, and for how long in all (status: `holds`, `held_s`).
+    held_since_s: float | None = None
+    holds: int = 0
+    held_s: float = 0.0
+
     # joaderd's --epoch-align (joader.sampling.dependent, "Epoch alignment")
     epoch_align: str = "first"
     # Its health on disk (joader.server.source_watch.SourceWatch): set by joaderd; None in
@@ -296,6 +302,9 @@ class Job:
     # source, to share rounds) or "independent" (its rounds are its own: DependentSampler,
     # "Independent jobs")
     order: str = "shared"
+    # Its training process kept a core busy lately (joaderd's CPU meter, server/cpu_meter.py):
+    # a round may wait for a job behind it (server/in_step.py).
+    cpu_bound: bool = False
     queue_capacity: int = 1  # per rank
     partial_warned: bool = False  # logged once: the cache is too small for its whole batches
     # Items (of its source's largest size) of the cache each of its ranks may hold: queued

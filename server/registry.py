@@ -99,6 +99,9 @@ class RegistryConfig:
     # A rank with fewer queued items than this share of the cache's items takes part in rounds
     # (NOTE [ Planning a lagging job ahead ] in scheduler.py); 0: twice its queue's capacity.
     plan_horizon: float = 0.5
+    # The longest a source's rounds wait at a time for a CPU-bound job behind, on a busy host
+    # (NOTE [ A leader waits only where it costs the sweep nothing ] in in_step.py); 0: never.
+    max_hold_s: float = 1.0
 
 
 class Registry(NextProtocol, SchedulerThread, ResultFiling):
@@ -130,7 +133,7 @@ class Registry(NextProtocol, SchedulerThread, ResultFiling):
         self._pool = pool
         self.cache = ItemCache(capacity_bytes, retry_failed_s=self.config.retry_failed_s, clock=clock)
         self._scheduler = Scheduler(self.cache, clock, deadlines=self.config.deadline_pacing,
-                                    start_grace_s=self.config.start_grace_s)
+                                    start_grace_s=self.config.start_grace_s, max_hold_s=self.config.max_hold_s)
         if self.config.deadline_pacing:
             self.cache.reuse_hazard = self._reuse_hazard
         self.jobs = JobTable(self.cache, self._scheduler, lease_s=self.config.lease_s,
@@ -303,6 +306,22 @@ class Registry(NextProtocol, SchedulerThread, ResultFiling):
         # A planned read comes within a queue's horizon: sooner than any draw from a remaining
         # set can be counted on (NOTE [ Planned reads ] in item_cache.py).
         return hazard + PLANNED_HAZARD * self.cache.planned.get(key, 0)
+
+    def set_cpu(self, host_busy: bool, busy_jobs: set[str]) -> None:
+        """The CPU meter's reading (server/cpu_meter.py): whether every core of the host was
+        busy, and the jobs whose training processes kept a core busy."""
+        with self._cond:
+            self._scheduler.host_busy = host_busy
+            for job in self.jobs.jobs.values():
+                job.cpu_bound = job.job_id in busy_jobs
+            self._cond.notify_all()
+
+    def job_pids(self) -> dict[str, set[int]]:
+        """The pids that read for each live job (its passes' readers), for the CPU meter."""
+        with self._cond:
+            return {job.job_id: {pid for rank in job.ranks for pass_ in rank.passes.values()
+                                 for pid in pass_.members.values() if pid > 0}
+                    for job in self.jobs.jobs.values()}
 
     def _needed(self, item: Item) -> int:
         """A cached item's refcount: the jobs that still need it, plus its planned reads."""

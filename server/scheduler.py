@@ -7,33 +7,8 @@ ahead ]), so jobs reading at about the same speed share nearly every round, and 
 rounds out (it loses sharing, not speed). A job takes part once all its ranks attached and one
 of them asked for items, and not while a resumed epoch is still gathering its reports.
 
-NOTE [ Planning a lagging job ahead ]
-Real training drifts: step times jitter, jobs compete for cores, and two jobs of a sweep that
-started together are soon a few batches apart. With the old rule (take part below twice the
-queue's capacity, one batch of slack) the job behind sits out the rounds its queue is too full
-for; the leader draws alone meanwhile, their remaining sets part, and Theorem 1's share
-|R1 ∩ R2| / max(|R1|, |R2|) falls for the rest of the epoch: simulated (bench/drift_sim.py), three
-jobs with 30% step jitter served 2.75 jobs per decode, not 3. Picks are only indices, cheap to
-make early: a job behind may as well take the same picks as the leader now and read them later,
-if the cache still holds each item when it comes to it. So a rank also takes part while
-
-    its queue's wait (queued items / its rate) <= the shortest wait of this round's jobs
-                                                  + plan_horizon x cache items / decode rate
-
-and its queue is below `plan_horizon` x the cache's items: the item it will read last was decoded
-for the leader that much earlier, and `cache items / decode rate` is how long the cache keeps an
-item it decoded. The queue entries are planned reads that keep their items cached ahead of any
-item only a remaining set still needs (NOTE [ Planned reads ] in item_cache.py). A job that is
-slower for good reaches the bound and sits out as before: it shares what it draws beside the
-leader, not plans the cache could not keep. Rates unknown (a job's first half second): the old
-rule alone.
-
-Why each job's order stays exactly once and uniform: DSA's claim (joader.sampling.dependent)
-needs only that the participant list of a round is fixed before its first draw and chosen from
-the past, not from future draws. The list here is a function of queue lengths, delivery rates
-and the decode rate, all of them results of earlier rounds, requests and decodes, so every
-round's draws are fresh uniforms given the list, and the induction of the claim goes through
-unchanged. (A rule that looked at what a job would draw next would break it.)
+Who takes part, and when a round waits for a job behind: server/in_step.py (NOTE [ Planning a
+lagging job ahead ], NOTE [ A leader waits only where it costs the sweep nothing ]).
 
 Each pick of a job is dealt to one of its ranks (`EpochShare.receiver`): round-robin for a fresh
 epoch, so every rank gets `ceil(N / W)` items (padding with the epoch's first picks once the
@@ -63,6 +38,7 @@ from collections.abc import Callable
 from pyroaring import BitMap
 
 from joader.errors import InvariantError
+from joader.server import in_step
 from joader.server.containment import is_bookkeeping_error
 from joader.server.item_cache import ItemCache
 from joader.server.pacing import UNKNOWN_RATE, due_time
@@ -75,17 +51,21 @@ _SHARES_KEPT = 4  # epochs of a job whose split is remembered (the oldest pass s
 # the participants, and a round is a few microseconds of Python.
 MAX_PAIR_COUNTED_JOBS = 16
 PAIR_HISTORY = 256  # pairs of removed jobs whose counts status still shows
+READING_WITHIN_S = 0.5  # a job that asked for items within this long is reading (a hold waits for it)
 
 
 class Scheduler:
     """Drives each source's sampler for its jobs, and keeps their epochs' shares."""
 
     def __init__(self, cache: ItemCache, clock: Callable[[], float], *, deadlines: bool = True,
-                 start_grace_s: float = 0.0) -> None:
+                 start_grace_s: float = 0.0, max_hold_s: float = 0.0) -> None:
         self._cache = cache
         self._clock = clock
         self._deadlines = deadlines  # False: every decode is due at once (round order)
         self._start_grace_s = start_grace_s
+        self._max_hold_s = max_hold_s  # 0: a round never waits for a job behind
+        # Every core of the host was busy lately (set by joaderd's CPU meter, server/cpu_meter.py).
+        self.host_busy = False
         self._round_seq = 0
         self._now = 0.0  # the clock at the current round's start
         # The jobs the current round is working for (its participants): the ones to end when
@@ -293,7 +273,10 @@ class Scheduler:
             queued.append((job, length))
         if not any(length < job.queue_capacity for job, length in queued):
             return False
-        participants = self._participants(queued, now)
+        plan = self._plan(source, queued, now)
+        if plan.hold:
+            return False
+        participants = list(plan.participants)
         self.acting = tuple(participants)
         sampler = source.sampler
         starting = [j for j in participants if sampler.num_remaining(j) == 0]
@@ -323,24 +306,28 @@ class Scheduler:
         self.acting = ()
         return True
 
-    def _participants(self, queued: list[tuple[Job, int]], now: float) -> list[str]:
-        """The jobs that take part in this round: NOTE [ Planning a lagging job ahead ]."""
+    def _plan(self, source: Source, queued: list[tuple[Job, int]], now: float) -> in_step.Plan:
+        """Who takes part in this round, or whether it waits (server/in_step.py)."""
         decode_rate = self._cache.decode_rate.rate(now)
-        ahead: list[tuple[Job, int, float | None]] = []
-        soonest = float("inf")
-        for job, length in queued:
-            rate = job.rate.rate(now) if decode_rate else None
-            wait_s = length / rate if rate else None
-            ahead.append((job, length, wait_s))
-            soonest = min(soonest, wait_s if wait_s is not None else 0.0)
-        participants = []
-        for job, length, wait_s in ahead:
-            if length < 2 * job.queue_capacity:
-                participants.append(job.job_id)
-            elif (wait_s is not None and decode_rate and length < job.plan_horizon
-                  and wait_s <= soonest + job.plan_horizon / decode_rate):
-                participants.append(job.job_id)
-        return participants
+        candidates = [
+            in_step.Candidate(
+                job.job_id, length, job.queue_capacity, job.plan_horizon,
+                job.rate.rate(now) if decode_rate else None, cpu_bound=job.cpu_bound,
+                reading=now - max(rank.last_read_s or 0.0 for rank in job.ranks) < READING_WITHIN_S,
+                independent=job.order == "independent")
+            for job, length in queued
+        ]
+        held_s = now - source.held_since_s if source.held_since_s is not None else 0.0
+        plan = in_step.plan_round(candidates, decode_rate=decode_rate, host_busy=self.host_busy,
+                                  held_s=held_s, max_hold_s=self._max_hold_s)
+        if plan.hold:
+            if source.held_since_s is None:
+                source.held_since_s = now
+                source.holds += 1
+        elif source.held_since_s is not None:
+            source.held_s += now - source.held_since_s
+            source.held_since_s = None
+        return plan
 
     @staticmethod
     def _count_sharing(source: Source, picks: dict[str, int], jobs: dict[str, Job]) -> None:

@@ -67,7 +67,7 @@ from tests.support.job_books import books
 
 pytestmark = pytest.mark.timeout(300)  # the module fixture drives 5 configurations
 
-ALPHA = 1e-3 / 69
+ALPHA = 1e-3 / 93
 Z_LIMIT = NormalDist().inv_cdf(1 - ALPHA / 2)
 N = 20
 EPOCHS = 600
@@ -77,12 +77,19 @@ Speeds = dict[str, tuple[int, int]]  # job -> (items, per ticks)
 EQUAL: Speeds = {"a": (1, 1), "b": (1, 1), "c": (1, 1)}
 UNEQUAL: Speeds = {"a": (1, 1), "b": (2, 3), "c": (1, 2)}
 C_FASTEST: Speeds = {"a": (1, 2), "b": (2, 3), "c": (1, 1)}
+# Drifting: each tick a job reads 0, 1 or 2 items, drawn from a stream of its own (never the
+# sampler's), around a mean of 1, 1 and 0.85 items per tick; joaderd's in-step rules on (a job
+# behind planned ahead within a horizon of 3 lookaheads, rounds held for it on a "busy host").
+DRIFT: Speeds = {"a": (0, 0), "b": (0, 0), "c": (0, 0)}
+DRIFT_MEANS = {"a": 1.0, "b": 1.0, "c": 0.85}
 CONFIGS: dict[str, tuple[str, Speeds]] = {  # name -> (c's order, speeds); a and b are shared
     "shared-equal": ("shared", EQUAL),
     "shared-unequal": ("shared", UNEQUAL),
+    "shared-drift-in-step": ("shared", DRIFT),
     "independent-equal": ("independent", EQUAL),
     "independent-unequal": ("independent", UNEQUAL),
     "independent-fastest": ("independent", C_FASTEST),
+    "independent-drift-in-step": ("independent", DRIFT),
 }
 INDEPENDENT_CONFIGS = [name for name, (order, _) in CONFIGS.items() if order == "independent"]
 
@@ -93,30 +100,52 @@ class Run:
     # rounds with c and a partner x in them: (partner, P(same item) under independence, same?)
     rounds_with_c: list[tuple[str, float, bool]] = field(default_factory=list)
     pair_rounds: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # by job names
+    planned_past_lookahead: int = 0  # rounds a job took part in with more than 2 x CAPACITY queued
+    holds: int = 0  # rounds held for a job behind (server/in_step.py)
 
 
 def _drive(c_order: str, speeds: Speeds, *, seed: int = 0, epochs: int = EPOCHS,
            sampler: type[DependentSampler] = DependentSampler) -> Run:
-    table, scheduler, source, _ = books(num_items=N, slots=400)
+    table, scheduler, source, clock = books(num_items=N, slots=400)
     source.sampler = sampler(seed=source.seed, align=source.epoch_align)
+    drift = speeds is DRIFT
+    if drift:  # joaderd's in-step rules: NOTE [ Planning a lagging job ahead ] and the hold
+        scheduler._max_hold_s = 0.05
+        scheduler.host_busy = True
     jobs = {}
     for i, name in enumerate(("a", "b", "c")):
         order = c_order if name == "c" else "shared"
         job, _ = table.attach(source, BitMap(range(N)), name, 4, seed=1000 * seed + i, order=order)
         job.reading, job.queue_capacity, job.cache_share = True, CAPACITY, 10_000
+        job.plan_horizon, job.cpu_bound = 3 * CAPACITY, True
         jobs[name] = job
     names = {job.job_id: name for name, job in jobs.items()}
     run = Run({name: [] for name in jobs})
     _record_rounds(source, names, run)
+    steps = random.Random(f"speeds:{seed}")  # the jobs' speeds: never the sampler's stream
     got: dict[str, dict[int, list[int]]] = {name: {} for name in jobs}
     tick = 0
     while min(sum(len(e) == N for e in got[name].values()) for name in got) < epochs:
         tick += 1
-        scheduler.run_round(source, table.jobs)
+        clock.now += 0.01
+        lengths = {name: len(job.ranks[0].queue) for name, job in jobs.items()}
+        if scheduler.run_round(source, table.jobs):
+            if drift:
+                scheduler._cache.decode_rate.add(clock.now, 1)
+                run.planned_past_lookahead += sum(
+                    1 for name, job in jobs.items()
+                    if lengths[name] >= 2 * CAPACITY and len(job.ranks[0].queue) > lengths[name])
         for name, job in jobs.items():
-            items, per = speeds[name]
-            take = (tick * items) // per - ((tick - 1) * items) // per
+            if drift:
+                mean = DRIFT_MEANS[name]
+                take = 2 if steps.random() < mean / 2 else (1 if steps.random() < 0.5 else 0)
+            else:
+                items, per = speeds[name]
+                take = (tick * items) // per - ((tick - 1) * items) // per
             rank = job.ranks[0]
+            rank.last_read_s = clock.now
+            if take:
+                job.rate.add(clock.now, min(take, len(rank.queue)))
             head = [rank.queue[i] for i in range(min(take, len(rank.queue)))]
             if head:
                 scheduler.drop_queue(rank, _first(len(head)))  # read: out of the queue, unpinned
@@ -128,6 +157,7 @@ def _drive(c_order: str, speeds: Speeds, *, seed: int = 0, epochs: int = EPOCHS,
         assert all(sorted(order) == list(range(N)) for order in run.epochs[name])  # exactly once
     run.pair_rounds = {tuple(sorted((names[a], names[b]))): counts  # type: ignore[misc]
                        for (a, b), counts in source.pair_rounds.items()}
+    run.holds = source.holds
     return run
 
 
@@ -296,3 +326,14 @@ def test_power_a_five_percent_leak_is_caught(speeds: str) -> None:
     assert z_round > Z_LIMIT
     if speeds == "equal":
         assert z_position > Z_LIMIT
+
+
+@pytest.mark.parametrize("config", ["shared-drift-in-step", "independent-drift-in-step"])
+def test_the_drifting_drive_exercised_the_in_step_rules(runs: dict[str, Run], config: str) -> None:
+    """The drift configurations test what they mean to: jobs took part in rounds beyond twice
+    their lookahead (planned ahead), and rounds were held for a job behind."""
+    run = runs[config]
+    print(f"{config}: {run.planned_past_lookahead} rounds planned past the lookahead, {run.holds} holds")
+    assert run.planned_past_lookahead > 100
+    if config == "shared-drift-in-step":  # the slower job c is waited for (when independent, never)
+        assert run.holds >= 10
