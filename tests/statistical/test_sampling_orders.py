@@ -4,8 +4,11 @@
 
 The drive: three jobs on one 20-item dataset (identical: the strongest correlation DSA makes),
 each reading its rank's queue at a fixed speed (items per tick, a ratio): equal speeds, or
-unequal ones, where the slower jobs' queues fill and they sit rounds out. Speeds are fixed, so
-the participation pattern never depends on a draw (the condition of the proof in
+unequal ones, where the slower jobs' queues fill and they sit rounds out; or drifting (0, 1 or
+2 items a tick, from a stream of the drive's own) with joaderd's in-step rules on
+(server/in_step.py: a job behind planned ahead, rounds held for it), whose decisions read the
+measured rates and queue lengths. Speeds never come from the sampler's streams, so the
+participation pattern never depends on a future draw (the condition of the proof in
 joader/sampling/dependent.py). Each tick runs `Scheduler.run_round` once and each job takes its
 items from the head of its queue; the order a job reads is its picks' order.
 
@@ -27,9 +30,10 @@ What is checked, per configuration and job:
   variance 1: `agreement_z`), two-sided; (3) the joint table of an item's position in both
   jobs (`relative_positions`), a sum of uniform permutation matrices under independence.
 
-Thresholds: 5 configurations x 3 jobs x 3 statistics + 3 configurations x 2 partners x 3
-statistics + 2 x 3 shared pairs = 69 tests, Bonferroni at a family-wise false-failure rate of
-1e-3: alpha = 1e-3 / 69 each (|z| < 4.34).
+Thresholds: 7 configurations x 3 jobs x 3 statistics + 4 configurations x 2 partners x 3
+statistics + 2 x 3 shared pairs = 93 tests, Bonferroni at a family-wise false-failure rate of
+1e-3: alpha = 1e-3 / 93 each (|z| < 4.40). The drifting configurations are checked to have
+exercised the rules (rounds past the lookahead, holds).
 
 Power (the same statistics, alpha and sample sizes): a job whose opt-out is ignored (run as
 "shared") gives round-match z in the hundreds at either speed and same-position z and
