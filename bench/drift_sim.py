@@ -13,8 +13,13 @@ in-step bound, each job's time, and the rounds each pair shared. Deterministic f
 design can be compared with another on the same drift, without the noise of a shared machine
 (the real jobs are in bench/field.py).
 
-Usage: python -m bench.drift_sim [--jobs 3] [--items 1437] [--epochs 5] [--stagger 0.5]
-       [--steps 0.01,0.01,0.01] [--jitter 0.3] [--cache 0.25] [--server-arg key=value]
+Usage: python -m bench.drift_sim --table          (every scenario x rule set, 3 seeds; ~10 minutes)
+       python -m bench.drift_sim [--jobs 3] [--items 1437] [--epochs 5] [--stagger]
+       [--steps 0.027,0.054] [--jitter 0.3] [--cores 2] [--cache 0.25] [--server-arg key=value]
+
+`--cores C`: steps and decodes share C cores (processor sharing), so a job that waits gives its
+CPU to the others, as on a CPU-bound host; joaderd's CPU meter then reads "busy" whenever C or
+more tasks run, and every job as CPU-bound.
 """
 
 from __future__ import annotations
@@ -308,8 +313,43 @@ class Simulation:
         }
 
 
-def main(argv: list[str] | None = None) -> int:
+SCENARIOS = {  # name -> arguments: the digits sweep's shape (1,437 items, a 27 ms CPU step)
+    "together, 30% jitter": [],
+    "together, 60% jitter": ["--jitter", "0.6"],
+    "staggered by half an epoch": ["--stagger"],
+    "speeds 1x, 2x, 4x": ["--steps", "0.027,0.054,0.108"],
+}
+RULES = {  # name -> registry settings
+    "before (one batch of slack)": ["plan_horizon=0", "max_hold_s=0"],
+    "planning ahead": ["plan_horizon=0.5", "max_hold_s=0"],
+    "planning ahead + holds": ["plan_horizon=0.5", "max_hold_s=1.0"],
+}
+
+
+def table(seeds: int) -> dict[str, Any]:
+    """Every scenario under every rule set, CPU-bound (2 cores shared by steps and decodes):
+    medians over `seeds` seeds of jobs served per decode, and the slowest job's time."""
+    out: dict[str, Any] = {}
+    for scenario, extra in SCENARIOS.items():
+        for rules, settings in RULES.items():
+            argv = ["--epochs", "5", "--decode-s", "0.0003", "--steps", "0.027", "--cores", "2", *extra]
+            for setting in settings:
+                argv += ["--server-arg", setting]
+            runs = [Simulation(parse(argv + ["--seed", str(seed)])).run() for seed in range(1, seeds + 1)]
+            served = sorted(r["served_per_decode"] for r in runs)
+            slowest = sorted(max(r["ends"]) for r in runs)
+            out.setdefault(scenario, {})[rules] = {
+                "served_per_decode": served[len(served) // 2], "runs": served,
+                "makespan_s": slowest[len(slowest) // 2], "exact": all(r["exact"] for r in runs)}
+            print(f"{scenario:28s} {rules:28s} served/decode {served[len(served) // 2]:.2f} {served} "
+                  f"makespan {slowest[len(slowest) // 2]:.2f} s, exactly once {all(r['exact'] for r in runs)}",
+                  flush=True)
+    return out
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--table", action="store_true", help="every scenario under every rule set (3 seeds)")
     parser.add_argument("--jobs", type=int, default=3)
     parser.add_argument("--items", type=int, default=1437)
     parser.add_argument("--epochs", type=int, default=5)
@@ -324,12 +364,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--server-arg", action="append", default=[], metavar="KEY=VALUE")
-    args = parser.parse_args(argv)
-    results = []
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.table:
+        data = table(args.seeds if args.seeds > 1 else 3)
+        path = Path(__file__).resolve().parent / "results" / "drift_sim.json"
+        path.write_text(json.dumps(data, indent=1) + "\n")
+        print(f"wrote {path}")
+        return 0
     for seed in range(args.seed, args.seed + args.seeds):
         args.seed = seed
         result = Simulation(args).run()
-        results.append(result)
         print(json.dumps({k: v for k, v in result.items() if k != "pairs"}))
         for pair in result["pairs"]:
             print("   ", pair)
