@@ -71,7 +71,7 @@ wait for the next epoch):
    view of just its rows, one object per slice shared by every consumer that gets it, so pickle's
    memo writes it once: a broadcast is its 39 MB of data, which each consumer receives once (a
    PUB message goes to all); `unpack_fn` makes tensors of them.
-3. a consumer that leaves (`tensorsocket/producer.py:568`, `heartbeat.py:182-186`,
+3. a consumer that leaves (`tensorsocket/producer.py:568`, `heartbeat.py:64-72`,
    `producer.py:351-359`): a job that has finished its epochs and exits still counts among the
    expected acks of the next broadcast (the producer waits 10 s for it), and at the next epoch
    `__iter__` waits for its progress to read 0, which a job that exited after its last pong never
@@ -80,10 +80,10 @@ wait for the next epoch):
    (a separate PUB socket, made at start); the producer forgets it at once (acks, consumers,
    hearts), waits for acks in short polls, and drops an expected ack once the heartbeat has lost
    its consumer.
-4. heartbeats (`tensorsocket/heartbeat.py:160,178-186,211`): a consumer counts as gone if its pong
+4. heartbeats (`tensorsocket/heartbeat.py:24,46,64-72,97`): a consumer counts as gone if its pong
    does not answer the *latest* ping of a 0.5 s period; a pong late under load is discarded, the
    consumer is dropped (`producer.py:387-389`) and re-added with no progress, and then counts as
-   too far behind (`producer.py:429,518`): it gets nothing more in that epoch and its epoch ends
+   too far behind (`producer.py:428-432,518`): it gets nothing more in that epoch and its epoch ends
    short. Fix: `TolerantHeartBeater` accepts a pong for any ping and drops a heart after 3 s of
    silence.
 5. a busy wait (`tensorsocket/producer.py:352-359`): at each epoch's start `__iter__` spins without
@@ -91,7 +91,13 @@ wait for the next epoch):
    taken from the decoders and the GIL from the heartbeat thread. Fix: the same wait, polling
    every 2 ms.
 TensorSocket's other defaults are kept: `producer_batch_size` 8, a rubber band of 0.5% (at least
-one producer batch), consumer buffers of 10 batches, a 0.5 s idle poll with no consumers.
+one producer batch), consumer buffers of 10 batches, a 0.5 s idle poll with no consumers; and so
+is its design, which costs it here and is not worked around: the producer reads the next
+producer batch (8 loader batches) only once every consumer has acknowledged the previous one
+(`producer.py:449-471`; the DataLoader's workers prefetch 2 batches each: half of one with 2
+workers, `--ts-prefetch-factor` to change), every consumer receives the whole published message,
+and a job arriving mid-epoch is "too far behind" (`producer.py:518-519`) and skips the rest of
+the epoch (`consumer.py:181-189`): it reads whole epochs, but the producer's, from the next one.
 
 Usage: python -m bench.peers [--reps 3] [--quick] [--scenarios together,staggered]
        [--sides joader,tensorsocket,dataloaders] [--ts-fixes all|none|-name,...]
@@ -105,6 +111,7 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -192,7 +199,7 @@ def _tensorsocket_classes(fixes: set[str]) -> tuple[type, type, Any, Any]:
     from zmq.eventloop import zmqstream
 
     class TolerantHeartBeater(HeartBeater):
-        """Work-around 4 (heartbeat.py:178-186,211): a pong answering any ping counts, and a
+        """Work-around 4 (heartbeat.py:64-72,97): a pong answering any ping counts, and a
         heart is dropped after `grace_s` of silence, not after one late pong. Counts drops."""
 
         def __init__(self, *args: Any, tolerant: bool, departed: set[bytes], grace_s: float = 3.0,
@@ -506,6 +513,9 @@ def producer_main(args: argparse.Namespace) -> int:
     from torch.utils.data import DataLoader
 
     torch.set_num_threads(1)
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=False)  # the harness asks where a hung producer is
     FairProducer, _, pack_fn, _ = _tensorsocket_classes(set(args.fixes.split(",")) - {""})
     dataset = counted_folder(args.root)
     options = {"prefetch_factor": args.prefetch_factor} if args.prefetch_factor else {}
@@ -707,6 +717,9 @@ def run_side(side: str, scenario: str, root: Path, args: argparse.Namespace) -> 
             try:
                 code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                if producer is not None and producer.poll() is None:
+                    producer.send_signal(signal.SIGUSR1)  # its main thread's stack, into producer.err
+                    time.sleep(1.0)
                 raise RuntimeError(f"{side} {scenario}: job {i} timed out:\n" + tails(work)) from None
             if code != 0:
                 raise RuntimeError(f"{side} {scenario}: job {i} failed ({code}):\n" + tails(work))
