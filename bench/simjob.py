@@ -101,6 +101,17 @@ def _cpu_s() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
+def pid_cpu_s(pid: int) -> float:
+    """utime + stime of `pid` and its reaped children (/proc), 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return 0.0
+    fields = stat[stat.rfind(")") + 2:].split()
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
 def tree_cpu_s(root_pid: int) -> float:
     """utime+stime (and reaped children's) of `root_pid` and all its live descendants (/proc)."""
     tick = os.sysconf("SC_CLK_TCK")
