@@ -175,8 +175,10 @@ class Simulation:
                                  RegistryConfig(**config), self.clock)
         steps = [float(s) for s in args.steps.split(",")]
         steps = (steps * args.jobs)[: args.jobs]
+        arrivals = [float(a) for a in args.arrivals.split(",")] if args.arrivals else []
         self.jobs = [SimJob(i, steps[i], args.epochs,
-                            arrive_s=0.0 if i == 0 or not args.stagger else None) for i in range(args.jobs)]
+                            arrive_s=(arrivals[i] if i < len(arrivals) else 0.0) if i == 0 or not args.stagger else None)
+                     for i in range(args.jobs)]
         self.waiting: set[int] = set()
 
     def at(self, t: float, event: tuple[Any, ...]) -> None:
@@ -357,6 +359,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", default="0.02", help="step seconds per job, comma-separated (cycled)")
     parser.add_argument("--jitter", type=float, default=0.3, help="lognormal sigma of each step")
     parser.add_argument("--stagger", action="store_true", help="each job arrives when the previous read half an epoch")
+    parser.add_argument("--arrivals", default="", help="seconds each job arrives at, comma-separated (a sweep with no start barrier)")
     parser.add_argument("--cache", type=float, default=0.25, help="the cache's share of the items")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--decode-s", type=float, default=0.002)

@@ -17,7 +17,7 @@ TOML (`--config FILE`), every key optional, command-line flags win:
     max_jobs = 1024            # jobs attached at once; more are refused
     pacing = "deadline"        # decode by when jobs read, evict by speed; "rounds": the old order
     plan_horizon = 0.5         # a lagging job plans ahead within this share of the cache; 0: off
-    max_hold_s = 1.0           # on a busy host, rounds wait up to this long for a CPU-bound job behind; 0: never
+    max_hold_s = 0             # on a busy host, rounds wait up to this long for a CPU-bound job behind; 0: never (default)
     epoch_align = "first"      # a late job's first epoch takes a running job's rest first; "off"; "always" (see docs/decisions.md, "Epoch alignment")
     ready_file = "/run/joaderd.ready"   # JSON written once joaderd serves (joader.launch)
     metrics_listen = "127.0.0.1:9400"  # Prometheus /metrics (off by default; loopback unless allow_remote)
@@ -113,7 +113,7 @@ class ServerConfig:
     pacing: str = "deadline"
     epoch_align: str = "first"
     plan_horizon: float = 0.5  # NOTE [ Planning a lagging job ahead ] in in_step.py
-    max_hold_s: float = 1.0  # NOTE [ A leader waits only where it costs the sweep nothing ] in in_step.py
+    max_hold_s: float = 0.0  # NOTE [ A leader waits only where it costs the sweep nothing ] in in_step.py
     metrics_listen: str | None = None  # HOST:PORT of Prometheus /metrics; None: off
 
 
@@ -334,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-hold-s", type=float, metavar="S",
         help="on a host whose cores are all busy, a round waits up to S seconds for a CPU-bound "
              "job of about the same speed that fell behind, so the jobs stay in step and share "
-             "(default 1; 0: never)")
+             "(default 0: never; see the README)")
     add("--ready-file", metavar="PATH",
         help="once serving, write JSON there: address, port, arena_path, pid, num_workers, metrics_port")
     add("--metrics-listen", metavar="HOST:PORT",

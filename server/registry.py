@@ -100,8 +100,9 @@ class RegistryConfig:
     # (NOTE [ Planning a lagging job ahead ] in scheduler.py); 0: twice its queue's capacity.
     plan_horizon: float = 0.5
     # The longest a source's rounds wait at a time for a CPU-bound job behind, on a busy host
-    # (NOTE [ A leader waits only where it costs the sweep nothing ] in in_step.py); 0: never.
-    max_hold_s: float = 1.0
+    # (NOTE [ A leader waits only where it costs the sweep nothing ] in in_step.py); 0: never
+    # (the default: see NOTE [ Holds are opt-in ] there).
+    max_hold_s: float = 0.0
 
 
 class Registry(NextProtocol, SchedulerThread, ResultFiling):
