@@ -16,7 +16,7 @@ TOML (`--config FILE`), every key optional, command-line flags win:
     rank_attach_timeout_s = 60 # a job whose ranks do not all attach within this long ends
     max_jobs = 1024            # jobs attached at once; more are refused
     pacing = "deadline"        # decode by when jobs read, evict by speed; "rounds": the old order
-    plan_horizon = 0.5         # a lagging job plans ahead within this share of the cache; 0: off
+    plan_horizon = 0           # a lagging job plans ahead within this share of the cache; 0: off (default)
     max_hold_s = 0             # on a busy host, rounds wait up to this long for a CPU-bound job behind; 0: never (default)
     epoch_align = "first"      # a late job's first epoch takes a running job's rest first; "off"; "always" (see docs/decisions.md, "Epoch alignment")
     ready_file = "/run/joaderd.ready"   # JSON written once joaderd serves (joader.launch)
@@ -112,7 +112,7 @@ class ServerConfig:
     max_jobs: int = 1024
     pacing: str = "deadline"
     epoch_align: str = "first"
-    plan_horizon: float = 0.5  # NOTE [ Planning a lagging job ahead ] in in_step.py
+    plan_horizon: float = 0.0  # NOTE [ Planning a lagging job ahead ] in in_step.py
     max_hold_s: float = 0.0  # NOTE [ A leader waits only where it costs the sweep nothing ] in in_step.py
     metrics_listen: str | None = None  # HOST:PORT of Prometheus /metrics; None: off
 
@@ -329,8 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
              "epoch (shares every round, but a late job takes the same half first every epoch); off")
     add("--plan-horizon", type=float, metavar="F",
         help="a job that lags the others on its source keeps taking part in their rounds while "
-             "its queue fits in this share of the cache and the cache can keep the items between "
-             "its reads and theirs (default 0.5; 0: only within two lookaheads)")
+             "its queue fits in this share of the cache and the cache can keep the items "
+             "between its reads and theirs, e.g. 0.5 (default 0: only within two lookaheads; "
+             "see the README)")
     add("--max-hold-s", type=float, metavar="S",
         help="on a host whose cores are all busy, a round waits up to S seconds for a CPU-bound "
              "job of about the same speed that fell behind, so the jobs stay in step and share "

@@ -36,15 +36,18 @@ that is not CPU-bound (a GPU-bound job's wait frees no CPU: it would only lose t
 a job much slower (different models keep their own speeds; a slow job loses sharing, not the
 others their speed), never on an idle host, and never for or by an order="independent" job.
 
-NOTE [ Holds are opt-in ]
-Measured with real training (bench/field.py, three CPU-bound jobs of a digits lr sweep, medians
-of 3): jobs started together from a start file shared more with holds (3.44 jobs served per
-decode against 3.12 with planning alone, 2.91 with neither) and finished sooner (11.2 s against
-11.5 and 13.4); the same jobs launched as plain scripts, reading as each is built (up to a second
-apart), finished later with holds (16.0 s against 12.9 with planning alone) and used more CPU,
-so `--max-hold-s` is 0 by default. Simulated (bench/drift_sim.py) holds never cost time, so what
-the real runs pay is not modelled there: a next step is to find it (the held jobs' empty replies
-and re-asks, or a job still starting counted as behind).
+NOTE [ The in-step rules are opt-in ]
+Measured with real training (bench/field.py: three CPU-bound jobs of a digits lr sweep, a quarter
+cache, medians of 3 on a quiet host), both rules help jobs started together from a start file
+(jobs served per decode: 2.91 with neither, 3.12 and 2.43 in two runs with planning, 3.44 with
+holds too, which also finished sooner, 11.2 s against 13.4) but not the same jobs launched as
+plain scripts, which start reading up to a second apart: 2.53 with neither (median of 6), 2.11
+with planning (of 9), 2.22 with holds, and makespans of 14 s against 17-18 s, with more CPU. The
+simulation (bench/drift_sim.py) shows the gains and not that cost, so what the real runs pay is
+not modelled there; candidates: the longer queues' per-request scans (`_count_ready`,
+`_recheck_failures` walk the queue), held jobs' empty replies and re-asks, a job still starting
+counted as behind. Until that is found, `--plan-horizon` and `--max-hold-s` are 0 by default:
+what users run gets the old rule.
 
 Why each job's order stays exactly once and uniform: DSA's claim (joader.sampling.dependent)
 needs only that the participant list of a round is fixed before its first draw and chosen from

@@ -97,11 +97,12 @@ class RegistryConfig:
     # Shorter than a client's item timeout (300 s), so the error names the missing rank.
     rank_attach_timeout_s: float = 60.0
     # A rank with fewer queued items than this share of the cache's items takes part in rounds
-    # (NOTE [ Planning a lagging job ahead ] in scheduler.py); 0: twice its queue's capacity.
-    plan_horizon: float = 0.5
+    # (NOTE [ Planning a lagging job ahead ] in in_step.py); 0 (the default, NOTE [ The in-step
+    # rules are opt-in ] there): twice its queue's capacity.
+    plan_horizon: float = 0.0
     # The longest a source's rounds wait at a time for a CPU-bound job behind, on a busy host
     # (NOTE [ A leader waits only where it costs the sweep nothing ] in in_step.py); 0: never
-    # (the default: see NOTE [ Holds are opt-in ] there).
+    # (the default: see NOTE [ The in-step rules are opt-in ] there).
     max_hold_s: float = 0.0
 
 

@@ -1,9 +1,9 @@
 """The scheduler: DSA rounds that fill the ranks' queues, epoch by epoch.
 
 A round runs, per source, whenever some job's next receiving rank has fewer queued items than
-its capacity; every job whose receiving rank is below twice its capacity takes part, and so does
-a job that lags the others by no more than the cache can bridge (NOTE [ Planning a lagging job
-ahead ]), so jobs reading at about the same speed share nearly every round, and a slow job sits
+its capacity; every job whose receiving rank is below twice its capacity takes part, and, with
+`--plan-horizon`, so does a job that lags the others by no more than the cache can bridge (NOTE
+[ Planning a lagging job ahead ]), so jobs reading at about the same speed share nearly every round, and a slow job sits
 rounds out (it loses sharing, not speed). A job takes part once all its ranks attached and one
 of them asked for items, and not while a resumed epoch is still gathering its reports.
 
