@@ -90,13 +90,17 @@ class Server:
     also gives the arena's path and joaderd's pid.
     """
 
-    def __init__(self, root: Path, cache_bytes: int, *, workers: int | str = 2, extra: Sequence[str] = ()) -> None:
+    def __init__(self, root: Path, cache_bytes: int, *, workers: int | str = 2, extra: Sequence[str] = (),
+                 source: str = "demo", settings: Sequence[str] | None = None) -> None:
+        """`settings` replaces the demo's (image size, `workers`, log level): joaderd's own
+        defaults for the rest, as a user's `joaderd --source NAME=ROOT` (bench/field.py)."""
         self.dir = Path(tempfile.mkdtemp(prefix="jb-", dir="/tmp"))  # short: sun_path is 108 bytes
         self.log_path = self.dir / "joaderd.log"
         self.status_cpu_s = 0.0
-        args = ["--listen", f"unix:{self.dir / 'joaderd.sock'}", "--source", f"demo={root}",
-                "--cache-size", str(cache_bytes), "--image-size", str(IMAGE_SIZE), "--workers", str(workers),
-                "--log-level", "INFO", *extra]
+        if settings is None:
+            settings = ["--image-size", str(IMAGE_SIZE), "--workers", str(workers), "--log-level", "INFO"]
+        args = ["--listen", f"unix:{self.dir / 'joaderd.sock'}", "--source", f"{source}={root}",
+                "--cache-size", str(cache_bytes), *settings, *extra]
         try:
             self.process = JoaderdProcess.start(args, env=bench_env(), stdout=self.log_path, ready_timeout_s=120)
         except BaseException:

@@ -449,24 +449,9 @@ class Run:
 
 def _start_server(data: Data, cache_bytes: int, extra: list[str]) -> Any:
     """A joaderd with the defaults but the cache (and `extra`), serving `data` as its name."""
-    from bench.common import Server, bench_env
-    from joader.launch import JoaderdProcess
+    from bench.common import Server
 
-    server = Server.__new__(Server)
-    server.dir = Path(tempfile.mkdtemp(prefix="jbf-", dir="/tmp"))
-    server.log_path = server.dir / "joaderd.log"
-    server.status_cpu_s = 0.0
-    argv = ["--listen", f"unix:{server.dir / 'joaderd.sock'}", "--source", f"{data.name}={data.root}",
-            "--cache-size", str(cache_bytes), *data.server_args(), *extra]
-    try:
-        server.process = JoaderdProcess.start(argv, env=bench_env(), stdout=server.log_path, ready_timeout_s=120)
-    except BaseException:
-        shutil.rmtree(server.dir, ignore_errors=True)
-        raise
-    server.proc = server.process.proc
-    server.address = server.process.address
-    server.arena_path = server.process.arena_path
-    return server
+    return Server(data.root, cache_bytes, source=data.name, settings=data.server_args(), extra=extra)
 
 
 def run_jobs(side: str, specs: list[JobSpec], data: Data, args: argparse.Namespace) -> Run:
