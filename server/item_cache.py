@@ -208,9 +208,13 @@ class ItemCache:
         if item is not None and item.state is ItemState.READY:
             self.policy.add_refcount(key, -1)
 
-    def plan(self, key: int) -> None:
-        """A queue entry now holds `key`: one more planned read (NOTE [ Planned reads ])."""
+    def plan(self, key: int, *, moved: bool = False) -> None:
+        """A queue entry now holds `key`: one more planned read (NOTE [ Planned reads ]).
+        `moved`: the read moved from a job's remaining set into its queue, so the refcount,
+        which counts both, stays as it is."""
         self.planned[key] = self.planned.get(key, 0) + 1
+        if moved:
+            return
         item = self.items.get(key)
         if item is not None and item.state is ItemState.READY:
             self.policy.add_refcount(key, 1)

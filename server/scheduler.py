@@ -308,6 +308,10 @@ class Scheduler:
 
     def _plan(self, source: Source, queued: list[tuple[Job, int]], now: float) -> in_step.Plan:
         """Who takes part in this round, or whether it waits (server/in_step.py)."""
+        if not self._max_hold_s and all(job.plan_horizon <= 2 * job.queue_capacity for job, _ in queued):
+            # The defaults: the rule within two lookaheads alone, without measuring anything
+            # (this runs once per round).
+            return in_step.Plan(tuple(job.job_id for job, length in queued if length < 2 * job.queue_capacity))
         decode_rate = self._cache.decode_rate.rate(now)
         candidates = [
             in_step.Candidate(
@@ -365,13 +369,15 @@ class Scheduler:
 
     def _enqueue(self, job: Job, rank: Rank, share: EpochShare, item_id: int, *, consumed: bool) -> None:
         share.assigned[rank.index] += 1
-        if consumed:  # the pick left the job's remaining set: a cached copy has one reference less
-            self._cache.consume_unqueued(job.source, item_id)
         if rank.closed:  # the rank is done: its share is not prepared
+            if consumed:  # the pick left the job's remaining set: a cached copy has one reference less
+                self._cache.consume_unqueued(job.source, item_id)
             return
         key = job.source.key_base + item_id
         rank.queue.append(Entry(share.epoch, item_id, key))
-        self._cache.plan(key)
+        # A pick that left the remaining set for the queue keeps its reference (NOTE [ Planned
+        # reads ]); a padding copy adds one.
+        self._cache.plan(key, moved=consumed)
         self.pin_ahead(job, rank, self._now)
 
 
