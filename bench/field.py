@@ -387,6 +387,20 @@ def timeline_bound(timelines: list[list[tuple[float, float]]], bin_s: float) -> 
             "bound": round(deliveries / min_decodes, 4) if min_decodes else 0.0}
 
 
+def start_lead(timelines: list[list[tuple[float, float]]]) -> int:
+    """How far ahead the first reader was when the last one got its first batch: items the first
+    reader had received by then. Jobs launched together with no barrier start this far apart in
+    their epochs, and a lead beyond the cache is lost to sharing for good (the late job's last
+    items of each epoch are ones the others read a lead ago: docs/decisions.md, "Epoch
+    alignment")."""
+    started = [batches for batches in timelines if batches]
+    if len(started) < 2:
+        return 0
+    last_first = max(batches[0][0] for batches in started)
+    first = min(started, key=lambda batches: batches[0][0])
+    return int(sum(c for t, c in first if t < last_first))
+
+
 def in_step_bound(schedule: str, n: int, jobs: int, epochs: int) -> float | None:
     """sweep_trace's in-step bound for together (arrivals 0) and staggered (half an epoch apart)."""
     from bench.sweep_trace import JobSpec, schedule_bound
@@ -581,6 +595,7 @@ def summarize(side: str, schedule: str, specs: list[JobSpec], run: Run, data: Da
         "rusage_cpu_s": run.rusage_cpu_s,
         "items_read": read,
         "timeline_bounds": {f"{b:g}": timeline_bound(timelines, b) for b in bins},
+        "start_lead_items": start_lead(timelines),
         "trivial_bound": float(len(specs)),  # sum |D_j| / |union D_j|: every job reads all items
     }
     if side == "baseline" or run.status is None:
@@ -646,6 +661,7 @@ def run_bench(data: Data, args: argparse.Namespace, log: Clock) -> dict[str, Any
                 tb = out["timeline_bounds"][f"{args.bin_s:g}"]["bound"]
                 pairs = " ".join(f"{p['jobs'][0]}-{p['jobs'][1]}:{p['rate']:.2f}" for p in out.get("pairs", []))
                 log(f"rep {rep} {schedule} {side}: served/decode {out['served_per_decode']} (timeline bound {tb}), "
+                    f"start lead {out['start_lead_items']} items, "
                     f"decodes {out['items_decoded']}, makespan {out['makespan_s']} s, CPU {out['cpu_s']} s, "
                     f"x alone {[j['x_alone'] for j in out['jobs']]}, exactly once {out['exactly_once']}"
                     + (f", pairs {pairs}" if pairs else ""))
@@ -662,6 +678,7 @@ def run_bench(data: Data, args: argparse.Namespace, log: Clock) -> dict[str, Any
                 "timeline_bound": {b: median([r["timeline_bounds"][b]["bound"] for r in reps])
                                    for b in reps[0]["timeline_bounds"]},
                 "trivial_bound": reps[0]["trivial_bound"],
+                "start_lead_items": median([r["start_lead_items"] for r in reps]),
                 "items_decoded": median([r["items_decoded"] for r in reps]),
                 "items_delivered": median([r["items_delivered"] for r in reps]),
                 "makespan_s": median([r["makespan_s"] for r in reps]),
@@ -701,10 +718,10 @@ def print_results(data: dict[str, Any]) -> None:
         pr = j.get("pair_rates")
         rows.append([name, j["served_per_decode"], j["timeline_bound"][b], s["in_step_bound"] or "-",
                      j["trivial_bound"], int(j["items_decoded"]), int(base["items_decoded"]) if base else "-",
-                     f"{pr['min']:.2f}-{pr['max']:.2f}" if pr else "-",
+                     f"{pr['min']:.2f}-{pr['max']:.2f}" if pr else "-", int(j.get("start_lead_items", 0)),
                      "yes" if j["exactly_once"] and (base is None or base["exactly_once"]) else "NO"])
     print_table(["schedule", "served/decode", f"timeline bound ({b} s)", "in-step bound", "trivial",
-                 "decodes", "baseline decodes", "pair sharing", "exactly once"], rows)
+                 "decodes", "baseline decodes", "pair sharing", "start lead (items)", "exactly once"], rows)
     print()
     rows = []
     for name, s in schedules.items():
