@@ -45,7 +45,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,8 @@ __all__ = ["DEFAULT_IDLE_EXIT_S", "ServerSpec", "Served", "ensure_server", "serv
 logger = logging.getLogger(__name__)
 
 DEFAULT_IDLE_EXIT_S = 600.0  # an auto-started joaderd exits after this long without a job
+ENV_IDLE_EXIT_S = "JOADER_IDLE_EXIT_S"  # the environment's say on both, for the servers jobs start
+ENV_CACHE_SIZE = "JOADER_CACHE_SIZE"
 START_TIMEOUT_S = 120.0  # listing a large source takes a while
 _POLL_S = 0.05
 _LOG_TAIL_CHARS = 3000
@@ -78,8 +80,8 @@ class ServerSpec:
     stage: str | None = None
     decoder: str | None = None
     upscale: bool = False
-    cache_size: str = "auto"
-    idle_exit_s: float = DEFAULT_IDLE_EXIT_S
+    cache_size: str = field(default_factory=lambda: os.environ.get(ENV_CACHE_SIZE, "auto"))
+    idle_exit_s: float = field(default_factory=lambda: _env_seconds(ENV_IDLE_EXIT_S, DEFAULT_IDLE_EXIT_S))
 
     @classmethod
     def make(cls, source: str, root: str | os.PathLike[str], **options: Any) -> ServerSpec:
@@ -135,6 +137,19 @@ class ServerSpec:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ServerSpec:
         return cls(**values)
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InvalidArgumentError(f"{name}={raw!r} is not a number of seconds: set it to e.g. 600, or unset it") from None
+    if value < 0:
+        raise InvalidArgumentError(f"{name}={raw!r} is negative: set it to 0 (never exit) or more")
+    return value
 
 
 def listening(path: Path) -> bool:
@@ -248,17 +263,25 @@ class Served:
 
 @contextlib.contextmanager
 def serve(source: str, root: str | os.PathLike[str], *, image_size: int | None = None, mode: str | None = None,
-          stage: str | None = None, decoder: str | None = None, upscale: bool = False, cache_size: str = "auto",
-          idle_exit_s: float = DEFAULT_IDLE_EXIT_S, stop_timeout_s: float = 30.0) -> Iterator[Served]:
+          stage: str | None = None, decoder: str | None = None, upscale: bool = False, cache_size: str | None = None,
+          idle_exit_s: float | None = None, stop_timeout_s: float = 30.0) -> Iterator[Served]:
     """A sweep's joaderd, for the driver that launches the trials.
+
+    `cache_size` ("auto": from the data; or bytes such as "2GiB") and `idle_exit_s` default to
+    `$JOADER_CACHE_SIZE` and `$JOADER_IDLE_EXIT_S`, else "auto" and 600 s.
 
     Finds or starts the joaderd of this spec (as a job with `root=` would), exports its address
     in `JOADER_ADDRESS` for the block (trials started inside inherit it, so they may pass just
     the source's name), and stops the server at the end if this block started it. Trials that
     pass the same `root=` and stage options find the same server either way.
     """
+    sizing: dict[str, Any] = {}
+    if cache_size is not None:
+        sizing["cache_size"] = cache_size
+    if idle_exit_s is not None:
+        sizing["idle_exit_s"] = idle_exit_s
     spec = ServerSpec.make(source, root, image_size=image_size, mode=mode, stage=stage, decoder=decoder,
-                           upscale=upscale, cache_size=cache_size, idle_exit_s=idle_exit_s)
+                           upscale=upscale, **sizing)
     address, pid = ensure_server(spec)
     before = os.environ.get(ENV_ADDRESS)
     os.environ[ENV_ADDRESS] = address
