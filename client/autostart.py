@@ -53,7 +53,7 @@ from joader.address import ENV_ADDRESS, default_socket_path
 from joader.errors import InvalidArgumentError
 from joader.launch import JoaderdStartError, read_ready_file
 
-__all__ = ["DEFAULT_IDLE_EXIT_S", "ServerSpec", "Served", "ensure_server", "serve"]
+__all__ = ["DEFAULT_IDLE_EXIT_S", "ServerSpec", "Served", "ensure_server", "running_servers", "serve", "stop_servers"]
 
 logger = logging.getLogger(__name__)
 
@@ -213,6 +213,7 @@ def _start(spec: ServerSpec, path: Path, timeout_s: float) -> int:
     ready = path.with_suffix(".ready")
     log_path = path.with_suffix(".log")
     ready.unlink(missing_ok=True)
+    path.with_suffix(".json").write_text(json.dumps(spec.to_dict()))  # what `joader servers` lists
     command = [sys.executable, "-m", "joader.server", *spec.server_args(),
                "--listen", spec.address, "--ready-file", str(ready)]
     logger.info("joader: starting joaderd for %s (%s); log %s", spec.source, spec.root, log_path)
@@ -250,6 +251,34 @@ def _tail(path: Path) -> str:
         return path.read_text(errors="replace")[-_LOG_TAIL_CHARS:].strip()
     except OSError:
         return "(no log)"
+
+
+def running_servers() -> list[dict[str, Any]]:
+    """This user's auto-started joaderds that serve now: each one's spec, address, pid and log."""
+    directory = default_socket_path().parent
+    found = []
+    for ready in sorted(directory.glob("auto-*.ready")) if directory.is_dir() else []:
+        socket_file = ready.with_suffix(".sock")
+        info = read_ready_file(ready)
+        if info is None or not listening(socket_file):
+            continue
+        try:
+            spec = json.loads(ready.with_suffix(".json").read_text())
+        except (OSError, ValueError):
+            spec = {}
+        found.append({**spec, "address": info["address"], "pid": info.get("pid"),
+                      "log": str(ready.with_suffix(".log"))})
+    return found
+
+
+def stop_servers(timeout_s: float = 30.0) -> list[dict[str, Any]]:
+    """Stops every auto-started joaderd of this user (their jobs wait for a new one, or give up
+    after their timeout_s); returns what was stopped."""
+    servers = running_servers()
+    for server in servers:
+        if server.get("pid"):
+            _stop(int(server["pid"]), Path(server["address"][len("unix:"):]), timeout_s)
+    return servers
 
 
 @dataclass

@@ -135,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     p_status = sub.add_parser("status", help="show joaderd's sources, jobs and cache")
     p_status.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     p_status.add_argument("--address", help="joaderd's address (default: $JOADER_ADDRESS or the per-user socket)")
+    p_servers = sub.add_parser("servers", help="list the joaderds jobs started themselves (root=), or stop them")
+    p_servers.add_argument("--json", action="store_true")
+    p_servers.add_argument("--stop", action="store_true", help="stop every one of them")
     p_demo = sub.add_parser("make-demo-data", help="write an ImageNet-like folder of JPEGs")
     p_demo.add_argument("dir")
     p_demo.add_argument("--items", type=int, required=True)
@@ -164,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             status = fetch_status(args.address)
             print(json.dumps(status, indent=2) if args.json else format_status(status))
             return 0
+        if args.command == "servers":
+            return _servers(args.json, args.stop)
         from joader.client.demo_data import make_demo_data
 
         make_demo_data(args.dir, args.items, num_classes=args.classes, seed=args.seed, progress=True)
@@ -171,6 +176,25 @@ def main(argv: list[str] | None = None) -> int:
     except (JoaderError, ConnectionError, TimeoutError) as error:
         print(f"joader: {error}", file=sys.stderr)
         return 1
+
+
+def _servers(as_json: bool, stop: bool) -> int:
+    from joader.client.autostart import running_servers, stop_servers
+
+    servers = stop_servers() if stop else running_servers()
+    if as_json:
+        print(json.dumps(servers, indent=2))
+        return 0
+    if not servers:
+        print("no auto-started joaderd is running (jobs with root= start one)")
+        return 0
+    for server in servers:
+        stage = ", ".join(f"{k}={server[k]}" for k in ("image_size", "mode", "stage") if server.get(k))
+        print(f"{'stopped' if stop else 'serving'} {server.get('source', '?')} ({server.get('root', '?')}"
+              f"{', ' + stage if stage else ''}): pid {server.get('pid')}, {server['address']}, log {server['log']}")
+    if not stop:
+        print("joader status --address ADDRESS shows one; joader servers --stop stops them all")
+    return 0
 
 
 if __name__ == "__main__":
