@@ -21,6 +21,7 @@ TOML (`--config FILE`), every key optional, command-line flags win:
     epoch_align = "first"      # a late job's first epoch takes a running job's rest first; "off"; "always" (see docs/decisions.md, "Epoch alignment")
     ready_file = "/run/joaderd.ready"   # JSON written once joaderd serves (joader.launch)
     metrics_listen = "127.0.0.1:9400"  # Prometheus /metrics (off by default; loopback unless allow_remote)
+    idle_exit_s = 0            # exit after this long with no job attached; 0: never (default)
 
     decoder = "turbo"          # decoder of the built-in stages: turbo (default) | pil (exact)
 
@@ -115,6 +116,7 @@ class ServerConfig:
     plan_horizon: float = 0.0  # NOTE [ Planning a lagging job ahead ] in in_step.py
     max_hold_s: float = 0.0  # NOTE [ A leader waits only where it costs the sweep nothing ] in in_step.py
     metrics_listen: str | None = None  # HOST:PORT of Prometheus /metrics; None: off
+    idle_exit_s: float = 0.0  # exit after this long with no job attached (server/idle_exit.py); 0: never
 
 
 # --- value checks: (value, where, example) -> the value; where names the key or the flag ---
@@ -263,6 +265,7 @@ _KEYS: dict[str, _Key] = {
     "max_hold_s": _Key("--max-hold-s", _non_negative_seconds, "1"),
     "ready_file": _Key("--ready-file", _path, '"/run/user/1000/joaderd.ready"'),
     "metrics_listen": _Key("--metrics-listen", _string, '"127.0.0.1:9400"'),
+    "idle_exit_s": _Key("--idle-exit-s", _non_negative_seconds, "600"),
 }
 _KEYS["decoder"] = _Key("--decoder", lambda v, w, e: _choice(v, w, e, DECODERS), '"turbo"')
 _TOML_KEYS = (*_KEYS, "sources")
@@ -341,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--metrics-listen", metavar="HOST:PORT",
         help="serve Prometheus metrics at http://HOST:PORT/metrics (off by default; a loopback "
              "address unless --allow-remote)")
+    add("--idle-exit-s", type=float, metavar="S",
+        help="exit (as on SIGTERM) once no job has been attached for S seconds, counted from the "
+             "start or from when the last job left (default 0: never)")
     return parser
 
 
@@ -385,7 +391,7 @@ def _worker_settings(workers: int | str) -> dict[str, Any]:
 # Settings whose ServerConfig field has the same name as the key.
 _PLAIN_FIELDS = ("lease_s", "lookahead_batches", "seed", "log_level", "allow_remote",
                  "ready_file", "retry_failed_s", "decode_timeout_s", "rank_attach_timeout_s", "max_jobs",
-                 "pacing", "epoch_align", "plan_horizon", "max_hold_s", "metrics_listen")
+                 "pacing", "epoch_align", "plan_horizon", "max_hold_s", "metrics_listen", "idle_exit_s")
 
 
 def _read_toml(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:

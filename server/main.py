@@ -13,8 +13,10 @@ with an exception, joaderd logs the traceback, answers every request with `Serve
 and exits with status 70 (EX_SOFTWARE): a server that keeps accepting requests while nothing
 feeds its queues would hang every job without a word.
 
-Shutdown (SIGTERM, SIGINT, SIGHUP, or a failure) removes the arena and the socket. A restart after
-a crash removes the arenas a dead joaderd left behind.
+Shutdown (SIGTERM, SIGINT, SIGHUP, a failure, or `--idle-exit-s` seconds with no job: the
+supervised `joaderd-idle` thread asks `Registry.exit_if_idle`, server/idle_exit.py) removes the
+arena, the socket and the ready file. A restart after a crash removes the arenas a dead joaderd
+left behind.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from joader.server import cpu_meter
 from joader.server.autoscale import AutoscaleConfig, Autoscaler, PeriodMeter
 from joader.server.config import ServerConfig, load_config
 from joader.server.decode_pool import DecodePool, PoolConfig, SourceSpec
+from joader.server.idle_exit import check_period_s
 from joader.server.metrics import serve_metrics
 from joader.server.registry import Registry, RegistryConfig, Source
 from joader.server.source_watch import SourceChecker
@@ -155,7 +158,7 @@ def run(config: ServerConfig) -> int:
                 retry_failed_s=config.retry_failed_s, max_jobs=config.max_jobs,
                 rank_attach_timeout_s=config.rank_attach_timeout_s,
                 deadline_pacing=config.pacing == "deadline", plan_horizon=config.plan_horizon,
-                max_hold_s=config.max_hold_s,
+                max_hold_s=config.max_hold_s, idle_exit_s=config.idle_exit_s,
             ),
         )
         return asyncio.run(_serve(config, address, arena, pool, registry, [len(s.listing.paths) for s in sources],
@@ -199,6 +202,9 @@ async def _serve(
     supervisor.spawn("joaderd-scheduler", registry.run_scheduler)
     supervisor.spawn("joaderd-results", lambda: _forward_results(pool, registry, stopping))
     supervisor.spawn("joaderd-sources", lambda: checker.run(registry.source_checked, stopping))
+    if config.idle_exit_s > 0:
+        supervisor.spawn("joaderd-idle", lambda: _exit_when_idle(registry, config.idle_exit_s, stopping,
+                                                                 lambda: loop.call_soon_threadsafe(stop.set)))
     if config.max_hold_s > 0:
         supervisor.spawn("joaderd-cpu", lambda: cpu_meter.run(registry.job_pids, registry.set_cpu, stopping,
                                                               time.monotonic))
@@ -289,6 +295,18 @@ def _forward_results(pool: DecodePool, registry: Registry, stop: threading.Event
             registry.file_result(result.task_id, result.ok, result.error, result.decode_s,
                                  shape=result.shape, dtype=result.dtype, nbytes=result.nbytes,
                                  checksum=result.checksum)
+
+
+def _exit_when_idle(registry: Registry, idle_exit_s: float, stopping: threading.Event,
+                    stop_serving: Callable[[], None]) -> None:
+    """`--idle-exit-s`: asks the registry about once a second (server/idle_exit.py) and stops
+    joaderd, as SIGTERM does, once it had no job for that long."""
+    while not stopping.wait(check_period_s(idle_exit_s)):
+        idle_s = registry.exit_if_idle()
+        if idle_s is not None:
+            logger.info("joaderd: no job for %.1f s (--idle-exit-s); exiting", idle_s)
+            stop_serving()
+            return
 
 
 def _autoscale(pool: DecodePool, status: Callable[[], dict[str, Any]], config: ServerConfig,
