@@ -118,6 +118,9 @@ def format_status(status: dict[str, Any]) -> str:
             f"       items hold {format_bytes(c['items_bytes'])}; free {format_bytes(c['free_bytes'])}, largest "
             f"free block {format_bytes(c['largest_free_bytes'])} (fragmentation {c['fragmentation']:.0%})"
         )
+    sizing = status.get("cache_sizing") or {}
+    if sizing.get("mode") == "auto":
+        lines.append(f"       sized by --cache-size auto: {printable(str(sizing.get('reason', '?')))}")
     d = status["decodes"]
     lines.append(
         f"decodes: {status['items_decoded']} done, {d['in_flight']} in flight, {d['failures']} failed "

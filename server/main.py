@@ -17,6 +17,8 @@ Shutdown (SIGTERM, SIGINT, SIGHUP, a failure, or `--idle-exit-s` seconds with no
 supervised `joaderd-idle` thread asks `Registry.exit_if_idle`, server/idle_exit.py) removes the
 arena, the socket and the ready file. A restart after a crash removes the arenas a dead joaderd
 left behind.
+
+`--cache-size auto` sizes the arena from the sources once they are listed (server/cache_sizing.py).
 """
 
 from __future__ import annotations
@@ -36,10 +38,17 @@ import psutil
 
 from joader.address import is_loopback, prepare_server_socket, resolve_address, socket_path
 from joader.cache.arena import Arena, format_size, remove_stale_arenas
-from joader.errors import JoaderError
+from joader.errors import CacheSpaceError, JoaderError
 from joader.launch import write_ready_file
 from joader.server import cpu_meter
 from joader.server.autoscale import AutoscaleConfig, Autoscaler, PeriodMeter
+from joader.server.cache_sizing import (
+    CacheSize,
+    PreparedSource,
+    auto_cache_size,
+    host_memory,
+    prepared_bytes,
+)
 from joader.server.config import ServerConfig, load_config
 from joader.server.decode_pool import DecodePool, PoolConfig, SourceSpec
 from joader.server.idle_exit import check_period_s
@@ -144,7 +153,9 @@ def run(config: ServerConfig) -> int:
             source_config.name, len(listing.paths), len(listing.classes), listing.kind, listing.root, stage.name,
         )
     checker = SourceChecker(sources, seed=config.seed)  # each source's stamp, right after listing
-    arena = Arena.create(config.cache_size_bytes, max(s.max_item_bytes for s in sources))
+    min_bytes = max(s.max_item_bytes for s in sources)
+    cache_size = _cache_size(config, sources, min_bytes)
+    arena = Arena.create(cache_size.size_bytes, min_bytes)
     pool: DecodePool | None = None
     try:
         pool = DecodePool(
@@ -162,7 +173,7 @@ def run(config: ServerConfig) -> int:
             ),
         )
         return asyncio.run(_serve(config, address, arena, pool, registry, [len(s.listing.paths) for s in sources],
-                                  checker))
+                                  checker, cache_size))
     finally:
         if pool is not None:
             pool.close()
@@ -173,6 +184,23 @@ def run(config: ServerConfig) -> int:
         logger.info("joaderd stopped; removed %s", arena.path)
 
 
+def _cache_size(config: ServerConfig, sources: list[Source], min_bytes: int) -> CacheSize:
+    """The arena's size: `--cache-size` as given, or chosen from the sources (`auto`, logged)."""
+    prepared = [PreparedSource(s.name, s.num_items, s.max_item_bytes, s.stage.spec.shape is not None)
+                for s in sources]
+    if config.cache_size_bytes is not None:
+        return CacheSize(config.cache_size_bytes, prepared_bytes(prepared), "set by --cache-size")
+    try:
+        shm_free, ram = host_memory()
+    except OSError as error:
+        raise CacheSpaceError(
+            f"--cache-size auto: cannot read the free space of /dev/shm ({error}); joader needs a "
+            "tmpfs such as /dev/shm (Linux); or give --cache-size a size") from None
+    choice = auto_cache_size(prepared, shm_free_bytes=shm_free, ram_bytes=ram, min_bytes=min_bytes)
+    logger.info("--cache-size auto: %s", choice.describe())
+    return choice
+
+
 async def _serve(
     config: ServerConfig,
     address: str,
@@ -181,6 +209,7 @@ async def _serve(
     registry: Registry,
     source_sizes: list[int],
     checker: SourceChecker,
+    cache_size: CacheSize,
 ) -> int:
     from joader.server.service import (  # grpc only after the fork
         JoaderServicer,
@@ -232,6 +261,11 @@ async def _serve(
                 "restart_in_s": stats.restart_in_s,
                 "suspects": stats.suspects,
                 "quarantined": stats.quarantined,
+            },
+            "cache_sizing": {
+                "mode": "fixed" if config.cache_size_bytes is not None else "auto",
+                "reason": cache_size.reason,
+                "dataset_bytes": cache_size.dataset_bytes,
             },
             "pid": os.getpid(),
         }

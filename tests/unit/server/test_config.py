@@ -105,7 +105,8 @@ def test_unknown_toml_keys_name_the_closest_valid_key(tmp_path: Path, text: str,
         ('cache_size = "lots"', "cache_size in .*cannot read the size 'lots'.*2GiB"),
         ("cache_size = -5", "cache_size in .*positive size, got -5; write e.g. cache_size = \"2GiB\""),
         ("cache_size = 0", "cache_size in .*positive size"),
-        ("cache_size = true", "cache_size in .*expected a size"),
+        ("cache_size = true", "cache_size in .*expected a size .* or \"auto\""),
+        ('cache_size = "Auto"', "cache_size in .*cannot read the size 'Auto'.*or \"auto\" to size it from the data"),
         ("idle_exit_s = -1", "idle_exit_s in .*seconds >= 0, got -1; write e.g. idle_exit_s = 600"),
         ('idle_exit_s = "10m"', "idle_exit_s in .*seconds >= 0"),
         ('lease_s = "ten"', "lease_s in .*positive number of seconds, got 'ten'; write e.g. lease_s = 10"),
@@ -247,3 +248,14 @@ def test_idle_exit_from_flags_and_toml(tmp_path: Path) -> None:
 
 def test_a_plain_joaderd_never_exits_by_itself(tmp_path: Path) -> None:
     assert load_config(["--source", f"a={tmp_path}"]).idle_exit_s == 0.0
+
+
+def test_cache_size_auto_from_the_flag_and_toml(tmp_path: Path) -> None:
+    assert load_config(["--source", f"a={tmp_path}", "--cache-size", "auto"]).cache_size_bytes is None  # sized at start
+    path = write_toml(tmp_path, f'cache_size = "auto"\n[sources.a]\npath = "{tmp_path}"\n')
+    assert load_config(["--config", path]).cache_size_bytes is None
+    assert load_config(["--config", path, "--cache-size", "64MiB"]).cache_size_bytes == 64 * 2**20  # flags win
+
+
+def test_a_plain_joaderd_keeps_the_explicit_cache_size(tmp_path: Path) -> None:
+    assert load_config(["--source", f"a={tmp_path}"]).cache_size_bytes == 2**30  # auto is opt-in
