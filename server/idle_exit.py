@@ -3,9 +3,9 @@
 A joaderd that a client starts for itself (detached, per user) must not outlive the sweep it was
 started for: with `--idle-exit-s S` it exits, cleanly and as SIGTERM would (exit code 0, arena,
 socket and ready file removed), once no job has been attached for S seconds, counted from its
-start if no job ever attached, and from the moment the last job left otherwise. A job that
-attaches again after a joaderd restart (its lease keeper reattaching) counts from the moment it
-attached, like any other.
+start (the moment it serves) if no job ever attached, and from the moment the last job left
+otherwise. A job that attaches again after a joaderd restart (its lease keeper reattaching)
+counts from the moment it attached, like any other.
 
 What counts is *attached jobs*, not requests: a job whose training loop evaluates, checkpoints or
 sleeps between epochs holds its lease (its keeper's heartbeats) and keeps joaderd up, however
@@ -54,6 +54,13 @@ class IdleExit:
             raise ValueError(f"idle_exit_s must be >= 0, got {idle_exit_s}")
         self.idle_exit_s = idle_exit_s
         self._idle_since_s: float | None = now  # None while a job is attached
+
+    def serving(self, now: float) -> None:
+        """joaderd accepts calls from `now`: idleness before (listing sources, starting the
+        workers, importing grpc: seconds on a busy host) does not count, or a short setting would
+        exit before a client could attach."""
+        if self._idle_since_s is not None:
+            self._idle_since_s = max(self._idle_since_s, now)
 
     def jobs_now(self, now: float, attached: int) -> None:
         """`attached` jobs are registered now (a job came or went at `now`)."""

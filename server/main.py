@@ -231,9 +231,6 @@ async def _serve(
     supervisor.spawn("joaderd-scheduler", registry.run_scheduler)
     supervisor.spawn("joaderd-results", lambda: _forward_results(pool, registry, stopping))
     supervisor.spawn("joaderd-sources", lambda: checker.run(registry.source_checked, stopping))
-    if config.idle_exit_s > 0:
-        supervisor.spawn("joaderd-idle", lambda: _exit_when_idle(registry, config.idle_exit_s, stopping,
-                                                                 lambda: loop.call_soon_threadsafe(stop.set)))
     if config.max_hold_s > 0:
         supervisor.spawn("joaderd-cpu", lambda: cpu_meter.run(registry.job_pids, registry.set_cpu, stopping,
                                                               time.monotonic))
@@ -279,8 +276,12 @@ async def _serve(
     if (unix_path := socket_path(address)) is not None:
         prepare_server_socket(unix_path, address)  # checked again; a dead socket goes now
     server, port = await start_server(servicer, address, receive_limit_bytes(source_sizes))
+    registry.serving()  # --idle-exit-s counts from here
     metrics_server = None
     try:
+        if config.idle_exit_s > 0:
+            supervisor.spawn("joaderd-idle", lambda: _exit_when_idle(registry, config.idle_exit_s, stopping,
+                                                                     lambda: loop.call_soon_threadsafe(stop.set)))
         sock = socket_path(address)
         if sock is not None:
             os.chmod(sock, 0o600)

@@ -389,6 +389,11 @@ class Registry(NextProtocol, SchedulerThread, ResultFiling):
             for job in self.jobs.jobs.values():
                 job.wake()
 
+    def serving(self) -> None:
+        """joaderd accepts calls from now: `--idle-exit-s` counts from here (`IdleExit.serving`)."""
+        with self._cond:
+            self.idle.serving(self._clock())
+
     def exit_if_idle(self) -> float | None:
         """`--idle-exit-s`: the seconds joaderd has had no job if it should exit now (and from
         now on every attach is refused: NOTE [ Deciding to exit refuses the next attach ] in

@@ -16,6 +16,20 @@ def test_with_no_job_ever_idleness_counts_from_the_start() -> None:
     assert idle.due(102.0)
 
 
+def test_the_start_is_when_joaderd_serves_not_when_it_began_listing() -> None:
+    idle = IdleExit(2.0, now=0.0)
+    idle.serving(5.0)  # 5 s of listing, workers and imports on a busy host
+    assert idle.idle_s(6.0) == 1.0 and not idle.due(6.9)
+    assert idle.due(7.0)
+
+
+def test_serving_leaves_a_job_already_attached_alone() -> None:
+    idle = IdleExit(2.0, now=0.0)
+    idle.jobs_now(1.0, attached=1)  # attached between the socket's bind and serving()
+    idle.serving(1.1)
+    assert idle.idle_s(10.0) is None
+
+
 def test_it_counts_from_when_the_last_job_left() -> None:
     idle = IdleExit(2.0, now=0.0)
     idle.jobs_now(1.0, attached=1)

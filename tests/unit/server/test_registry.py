@@ -374,6 +374,16 @@ def test_idle_exit_counts_from_the_start_then_refuses_every_attach() -> None:
     assert registry.status()["jobs"] == []
 
 
+def test_idle_exit_counts_from_when_joaderd_serves() -> None:
+    registry, _, clock = make_registry(idle_exit_s=2.0)
+    clock.now += 5.0  # the pool and grpc took their time
+    registry.serving()
+    clock.now += 1.9
+    assert registry.exit_if_idle() is None
+    clock.now += 0.1
+    assert registry.exit_if_idle() == 2.0
+
+
 def test_idle_exit_waits_while_a_job_is_attached_and_counts_from_when_it_left() -> None:
     registry, _, clock = make_registry(idle_exit_s=2.0, lease_s=60.0)
     clock.now += 1.0
