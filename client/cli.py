@@ -65,7 +65,9 @@ def format_status(status: dict[str, Any]) -> str:
              + (f" (auto, 1..{workers.get('max', '?')})" if workers.get("mode") == "auto" else "")
              + f", {workers.get('busy', '?')} busy "
              f"(replaced {workers.get('replaced', 0)}, tasks retried {workers.get('tasks_retried', 0)}, "
-             f"timed out {workers.get('tasks_timed_out', 0)})"]
+             f"timed out {workers.get('tasks_timed_out', 0)})"
+             + (f"; exits after {status['idle_exit_s']:g} s with no job (--idle-exit-s)"
+                if status.get("idle_exit_s") else "")]
     if workers.get("crash_loop"):
         lines.append(f"decode pool: workers keep dying (a crash loop, see joaderd's log); replacements slowed "
                      f"down, next in {workers.get('restart_in_s', 0):g} s; decodes wait meanwhile")
@@ -91,6 +93,8 @@ def format_status(status: dict[str, Any]) -> str:
                      "independent (its own order); EPOCH: the epoch the job reads now; STALL: the share of its training loop's time spent "
                      "waiting for data in that epoch (reported by a reader in the training process; - with "
                      "DataLoader workers)")
+    elif status.get("idle_s") is not None:
+        lines.append(f"no jobs for {status['idle_s']:.0f} s")
     else:
         lines.append("no jobs")
     pairs = [p for p in status.get("sharing_pairs", []) if p.get("rounds") and p.get("live", True)]
@@ -114,6 +118,9 @@ def format_status(status: dict[str, Any]) -> str:
             f"       items hold {format_bytes(c['items_bytes'])}; free {format_bytes(c['free_bytes'])}, largest "
             f"free block {format_bytes(c['largest_free_bytes'])} (fragmentation {c['fragmentation']:.0%})"
         )
+    sizing = status.get("cache_sizing") or {}
+    if sizing.get("mode") == "auto":
+        lines.append(f"       sized by --cache-size auto: {printable(str(sizing.get('reason', '?')))}")
     d = status["decodes"]
     lines.append(
         f"decodes: {status['items_decoded']} done, {d['in_flight']} in flight, {d['failures']} failed "
