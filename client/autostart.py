@@ -221,20 +221,28 @@ def _start(spec: ServerSpec, path: Path, timeout_s: float) -> int:
         log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} started by pid {os.getpid()}: "
                   f"{' '.join(command)}\n".encode())
         log.flush()
-        # A session of its own: the job's Ctrl-C, its process group's SIGKILL (Ray's, a
-        # scheduler's) and its exit leave the server to the jobs that share it.
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                   start_new_session=True, close_fds=True)
-    _started.append(process)
+        # NOTE [ The server is nobody's child ]
+        # Started through a short-lived launcher that exits at once, joaderd is reparented to
+        # init (or the session's subreaper), which reaps it: a server started by a trial is not
+        # that trial's child, so it never lingers as a zombie that looks alive (its arena would
+        # count as a live server's). In a session of its own, the job's Ctrl-C and its process
+        # group's SIGKILL (Ray's, a scheduler's) leave it to the other jobs that share it.
+        launcher = subprocess.run([sys.executable, "-c", _LAUNCHER, *command], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.PIPE, stderr=log, close_fds=True, timeout=60, check=False)
+    try:
+        server_pid = int(launcher.stdout.split()[0])
+    except (IndexError, ValueError):
+        raise JoaderdStartError(f"could not start joaderd for {spec.source!r}: {_tail(log_path)}") from None
     deadline = time.monotonic() + timeout_s
     while True:
         info = read_ready_file(ready)
         if info is not None:
-            return int(info.get("pid") or process.pid)
-        code = process.poll()
+            return int(info.get("pid") or server_pid)
+        code = _exit_code(server_pid)
         if code is not None or time.monotonic() > deadline:
             if code is None:
-                process.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(server_pid, signal.SIGKILL)
             tail = _tail(log_path)
             what = f"exited with code {code}" if code is not None else f"was not ready within {timeout_s:g} s"
             raise JoaderdStartError(
@@ -243,7 +251,26 @@ def _start(spec: ServerSpec, path: Path, timeout_s: float) -> int:
         time.sleep(_POLL_S)
 
 
-_started: list[subprocess.Popen[bytes]] = []  # reaped when they exit (no zombie for our lifetime)
+_LAUNCHER = (
+    "import subprocess, sys\n"
+    "p = subprocess.Popen(sys.argv[1:], start_new_session=True, stdin=subprocess.DEVNULL, stdout=2, stderr=2)\n"
+    "print(p.pid)\n"
+)
+
+
+def _exit_code(pid: int) -> int | None:
+    """None while `pid` runs; otherwise some code (the launcher's orphan is not ours to wait)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return -1
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            if stat.read().rpartition(b")")[2].split()[:1] == [b"Z"]:
+                return -1
+    except OSError:
+        return -1
+    return None
 
 
 def _tail(path: Path) -> str:
@@ -333,9 +360,7 @@ def _stop(pid: int, path: Path, timeout_s: float) -> None:
         return
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        for process in _started:
-            process.poll()
-        if not _alive(pid):
+        if _exit_code(pid) is not None:
             return
         time.sleep(_POLL_S)
     logger.warning("joader: joaderd %d did not stop within %g s of SIGTERM; killing it", pid, timeout_s)
@@ -343,12 +368,3 @@ def _stop(pid: int, path: Path, timeout_s: float) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def _alive(pid: int) -> bool:
-    for process in _started:
-        if process.pid == pid:
-            return process.poll() is None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True

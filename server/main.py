@@ -272,6 +272,7 @@ async def _serve(
 
     if config.autoscale:
         supervisor.spawn("joaderd-autoscale", lambda: _autoscale(pool, full_status, config, stopping))
+    supervisor.spawn("joaderd-stale", lambda: _remove_stale_later(stopping))
     servicer = JoaderServicer(registry, str(arena.path), extra_status)
     if (unix_path := socket_path(address)) is not None:
         prepare_server_socket(unix_path, address)  # checked again; a dead socket goes now
@@ -330,6 +331,26 @@ def _forward_results(pool: DecodePool, registry: Registry, stop: threading.Event
             registry.file_result(result.task_id, result.ok, result.error, result.decode_s,
                                  shape=result.shape, dtype=result.dtype, nbytes=result.nbytes,
                                  checksum=result.checksum)
+
+
+STALE_SWEEPS_S = (2.0, 10.0, 30.0)  # after start: when the dead server's arena is looked at again
+
+
+def _remove_stale_later(stopping: threading.Event) -> None:
+    """Removes, a few times after start, the arenas of dead servers that were still locked at
+    start-up.
+
+    NOTE [ A predecessor's arena outlives its start-up sweep ]
+    A joaderd killed -9 leaves its arena, locked until its decode workers notice and exit. A
+    replacement started at once (a job's keeper restarts an auto-started server within a
+    quarter second) swept /dev/shm at start-up while that lock was still held, and nothing
+    looked again: the dead server's whole cache stayed in /dev/shm until the next start."""
+    started = time.monotonic()
+    for at in STALE_SWEEPS_S:
+        if stopping.wait(max(0.0, started + at - time.monotonic())):
+            return
+        for name in remove_stale_arenas():
+            logger.warning("removed %s, left behind by a joaderd that did not exit cleanly", name)
 
 
 def _exit_when_idle(registry: Registry, idle_exit_s: float, stopping: threading.Event,
