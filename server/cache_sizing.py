@@ -3,9 +3,10 @@
 The rule (`auto_cache_size`, pure: every input is an argument):
 
 - want the whole prepared dataset: for each source, its items times the bytes of one prepared
-  item (`PreparedSource.item_bytes`: exactly what every item takes for a fixed-size stage, the
-  stage's bound for a variable one, `Source.max_item_bytes` either way), each rounded up to the
-  allocator's 64-byte units, plus a margin of 1/16 (NOTE [ The margin of an auto cache ]);
+  item (`PreparedSource.item_bytes`: exactly what every item takes for a fixed-size stage, and
+  for `center-crop`, whose bound is the size of every image at least S; the stage's bound for a
+  variable one; `Source.max_item_bytes` in every case), each rounded up to the allocator's
+  64-byte units, plus a margin of 1/16 (NOTE [ The margin of an auto cache ]);
 - at most half of what the shared-memory filesystem can hold now (`shm_free_bytes`): the arena is
   allocated in full at start (`posix_fallocate`), and DataLoader workers make their batches in
   the same /dev/shm (a full one is `SharedMemoryFullError` in the training process);
@@ -52,7 +53,8 @@ RAM_SHARE_DIVISOR = 4  # at most a quarter of the host's RAM
 @dataclass(frozen=True)
 class PreparedSource:
     """One source as the sizing sees it: `items` of at most `item_bytes` each once prepared;
-    `exact` when every item takes exactly that (a fixed-size stage)."""
+    `exact` when (nearly) every item takes exactly that: a fixed-size stage, or a bound that is
+    the size of nearly every item (`item_sizes.bound_is_nominal`: `center-crop`)."""
 
     name: str
     items: int

@@ -10,7 +10,9 @@ counts from the moment it attached, like any other.
 What counts is *attached jobs*, not requests: a job whose training loop evaluates, checkpoints or
 sleeps between epochs holds its lease (its keeper's heartbeats) and keeps joaderd up, however
 long it reads nothing. A job ends when its last rank closes or its lease expires
-(`server/jobs.py`), and that is the moment idleness starts.
+(`server/jobs.py`), and that is the moment idleness starts. A `describe` (a dataset learning its
+classes and sizes before it attaches, as under Lightning's launcher) registers nothing and is no
+job: a setting shorter than the time from a script's start to its first attach is too short.
 
 `IdleExit` is the rule, pure: the clock is an argument of every call. The registry tells it the
 number of jobs whenever a job comes or goes (under its lock, so no job is missed between two

@@ -52,6 +52,7 @@ from joader.server.cache_sizing import (
 from joader.server.config import ServerConfig, load_config
 from joader.server.decode_pool import DecodePool, PoolConfig, SourceSpec
 from joader.server.idle_exit import check_period_s
+from joader.server.item_sizes import bound_is_nominal
 from joader.server.metrics import serve_metrics
 from joader.server.registry import Registry, RegistryConfig, Source
 from joader.server.source_watch import SourceChecker
@@ -186,8 +187,8 @@ def run(config: ServerConfig) -> int:
 
 def _cache_size(config: ServerConfig, sources: list[Source], min_bytes: int) -> CacheSize:
     """The arena's size: `--cache-size` as given, or chosen from the sources (`auto`, logged)."""
-    prepared = [PreparedSource(s.name, s.num_items, s.max_item_bytes, s.stage.spec.shape is not None)
-                for s in sources]
+    prepared = [PreparedSource(s.name, s.num_items, s.max_item_bytes,
+                               s.stage.spec.shape is not None or bound_is_nominal(s)) for s in sources]
     if config.cache_size_bytes is not None:
         return CacheSize(config.cache_size_bytes, prepared_bytes(prepared), "set by --cache-size")
     try:
