@@ -108,12 +108,68 @@ class Description:
         )
 
 
+STAGE_KINDS = ("center-crop", "resize", "max-side")
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a job expects the shared stage to serve (`JoaderDataset(image_size=, mode=,
+    stage=)`), checked against joaderd's description of the source before the job reads.
+
+    NOTE [ Declaring the stage in the client ]
+    The stage is the server's option, and the model is the job's: a model built for 64 px fed
+    by a server at the default 256 failed deep in torch ("mat1 and mat2 shapes cannot be
+    multiplied"), nothing pointing at `--image-size`. A job that says what it expects gets the
+    mismatch at attach time, named with the option that fixes it."""
+
+    source: str
+    image_size: int | None = None
+    mode: str | None = None
+    stage: str | None = None
+
+    @classmethod
+    def make(cls, source: str, *, image_size: int | None, mode: str | None, stage: str | None) -> Expected:
+        if image_size is not None and (isinstance(image_size, bool) or not isinstance(image_size, int)
+                                       or image_size < 1):
+            raise InvalidArgumentError(f"image_size must be a positive int, got {image_size!r}")
+        if mode is not None and mode not in ("RGB", "L"):
+            raise InvalidArgumentError(f"mode must be 'RGB' or 'L', got {mode!r}")
+        if stage is not None and stage not in STAGE_KINDS:
+            raise InvalidArgumentError(
+                f"stage must be one of {', '.join(STAGE_KINDS)} (a user stage is the server's "
+                f"--stage package.module:factory, not declared here), got {stage!r}")
+        return cls(source, image_size, mode, stage)
+
+    def mismatches(self, served: str, image_size: int, address: str) -> list[str]:
+        """What the served stage (its name, e.g. "center-crop:256/L") gets wrong, each with its fix."""
+        kind, _, rest = served.partition(":")
+        parts = rest.split("/")
+        mode = next((p for p in parts[1:] if p in ("RGB", "L")), "RGB")
+        where = f"joaderd at {address} serves source {self.source!r} with stage {served!r}"
+        found = []
+        if self.image_size is not None and kind in STAGE_KINDS and image_size != self.image_size:
+            found.append(
+                f"{where}: {image_size} px, and this job expects image_size={self.image_size}. Start "
+                f"joaderd with --image-size {self.source}={self.image_size}, or pass image_size={image_size} "
+                "and build the model for it (or pass root= and joader starts a server for this size)")
+        if self.mode is not None and kind in STAGE_KINDS and mode != self.mode:
+            found.append(
+                f"{where}: mode {mode}, and this job expects mode={self.mode!r}. Start joaderd with "
+                f"--mode {self.source}={self.mode}, or pass mode={mode!r}")
+        if self.stage is not None and kind != self.stage:
+            found.append(
+                f"{where}: the {kind!r} stage, and this job expects stage={self.stage!r}. Start "
+                f"joaderd with --stage {self.source}={self.stage}, or pass stage={kind!r}")
+        return found
+
+
 class Attachment:
     """The job one `JoaderDataset` reads, as this process is attached to it (or not yet)."""
 
     def __init__(self, source: str, bitmap: BitMap | None, *, address: str, name: str | None, batch_size: int,
                  batched: bool, timeout_s: float, drop_last: bool, seed: int | None, verify: bool,
-                 rank: int | None, world_size: int | None, order: str = "shared") -> None:
+                 rank: int | None, world_size: int | None, order: str = "shared",
+                 expected: Expected | None = None, autostart: dict[str, Any] | None = None) -> None:
         self.source = source
         self.batched = batched
         self.timeout_s = timeout_s
@@ -131,6 +187,9 @@ class Attachment:
             "order": order,
             "timeout_s": timeout_s,
         }
+        if autostart is not None:  # a keeper that finds joaderd dead starts it again
+            self.registration["autostart"] = autostart
+        self.expected = expected
         self.asked = (rank, world_size)
         self.name_given = name
         self.all_items = bitmap
@@ -162,6 +221,11 @@ class Attachment:
 
     def _described(self, info: dict[str, Any]) -> Description:
         description = Description.from_keeper(info)
+        wrong = self.expected.mismatches(description.stage, description.image_size, self.registration["address"]) \
+            if self.expected is not None else []
+        if wrong:
+            self.close()
+            raise InvalidArgumentError("; ".join(wrong))
         if self.batched and (description.item_shape is None or not description.item_dtype):
             self.close()
             raise InvalidArgumentError(

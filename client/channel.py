@@ -59,7 +59,8 @@ def translate(error: grpc.RpcError, address: str) -> Exception:
     if code == grpc.StatusCode.UNAVAILABLE:
         return ConnectionError(
             f"no joaderd is answering at {address} ({details}). Start one with "
-            "`joaderd --source NAME=PATH`, or point JOADER_ADDRESS (or address=) at the one running."
+            "`joaderd --source NAME=PATH`, or point JOADER_ADDRESS (or address=) at the one running, "
+            "or pass root=PATH to JoaderDataset and it starts one itself."
         )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return TimeoutError(f"joaderd at {address} did not answer in time ({details})")

@@ -65,7 +65,9 @@ def format_status(status: dict[str, Any]) -> str:
              + (f" (auto, 1..{workers.get('max', '?')})" if workers.get("mode") == "auto" else "")
              + f", {workers.get('busy', '?')} busy "
              f"(replaced {workers.get('replaced', 0)}, tasks retried {workers.get('tasks_retried', 0)}, "
-             f"timed out {workers.get('tasks_timed_out', 0)})"]
+             f"timed out {workers.get('tasks_timed_out', 0)})"
+             + (f"; exits after {status['idle_exit_s']:g} s with no job (--idle-exit-s)"
+                if status.get("idle_exit_s") else "")]
     if workers.get("crash_loop"):
         lines.append(f"decode pool: workers keep dying (a crash loop, see joaderd's log); replacements slowed "
                      f"down, next in {workers.get('restart_in_s', 0):g} s; decodes wait meanwhile")
@@ -91,6 +93,8 @@ def format_status(status: dict[str, Any]) -> str:
                      "independent (its own order); EPOCH: the epoch the job reads now; STALL: the share of its training loop's time spent "
                      "waiting for data in that epoch (reported by a reader in the training process; - with "
                      "DataLoader workers)")
+    elif status.get("idle_s") is not None:
+        lines.append(f"no jobs for {status['idle_s']:.0f} s")
     else:
         lines.append("no jobs")
     pairs = [p for p in status.get("sharing_pairs", []) if p.get("rounds") and p.get("live", True)]
@@ -114,6 +118,9 @@ def format_status(status: dict[str, Any]) -> str:
             f"       items hold {format_bytes(c['items_bytes'])}; free {format_bytes(c['free_bytes'])}, largest "
             f"free block {format_bytes(c['largest_free_bytes'])} (fragmentation {c['fragmentation']:.0%})"
         )
+    sizing = status.get("cache_sizing") or {}
+    if sizing.get("mode") == "auto":
+        lines.append(f"       sized by --cache-size auto: {printable(str(sizing.get('reason', '?')))}")
     d = status["decodes"]
     lines.append(
         f"decodes: {status['items_decoded']} done, {d['in_flight']} in flight, {d['failures']} failed "
@@ -135,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     p_status = sub.add_parser("status", help="show joaderd's sources, jobs and cache")
     p_status.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     p_status.add_argument("--address", help="joaderd's address (default: $JOADER_ADDRESS or the per-user socket)")
+    p_servers = sub.add_parser("servers", help="list the joaderds jobs started themselves (root=), or stop them")
+    p_servers.add_argument("--json", action="store_true")
+    p_servers.add_argument("--stop", action="store_true", help="stop every one of them")
     p_demo = sub.add_parser("make-demo-data", help="write an ImageNet-like folder of JPEGs")
     p_demo.add_argument("dir")
     p_demo.add_argument("--items", type=int, required=True)
@@ -164,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             status = fetch_status(args.address)
             print(json.dumps(status, indent=2) if args.json else format_status(status))
             return 0
+        if args.command == "servers":
+            return _servers(args.json, args.stop)
         from joader.client.demo_data import make_demo_data
 
         make_demo_data(args.dir, args.items, num_classes=args.classes, seed=args.seed, progress=True)
@@ -171,6 +183,25 @@ def main(argv: list[str] | None = None) -> int:
     except (JoaderError, ConnectionError, TimeoutError) as error:
         print(f"joader: {error}", file=sys.stderr)
         return 1
+
+
+def _servers(as_json: bool, stop: bool) -> int:
+    from joader.client.autostart import running_servers, stop_servers
+
+    servers = stop_servers() if stop else running_servers()
+    if as_json:
+        print(json.dumps(servers, indent=2))
+        return 0
+    if not servers:
+        print("no auto-started joaderd is running (jobs with root= start one)")
+        return 0
+    for server in servers:
+        stage = ", ".join(f"{k}={server[k]}" for k in ("image_size", "mode", "stage") if server.get(k))
+        print(f"{'stopped' if stop else 'serving'} {server.get('source', '?')} ({server.get('root', '?')}"
+              f"{', ' + stage if stage else ''}): pid {server.get('pid')}, {server['address']}, log {server['log']}")
+    if not stop:
+        print("joader status --address ADDRESS shows one; joader servers --stop stops them all")
+    return 0
 
 
 if __name__ == "__main__":

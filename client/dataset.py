@@ -32,7 +32,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from joader.address import resolve_address
 from joader.client import frameworks
-from joader.client.attachment import Attachment, to_bitmap
+from joader.client.attachment import Attachment, Expected, to_bitmap
+from joader.client.autostart import ServerSpec, ensure_server
 from joader.client.batchpool import ProcessBatchPool
 from joader.client.checkpoint import Checkpoint, Owner, ResumePoint
 from joader.client.connection import BATCHES_PER_REQUEST, Connection
@@ -72,7 +73,18 @@ class JoaderDataset(IterableDataset):
     """Samples of a joaderd source, prepared once and shared with every job that needs them.
 
     Args:
-        source: the source's name on the server (`joaderd --source NAME=PATH`).
+        source: the source's name on the server (`joaderd --source NAME=PATH`), or, with
+            `root`, the name the auto-started server gives it.
+        root: the source's files (an ImageFolder tree, a .tsv/.csv list, a folder of .tar
+            shards). With it the dataset finds this user's joaderd serving `root` with these
+            stage options, or starts one: detached, shared by every later job with the same
+            root and options, exiting after 10 idle minutes, its cache sized from the data, and
+            started again by a job that finds it died (`joader.client.autostart`). Without it,
+            the job uses the joaderd at `address`.
+        image_size, mode, stage: what this job expects the shared stage to serve: S (the side of
+            `--image-size`), "RGB" or "L", and the stage's kind ("center-crop", "resize",
+            "max-side"). With `root`, the auto-started server serves exactly that; without, a
+            joaderd that serves something else is refused with an error naming its option.
         indices: the items of the source this job trains on (range, ints, numpy array or
             pyroaring BitMap); None for all of them.
         transform: applied in this process to each uint8 CHW tensor (the per-job stage).
@@ -171,6 +183,10 @@ class JoaderDataset(IterableDataset):
         threads: int | str | None = "auto",
         verify: bool | None = None,
         prefetch: int = 1,
+        root: str | os.PathLike[str] | None = None,
+        image_size: int | None = None,
+        mode: str | None = None,
+        stage: str | None = None,
     ) -> None:
         super().__init__()
         set_threads(threads)
@@ -190,6 +206,16 @@ class JoaderDataset(IterableDataset):
         self.batch_size = batch_size if batch_size is not None else DEFAULT_BATCH_SIZE
         self.batched = batched
         self.timeout_s = timeout_s
+        self.expected = Expected.make(source, image_size=image_size, mode=mode, stage=stage)
+        autostart = None
+        if root is not None:
+            if address is not None:
+                raise InvalidArgumentError(
+                    f"JoaderDataset({source!r}) got both address= (a joaderd you started) and root= "
+                    "(a joaderd joader starts for you): pass one of them")
+            spec = ServerSpec.make(source, root, image_size=image_size, mode=mode, stage=stage)
+            address, _started = ensure_server(spec)
+            autostart = spec.to_dict()
         self.address = resolve_address(address)
         self.drop_last = drop_last
         if seed is not None and not 0 <= seed < 2**64:
@@ -205,7 +231,7 @@ class JoaderDataset(IterableDataset):
         self._attachment = Attachment(
             source, to_bitmap(indices), address=self.address, name=name, batch_size=self.batch_size,
             batched=batched, timeout_s=timeout_s, drop_last=drop_last, seed=seed, verify=bool(verify),
-            rank=rank, world_size=world_size, order=order)
+            rank=rank, world_size=world_size, order=order, expected=self.expected, autostart=autostart)
 
     # ----------------------------------------------------------------------------- the job
 

@@ -287,26 +287,52 @@ def _confirm(address: str, first: joader_pb2.AttachResponse) -> None:
 STARTING_GRACE_S = 15.0
 
 
+def _restart_if_auto(registration: dict[str, Any]) -> None:
+    """A job whose dataset auto-started its joaderd (`root=`) starts it again when it is gone
+    (NOTE [ A server that died ] in `joader.client.autostart`); a failed start is said once and
+    retried at the next try."""
+    spec = registration.get("autostart")
+    if not spec:
+        return
+    from joader.client.autostart import ServerSpec, ensure_server, listening
+
+    server_spec = ServerSpec.from_dict(spec)
+    if listening(server_spec.socket_path()):
+        return
+    try:
+        _address, pid = ensure_server(server_spec)
+    except JoaderError as error:
+        if not registration.get("_start_failed"):
+            print(f"joader lease keeper: could not start joaderd again: {error}", file=sys.stderr, flush=True)
+        registration["_start_failed"] = True
+        return
+    if pid is not None:
+        print(f"joader: started joaderd again for {server_spec.source} (pid {pid})", file=sys.stderr, flush=True)
+
+
 def _first_attach(address: str, registration: dict[str, Any], stop: threading.Event,
                   interval: list[float]) -> tuple[Any, joader_pb2.AttachResponse, int | None]:
     """`_attach`, retried for a few seconds while a socket file is there but refuses: a joaderd
     restarting (a killed one leaves its socket) comes back within seconds. No socket file means
-    no joaderd: the error is immediate."""
+    no joaderd: the error is immediate, unless the dataset auto-starts its server (one that
+    exited for idleness just after the dataset found it is started again)."""
     path = address[len("unix:"):] if address.startswith("unix:") else None
     deadline = time.monotonic() + STARTING_GRACE_S
+    auto = bool(registration.get("autostart"))
     while True:
         try:
             return _attach(address, registration, stop, interval)
         except ConnectionError:
-            if path is None or not os.path.exists(path) or time.monotonic() > deadline:
+            if path is None or not (auto or os.path.exists(path)) or time.monotonic() > deadline:
                 raise
         except grpc.RpcError as error:
             translated = translate(error, address)
-            if not isinstance(translated, ConnectionError) or path is None or not os.path.exists(path) \
+            if not isinstance(translated, ConnectionError) or path is None or not (auto or os.path.exists(path)) \
                     or time.monotonic() > deadline:
                 raise
         time.sleep(0.25)
         reset_channel(address)
+        _restart_if_auto(registration)
 
 
 def _with_report(registration: dict[str, Any], board: Board) -> dict[str, Any]:
@@ -331,6 +357,7 @@ def _reattach(address: str, registration: dict[str, Any], stop: threading.Event,
     while not stop.is_set() and time.monotonic() < deadline:
         stop.wait(0.25)
         reset_channel(address)
+        _restart_if_auto(registration)
         try:
             responses, first, server_uid = _attach(address, _with_report(registration, board), stop, interval)
         except ConnectionError:

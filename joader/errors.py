@@ -85,6 +85,15 @@ class ServerFailedError(JoaderError, RuntimeError):
     status_code = "UNAVAILABLE"
 
 
+class ServerExitingError(JoaderError, ConnectionError):
+    """joaderd is exiting because it had no job for `--idle-exit-s`: the attach came in the
+    moment between its decision and its socket going away. To a client the same as finding no
+    joaderd (a `ConnectionError`): start one again (NOTE [ Deciding to exit refuses the next
+    attach ] in server/idle_exit.py)."""
+
+    status_code = "UNAVAILABLE"
+
+
 class UntrustedServerError(JoaderError, PermissionError):
     """A socket, its directory or a cache arena is not private to this user.
 
@@ -154,6 +163,7 @@ ERROR_CLASSES: dict[str, type[JoaderError]] = {
         PassSupersededError,
         TooManyJobsError,
         ServerFailedError,
+        ServerExitingError,
         UntrustedServerError,
         SourceChangedError,
         IntegrityError,

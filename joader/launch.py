@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 READY_FILE_VERSION = 1
 _POLL_S = 0.05
 _LOG_TAIL_CHARS = 4000
+_READY_FILE_NAME = "ready.json"
 
 
 class JoaderdStartError(JoaderError, RuntimeError):
@@ -77,7 +78,8 @@ def read_ready_file(path: Path) -> dict[str, Any] | None:
 class JoaderdProcess:
     """A joaderd subprocess started by `start`, ready to serve once that returns.
 
-    `info` is the ready file's object; `address`, `arena_path` and `pid` come from it. The log
+    `info` is the ready file's object; `address`, `arena_path` and `pid` come from it, and
+    `ready_file` is where joaderd wrote it (it removes it when it exits cleanly). The log
     (stdout and stderr) goes to `log_path` if one was given, else to this process's own streams.
     Use as a context manager, or call `stop()` (or `kill()`): both also remove the launcher's
     temporary directory.
@@ -93,6 +95,7 @@ class JoaderdProcess:
         self.address: str = str(info["address"])
         self.arena_path: str | None = info.get("arena_path")
         self.killed_after_timeout = False  # stop() had to SIGKILL
+        self.ready_file = workdir / _READY_FILE_NAME
         self._workdir = workdir
         self._log_file = log_file
 
@@ -112,7 +115,7 @@ class JoaderdProcess:
         or if it is not ready within `ready_timeout_s` (it is killed then).
         """
         workdir = Path(tempfile.mkdtemp(prefix="joaderd-launch-"))
-        ready_file = workdir / "ready.json"
+        ready_file = workdir / _READY_FILE_NAME
         log_path = Path(stdout) if stdout is not None else None
         log_file = open(log_path, "wb") if log_path is not None else None
         command = [python, "-m", "joader.server", *args, "--ready-file", str(ready_file)]

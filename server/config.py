@@ -4,7 +4,7 @@ TOML (`--config FILE`), every key optional, command-line flags win:
 
     listen = "unix:/run/user/1000/joader/joaderd.sock"   # or "127.0.0.1:7070"
     allow_remote = false       # true: allow a non-loopback TCP listen (no authentication!)
-    cache_size = "2GiB"
+    cache_size = "2GiB"         # or "auto": the whole prepared dataset, within /dev/shm and RAM
     workers = "auto"           # default: adapt between 1 and the CPUs this process may use; or a fixed count
     lease_s = 10
     lookahead_batches = 4
@@ -21,6 +21,7 @@ TOML (`--config FILE`), every key optional, command-line flags win:
     epoch_align = "first"      # a late job's first epoch takes a running job's rest first; "off"; "always" (see docs/decisions.md, "Epoch alignment")
     ready_file = "/run/joaderd.ready"   # JSON written once joaderd serves (joader.launch)
     metrics_listen = "127.0.0.1:9400"  # Prometheus /metrics (off by default; loopback unless allow_remote)
+    idle_exit_s = 0            # exit after this long with no job attached; 0: never (default)
 
     decoder = "turbo"          # decoder of the built-in stages: turbo (default) | pil (exact)
 
@@ -96,7 +97,8 @@ class SourceConfig:
 class ServerConfig:
     sources: tuple[SourceConfig, ...]
     listen: str | None = None  # None: $JOADER_ADDRESS or the per-user socket
-    cache_size_bytes: int = parse_size(DEFAULT_CACHE_SIZE)
+    # None: --cache-size auto, sized from the sources at start (server/cache_sizing.py)
+    cache_size_bytes: int | None = parse_size(DEFAULT_CACHE_SIZE)
     num_workers: int = field(default_factory=lambda: initial_auto_workers())  # at start (fixed unless autoscale)
     autoscale: bool = True  # --workers auto: the pool adapts (joader.server.autoscale)
     max_workers: int = field(default_factory=default_num_workers)  # autoscale's upper bound
@@ -115,6 +117,7 @@ class ServerConfig:
     plan_horizon: float = 0.0  # NOTE [ Planning a lagging job ahead ] in in_step.py
     max_hold_s: float = 0.0  # NOTE [ A leader waits only where it costs the sweep nothing ] in in_step.py
     metrics_listen: str | None = None  # HOST:PORT of Prometheus /metrics; None: off
+    idle_exit_s: float = 0.0  # exit after this long with no job attached (server/idle_exit.py); 0: never
 
 
 # --- value checks: (value, where, example) -> the value; where names the key or the flag ---
@@ -180,15 +183,21 @@ def _non_negative_seconds(value: Any, where: str, example: str) -> float:
     return _seconds(value, where, example, zero_ok=True)
 
 
+def _cache_size(value: Any, where: str, example: str) -> int | str:
+    if value == "auto":
+        return "auto"
+    return _size(value, where, example)
+
+
 def _size(value: Any, where: str, example: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int | str):
-        raise _fail(where, "a size such as 2GiB, 512MB or a number of bytes", value, example)
+        raise _fail(where, 'a size such as 2GiB, 512MB or a number of bytes, or "auto"', value, example)
     if _is_int(value) and value < 1:
         raise _fail(where, "a positive size", value, example)
     try:
         size = parse_size(value)
     except InvalidArgumentError as error:
-        raise InvalidArgumentError(f"{where}: {error}") from None
+        raise InvalidArgumentError(f"{where}: {error}; or \"auto\" to size it from the data") from None
     if size < 1:
         raise _fail(where, "a positive size", value, example)
     return size
@@ -246,7 +255,7 @@ class _Key:
 _KEYS: dict[str, _Key] = {
     "listen": _Key("--listen", _string, '"127.0.0.1:7070"'),
     "allow_remote": _Key("--allow-remote", _bool, "true"),
-    "cache_size": _Key("--cache-size", _size, '"2GiB"'),
+    "cache_size": _Key("--cache-size", _cache_size, '"2GiB"'),
     "workers": _Key("--workers", _workers, '"auto"'),
     "lease_s": _Key("--lease-s", _positive_seconds, "10"),
     "lookahead_batches": _Key("--lookahead-batches", _positive_int, "4"),
@@ -263,6 +272,7 @@ _KEYS: dict[str, _Key] = {
     "max_hold_s": _Key("--max-hold-s", _non_negative_seconds, "1"),
     "ready_file": _Key("--ready-file", _path, '"/run/user/1000/joaderd.ready"'),
     "metrics_listen": _Key("--metrics-listen", _string, '"127.0.0.1:9400"'),
+    "idle_exit_s": _Key("--idle-exit-s", _non_negative_seconds, "600"),
 }
 _KEYS["decoder"] = _Key("--decoder", lambda v, w, e: _choice(v, w, e, DECODERS), '"turbo"')
 _TOML_KEYS = (*_KEYS, "sources")
@@ -304,7 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="unix:/path.sock or 127.0.0.1:PORT (default: $JOADER_ADDRESS, else a per-user socket)")
     add("--allow-remote", action="store_true", default=None,
         help="allow --listen on a non-loopback address; joaderd has NO authentication")
-    add("--cache-size", metavar="BYTES", help=f"shared-memory cache (default {DEFAULT_CACHE_SIZE})")
+    add("--cache-size", metavar="BYTES|auto",
+        help=f"shared-memory cache (default {DEFAULT_CACHE_SIZE}); auto: the whole prepared dataset, "
+             "at most half of /dev/shm's free space and a quarter of the RAM")
     add("--workers", metavar="N|auto",
         help="decode worker processes: auto (default) starts with half the CPUs this process may "
              "use and adapts between 1 and all of them, by the jobs' stalls and the host's idle CPU; "
@@ -341,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--metrics-listen", metavar="HOST:PORT",
         help="serve Prometheus metrics at http://HOST:PORT/metrics (off by default; a loopback "
              "address unless --allow-remote)")
+    add("--idle-exit-s", type=float, metavar="S",
+        help="exit (as on SIGTERM) once no job has been attached for S seconds, counted from the "
+             "start or from when the last job left (default 0: never)")
     return parser
 
 
@@ -368,12 +383,16 @@ def load_config(argv: list[str] | None = None) -> ServerConfig:
     config = ServerConfig(
         sources=_source_configs(sources, defaults),
         listen=settings.get("listen"),
-        cache_size_bytes=settings.get("cache_size", parse_size(DEFAULT_CACHE_SIZE)),
+        cache_size_bytes=_cache_bytes(settings.get("cache_size", DEFAULT_CACHE_SIZE)),
         **_worker_settings(settings.get("workers", "auto")),
         **{k: settings[k] for k in _PLAIN_FIELDS if k in settings},
     )
     _check_listen(config)
     return config
+
+
+def _cache_bytes(cache_size: int | str) -> int | None:
+    return None if cache_size == "auto" else parse_size(cache_size)
 
 
 def _worker_settings(workers: int | str) -> dict[str, Any]:
@@ -385,7 +404,7 @@ def _worker_settings(workers: int | str) -> dict[str, Any]:
 # Settings whose ServerConfig field has the same name as the key.
 _PLAIN_FIELDS = ("lease_s", "lookahead_batches", "seed", "log_level", "allow_remote",
                  "ready_file", "retry_failed_s", "decode_timeout_s", "rank_attach_timeout_s", "max_jobs",
-                 "pacing", "epoch_align", "plan_horizon", "max_hold_s", "metrics_listen")
+                 "pacing", "epoch_align", "plan_horizon", "max_hold_s", "metrics_listen", "idle_exit_s")
 
 
 def _read_toml(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:

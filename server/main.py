@@ -13,8 +13,12 @@ with an exception, joaderd logs the traceback, answers every request with `Serve
 and exits with status 70 (EX_SOFTWARE): a server that keeps accepting requests while nothing
 feeds its queues would hang every job without a word.
 
-Shutdown (SIGTERM, SIGINT, SIGHUP, or a failure) removes the arena and the socket. A restart after
-a crash removes the arenas a dead joaderd left behind.
+Shutdown (SIGTERM, SIGINT, SIGHUP, a failure, or `--idle-exit-s` seconds with no job: the
+supervised `joaderd-idle` thread asks `Registry.exit_if_idle`, server/idle_exit.py) removes the
+arena, the socket and the ready file. A restart after a crash removes the arenas a dead joaderd
+left behind.
+
+`--cache-size auto` sizes the arena from the sources once they are listed (server/cache_sizing.py).
 """
 
 from __future__ import annotations
@@ -34,12 +38,21 @@ import psutil
 
 from joader.address import is_loopback, prepare_server_socket, resolve_address, socket_path
 from joader.cache.arena import Arena, format_size, remove_stale_arenas
-from joader.errors import JoaderError
+from joader.errors import CacheSpaceError, JoaderError
 from joader.launch import write_ready_file
 from joader.server import cpu_meter
 from joader.server.autoscale import AutoscaleConfig, Autoscaler, PeriodMeter
+from joader.server.cache_sizing import (
+    CacheSize,
+    PreparedSource,
+    auto_cache_size,
+    host_memory,
+    prepared_bytes,
+)
 from joader.server.config import ServerConfig, load_config
 from joader.server.decode_pool import DecodePool, PoolConfig, SourceSpec
+from joader.server.idle_exit import check_period_s
+from joader.server.item_sizes import bound_is_nominal
 from joader.server.metrics import serve_metrics
 from joader.server.registry import Registry, RegistryConfig, Source
 from joader.server.source_watch import SourceChecker
@@ -141,7 +154,9 @@ def run(config: ServerConfig) -> int:
             source_config.name, len(listing.paths), len(listing.classes), listing.kind, listing.root, stage.name,
         )
     checker = SourceChecker(sources, seed=config.seed)  # each source's stamp, right after listing
-    arena = Arena.create(config.cache_size_bytes, max(s.max_item_bytes for s in sources))
+    min_bytes = max(s.max_item_bytes for s in sources)
+    cache_size = _cache_size(config, sources, min_bytes)
+    arena = Arena.create(cache_size.size_bytes, min_bytes)
     pool: DecodePool | None = None
     try:
         pool = DecodePool(
@@ -155,11 +170,11 @@ def run(config: ServerConfig) -> int:
                 retry_failed_s=config.retry_failed_s, max_jobs=config.max_jobs,
                 rank_attach_timeout_s=config.rank_attach_timeout_s,
                 deadline_pacing=config.pacing == "deadline", plan_horizon=config.plan_horizon,
-                max_hold_s=config.max_hold_s,
+                max_hold_s=config.max_hold_s, idle_exit_s=config.idle_exit_s,
             ),
         )
         return asyncio.run(_serve(config, address, arena, pool, registry, [len(s.listing.paths) for s in sources],
-                                  checker))
+                                  checker, cache_size))
     finally:
         if pool is not None:
             pool.close()
@@ -170,6 +185,23 @@ def run(config: ServerConfig) -> int:
         logger.info("joaderd stopped; removed %s", arena.path)
 
 
+def _cache_size(config: ServerConfig, sources: list[Source], min_bytes: int) -> CacheSize:
+    """The arena's size: `--cache-size` as given, or chosen from the sources (`auto`, logged)."""
+    prepared = [PreparedSource(s.name, s.num_items, s.max_item_bytes,
+                               s.stage.spec.shape is not None or bound_is_nominal(s)) for s in sources]
+    if config.cache_size_bytes is not None:
+        return CacheSize(config.cache_size_bytes, prepared_bytes(prepared), "set by --cache-size")
+    try:
+        shm_free, ram = host_memory()
+    except OSError as error:
+        raise CacheSpaceError(
+            f"--cache-size auto: cannot read the free space of /dev/shm ({error}); joader needs a "
+            "tmpfs such as /dev/shm (Linux); or give --cache-size a size") from None
+    choice = auto_cache_size(prepared, shm_free_bytes=shm_free, ram_bytes=ram, min_bytes=min_bytes)
+    logger.info("--cache-size auto: %s", choice.describe())
+    return choice
+
+
 async def _serve(
     config: ServerConfig,
     address: str,
@@ -178,6 +210,7 @@ async def _serve(
     registry: Registry,
     source_sizes: list[int],
     checker: SourceChecker,
+    cache_size: CacheSize,
 ) -> int:
     from joader.server.service import (  # grpc only after the fork
         JoaderServicer,
@@ -227,6 +260,11 @@ async def _serve(
                 "suspects": stats.suspects,
                 "quarantined": stats.quarantined,
             },
+            "cache_sizing": {
+                "mode": "fixed" if config.cache_size_bytes is not None else "auto",
+                "reason": cache_size.reason,
+                "dataset_bytes": cache_size.dataset_bytes,
+            },
             "pid": os.getpid(),
         }
 
@@ -235,12 +273,17 @@ async def _serve(
 
     if config.autoscale:
         supervisor.spawn("joaderd-autoscale", lambda: _autoscale(pool, full_status, config, stopping))
+    supervisor.spawn("joaderd-stale", lambda: _remove_stale_later(stopping))
     servicer = JoaderServicer(registry, str(arena.path), extra_status)
     if (unix_path := socket_path(address)) is not None:
         prepare_server_socket(unix_path, address)  # checked again; a dead socket goes now
     server, port = await start_server(servicer, address, receive_limit_bytes(source_sizes))
+    registry.serving()  # --idle-exit-s counts from here
     metrics_server = None
     try:
+        if config.idle_exit_s > 0:
+            supervisor.spawn("joaderd-idle", lambda: _exit_when_idle(registry, config.idle_exit_s, stopping,
+                                                                     lambda: loop.call_soon_threadsafe(stop.set)))
         sock = socket_path(address)
         if sock is not None:
             os.chmod(sock, 0o600)
@@ -289,6 +332,38 @@ def _forward_results(pool: DecodePool, registry: Registry, stop: threading.Event
             registry.file_result(result.task_id, result.ok, result.error, result.decode_s,
                                  shape=result.shape, dtype=result.dtype, nbytes=result.nbytes,
                                  checksum=result.checksum)
+
+
+STALE_SWEEPS_S = (2.0, 10.0, 30.0)  # after start: when the dead server's arena is looked at again
+
+
+def _remove_stale_later(stopping: threading.Event) -> None:
+    """Removes, a few times after start, the arenas of dead servers that were still locked at
+    start-up.
+
+    NOTE [ A predecessor's arena outlives its start-up sweep ]
+    A joaderd killed -9 leaves its arena, locked until its decode workers notice and exit. A
+    replacement started at once (a job's keeper restarts an auto-started server within a
+    quarter second) swept /dev/shm at start-up while that lock was still held, and nothing
+    looked again: the dead server's whole cache stayed in /dev/shm until the next start."""
+    started = time.monotonic()
+    for at in STALE_SWEEPS_S:
+        if stopping.wait(max(0.0, started + at - time.monotonic())):
+            return
+        for name in remove_stale_arenas():
+            logger.warning("removed %s, left behind by a joaderd that did not exit cleanly", name)
+
+
+def _exit_when_idle(registry: Registry, idle_exit_s: float, stopping: threading.Event,
+                    stop_serving: Callable[[], None]) -> None:
+    """`--idle-exit-s`: asks the registry about once a second (server/idle_exit.py) and stops
+    joaderd, as SIGTERM does, once it had no job for that long."""
+    while not stopping.wait(check_period_s(idle_exit_s)):
+        idle_s = registry.exit_if_idle()
+        if idle_s is not None:
+            logger.info("joaderd: no job for %.1f s (--idle-exit-s); exiting", idle_s)
+            stop_serving()
+            return
 
 
 def _autoscale(pool: DecodePool, status: Callable[[], dict[str, Any]], config: ServerConfig,

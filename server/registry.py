@@ -11,7 +11,9 @@ come in:
   pool in order of need and expires leases;
 - the results thread files finished decodes into the cache (`file_result`, filing.py);
 - the servicer calls `attach`, `touch`, `remove_job`, `status` and, for `Next`, the three steps
-  `begin_next` / `poll_next` / `end_next` (next_protocol.py). None of them blocks.
+  `begin_next` / `poll_next` / `end_next` (next_protocol.py). None of them blocks;
+- with `--idle-exit-s`, joaderd's idle thread asks `exit_if_idle` about once a second (the rule
+  is `idle_exit.IdleExit`, told of every job that comes or goes, here, under the lock).
 
 `check_invariants` compares the cache's books with the jobs' queues and copies (tests call it
 after every step).
@@ -30,11 +32,13 @@ from pyroaring import BitMap
 
 from joader.errors import (
     InvalidArgumentError,
+    ServerExitingError,
     ServerFailedError,
     UnknownSourceError,
 )
 from joader.server.containment import contained
 from joader.server.filing import ResultFiling
+from joader.server.idle_exit import IdleExit, exiting_message
 from joader.server.item_cache import DecodeSubmitter, ItemCache
 from joader.server.jobs import JobTable, printable_name
 from joader.server.next_protocol import NextProtocol
@@ -104,6 +108,8 @@ class RegistryConfig:
     # (NOTE [ A leader waits only where it costs the sweep nothing ] in in_step.py); 0: never
     # (the default: see NOTE [ The in-step rules are opt-in ] there).
     max_hold_s: float = 0.0
+    # Exit after this long with no job attached (server/idle_exit.py); 0: never.
+    idle_exit_s: float = 0.0
 
 
 class Registry(NextProtocol, SchedulerThread, ResultFiling):
@@ -147,6 +153,8 @@ class Registry(NextProtocol, SchedulerThread, ResultFiling):
         self._stopped = False
         self._failure: str | None = None
         self._started_s = clock()
+        self.idle = IdleExit(self.config.idle_exit_s, self._started_s)  # jobs_now on every come and go
+        self._exiting = False  # exit_if_idle decided: attaches are refused from then on
         self.items_delivered = 0
         self.items_reused = 0  # deliveries of a copy its job had already had (cross-epoch reuse)
         self.jobs_ended_by_errors = 0  # jobs `contain` ended: each a bug, logged with its traceback
@@ -178,6 +186,8 @@ class Registry(NextProtocol, SchedulerThread, ResultFiling):
         "independent" (joader.sampling.ORDERS; every rank of a job must give the same)."""
         with self._cond:
             self._check_alive()
+            if self._exiting:  # NOTE [ Deciding to exit refuses the next attach ] in idle_exit.py
+                raise ServerExitingError(exiting_message(self.config.idle_exit_s))
             source = self.source(source_name)
             dataset = BitMap(range(source.num_items)) if indices is None else BitMap(indices)
             if not dataset:
@@ -193,6 +203,7 @@ class Registry(NextProtocol, SchedulerThread, ResultFiling):
             job, _ = self.jobs.attach(source, dataset, name, batch_size, rank=rank,
                                       world_size=world_size, drop_last=drop_last, seed=seed,
                                       order=order)
+            self.idle.jobs_now(self._clock(), len(self.jobs.jobs))
             if restart_report is not None:
                 self.resumes.report_restart(job, rank, *restart_report)
             self.resumes.settle_restart(job)  # the last rank of a restarted job: it resumes now
@@ -257,6 +268,7 @@ class Registry(NextProtocol, SchedulerThread, ResultFiling):
             if job is not None:
                 self.jobs.forget(job, reason)
             self.cache.resync(self.jobs.expected_pins(), self.jobs.expected_planned(), self._needed)
+        self.idle.jobs_now(self._clock(), len(self.jobs.jobs))
         if job is None:
             return False
         self._resize_queues()
@@ -376,6 +388,22 @@ class Registry(NextProtocol, SchedulerThread, ResultFiling):
             self._cond.notify_all()
             for job in self.jobs.jobs.values():
                 job.wake()
+
+    def serving(self) -> None:
+        """joaderd accepts calls from now: `--idle-exit-s` counts from here (`IdleExit.serving`)."""
+        with self._cond:
+            self.idle.serving(self._clock())
+
+    def exit_if_idle(self) -> float | None:
+        """`--idle-exit-s`: the seconds joaderd has had no job if it should exit now (and from
+        now on every attach is refused: NOTE [ Deciding to exit refuses the next attach ] in
+        idle_exit.py), else None. Asked by joaderd's idle thread."""
+        with self._cond:
+            now = self._clock()
+            if self._exiting or not self.idle.due(now):
+                return None
+            self._exiting = True
+            return self.idle.idle_s(now)
 
     def _check_alive(self) -> None:
         if self._failure is not None:

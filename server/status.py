@@ -49,6 +49,10 @@ def snapshot(registry: Registry, now: float) -> dict[str, Any]:
     return {
         "schema": SCHEMA,
         "uptime_s": round(now - registry._started_s, 3),
+        # --idle-exit-s (server/idle_exit.py): the setting (0: never), and the seconds with no job
+        # attached (null while one is)
+        "idle_exit_s": registry.idle.idle_exit_s,
+        "idle_s": None if (idle := registry.idle.idle_s(now)) is None else round(idle, 3),
         "sources": [
             {
                 "name": s.name,

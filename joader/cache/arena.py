@@ -468,7 +468,17 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """A process that exited and was not reaped yet (its parent never waited): it holds nothing,
+    and a server killed -9 by its starter's child stays one as long as the starter lives."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[:1] == [b"Z"]
+    except OSError:
+        return False
 
 
 def _unlink_quietly(path: Path) -> None:

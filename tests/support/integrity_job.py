@@ -1,7 +1,7 @@
 """A training job that records every sample it receives, for the content checks of fault tests
 and of the chaos soak (`bench/chaos.py`).
 
-    python -m tests.support.integrity_job --address A --records FILE [--workers N]
+    python -m tests.support.integrity_job (--address A | --root DIR --image-size S) --records FILE [--workers N]
         [--batched] [--transform] [--reseed] [--epochs E] [--indices a:b[:c]] [--sleep S]
         [--state CHECKPOINT] [--setup-s S] [--stop-after-batches N] [--shm-full]
         [--order shared|independent] [--start-file FILE]
@@ -54,7 +54,9 @@ def _save(path: str, checkpoint: dict[str, Any]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--address", required=True)
+    parser.add_argument("--address", default=None)
+    parser.add_argument("--root", default=None, help="JoaderDataset(root=): find or start joaderd for it")
+    parser.add_argument("--image-size", type=int, default=None, help="JoaderDataset(image_size=)")
     parser.add_argument("--records", required=True)
     parser.add_argument("--source", default="demo")
     parser.add_argument("--name", default=f"integrity-{os.getpid()}")
@@ -78,6 +80,8 @@ def main() -> int:
     parser.add_argument("--shm-full", action="store_true",
                         help="allocating shared memory fails as torch fails when /dev/shm is full")
     parser.add_argument("--order", default="shared", help="JoaderDataset(order=)")
+    parser.add_argument("--go-file", default=None,
+                        help="wait for this file before building the dataset (jobs attach at one instant)")
     parser.add_argument("--start-file", default=None,
                         help="attach, then wait for this file before the first read (jobs start together)")
     args = parser.parse_args()
@@ -92,7 +96,10 @@ def main() -> int:
     if args.shm_full:  # the DataLoader workers, forked below, inherit it
         _fill_shm(torch)
     indices = range(*map(int, args.indices.split(":"))) if args.indices else None
-    ds = JoaderDataset(args.source, indices=indices, address=args.address, name=args.name,
+    while args.go_file and not os.path.exists(args.go_file):
+        time.sleep(0.002)
+    auto = {"root": args.root, "image_size": args.image_size} if args.root else {}
+    ds = JoaderDataset(args.source, indices=indices, address=args.address, name=args.name, **auto,
                        batch_size=None if args.follow_loader else args.batch_size,
                        batched=args.batched, return_index=True,
                        transform=_identity if args.transform else None, timeout_s=args.timeout_s,

@@ -14,7 +14,10 @@ channel or torch.distributed state.
 Commands:
   job          one job (or one rank of it with --rank/--world-size): epochs through a DataLoader
                (--loader plain|stateful), optional --save-after K (checkpoint after batch K of the
-               first epoch, then SIGKILL itself) and --load-state (resume from a checkpoint).
+               first epoch, then SIGKILL itself) and --load-state (resume from a checkpoint);
+               --linger-s S: after its epochs, stays attached S seconds reading nothing, then closes;
+               --wait-for PATH: started before joaderd, it attaches the moment PATH (the socket)
+               appears.
   ddp          one rank under torchrun: init_process_group("gloo"), an all_reduce per step, and
                the per-rank counts compared across ranks at each epoch's end.
   conventions  ds.targets, len(ds), len(DataLoader) against what the epochs really yield.
@@ -190,6 +193,8 @@ def job(args: argparse.Namespace) -> None:
     """One job (or one rank): epochs through a DataLoader, checkpointing or resuming."""
     if args.expect_name_required:
         _check_name_required(args)
+    if args.wait_for:
+        _wait_for(args)
     ds = _dataset(args)
     loader = _loader(args, ds)
     if args.load_state:
@@ -205,8 +210,23 @@ def job(args: argparse.Namespace) -> None:
     report = {**_describe(ds), **result, "epoch_orders": _epoch_orders(ds, args.epochs)}
     if args.finish_barrier:
         _finish_barrier(args)
+    if args.linger_s:  # attached (the keeper holds the lease), reading nothing: evaluation, a checkpoint
+        progress.write(event="lingering", seconds=args.linger_s)
+        time.sleep(args.linger_s)
     ds.close()
     _write_json(args.out, report)
+
+
+def _wait_for(args: argparse.Namespace) -> None:
+    """Imports the client, says it waits, then polls for `--wait-for` (joaderd's socket)."""
+    from joader.client.dataset import JoaderDataset  # noqa: F401  imported before, not after, the wait
+
+    _Progress(args.progress).write(event="waiting", path=args.wait_for)
+    deadline = time.monotonic() + args.timeout_s
+    while not os.path.exists(args.wait_for):
+        if time.monotonic() > deadline:
+            sys.exit(f"{args.wait_for} did not appear within {args.timeout_s:g} s")
+        time.sleep(0.02)
 
 
 def _finish_barrier(args: argparse.Namespace) -> None:
@@ -313,6 +333,8 @@ def main() -> None:
     parser.add_argument("--expect-name-required", action="store_true")
     parser.add_argument("--finish-barrier", help="a folder where ranks (--rank) meet before closing")
     parser.add_argument("--dist-timeout-s", type=float, default=40.0)
+    parser.add_argument("--linger-s", type=float, default=0.0, help="job: stay attached this long, reading nothing, before closing")
+    parser.add_argument("--wait-for", help="job: wait for this path (joaderd's socket) before attaching")
     args = parser.parse_args()
     if args.save_after and not args.state:
         parser.error("--save-after needs --state")

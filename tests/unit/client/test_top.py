@@ -93,3 +93,22 @@ def test_status_shows_every_user_string_as_written() -> None:
 def test_printable_keeps_text_and_escapes_controls() -> None:
     assert printable("résumé [bold] 日本") == "résumé [bold] 日本"
     assert printable("a\tb\x00c\x7fd\x85") == "a\\x09b\\x00c\\x7fd\\x85"
+
+
+def test_status_shows_the_idle_exit_and_how_long_without_a_job() -> None:
+    snapshot = {**_snapshot(NAMES, 30), "jobs": [], "sharing_pairs": [], "idle_exit_s": 600.0, "idle_s": 42.4}
+    status = format_status(snapshot)
+    assert "exits after 600 s with no job (--idle-exit-s)" in status
+    assert "no jobs for 42 s" in status
+    plain = format_status({**_snapshot(NAMES, 30), "idle_exit_s": 0.0, "idle_s": None})
+    assert "--idle-exit-s" not in plain
+
+
+def test_status_says_why_an_auto_cache_has_its_size() -> None:
+    reason = "the whole prepared dataset (1.9 MiB for 160 items, plus 1/16)"
+    auto = format_status({**_snapshot(NAMES, 30),
+                          "cache_sizing": {"mode": "auto", "reason": reason, "dataset_bytes": 1966080}})
+    assert f"sized by --cache-size auto: {reason}" in auto
+    fixed = format_status({**_snapshot(NAMES, 30),
+                           "cache_sizing": {"mode": "fixed", "reason": "set by --cache-size", "dataset_bytes": 1}})
+    assert "sized by" not in fixed

@@ -105,7 +105,10 @@ def test_unknown_toml_keys_name_the_closest_valid_key(tmp_path: Path, text: str,
         ('cache_size = "lots"', "cache_size in .*cannot read the size 'lots'.*2GiB"),
         ("cache_size = -5", "cache_size in .*positive size, got -5; write e.g. cache_size = \"2GiB\""),
         ("cache_size = 0", "cache_size in .*positive size"),
-        ("cache_size = true", "cache_size in .*expected a size"),
+        ("cache_size = true", "cache_size in .*expected a size .* or \"auto\""),
+        ('cache_size = "Auto"', "cache_size in .*cannot read the size 'Auto'.*or \"auto\" to size it from the data"),
+        ("idle_exit_s = -1", "idle_exit_s in .*seconds >= 0, got -1; write e.g. idle_exit_s = 600"),
+        ('idle_exit_s = "10m"', "idle_exit_s in .*seconds >= 0"),
         ('lease_s = "ten"', "lease_s in .*positive number of seconds, got 'ten'; write e.g. lease_s = 10"),
         ("lease_s = 0", "lease_s in .*positive number of seconds"),
         ("lease_s = nan", "lease_s in .*positive number of seconds"),
@@ -155,6 +158,8 @@ def test_unreadable_config_file(tmp_path: Path) -> None:
         (["--source", "x=/d", "--max-jobs", "0"], "--max-jobs: expected a positive integer"),
         (["--source", "x=/d", "--decode-timeout-s", "0"], "--decode-timeout-s: expected a positive"),
         (["--source", "x=/d", "--retry-failed-s", "-1"], "--retry-failed-s: expected a number of seconds >= 0"),
+        (["--source", "x=/d", "--idle-exit-s", "-5"], "--idle-exit-s: expected a number of seconds >= 0"),
+        (["--source", "x=/d", "--idle-exit-s", "inf"], "--idle-exit-s: expected a number of seconds >= 0"),
         (["--source", "x=/d", "--seed", "-3"], "--seed: expected an integer >= 0"),
         (["--source", "x=/d", "--listen", "nonsense"], "the listen address: cannot parse address"),
     ],
@@ -232,3 +237,25 @@ def test_workers_auto_is_the_default_and_adapts_up_to_the_cpus(tmp_path: Path, m
     path = write_toml(tmp_path, 'workers = "auto"\n')
     assert load_config(["--config", path, *source]).autoscale
 
+
+def test_idle_exit_from_flags_and_toml(tmp_path: Path) -> None:
+    config = load_config(["--source", f"a={tmp_path}", "--idle-exit-s", "600"])
+    assert config.idle_exit_s == 600.0
+    path = write_toml(tmp_path, f'idle_exit_s = 30\n[sources.a]\npath = "{tmp_path}"\n')
+    assert load_config(["--config", path]).idle_exit_s == 30.0
+    assert load_config(["--config", path, "--idle-exit-s", "0"]).idle_exit_s == 0.0  # flags win
+
+
+def test_a_plain_joaderd_never_exits_by_itself(tmp_path: Path) -> None:
+    assert load_config(["--source", f"a={tmp_path}"]).idle_exit_s == 0.0
+
+
+def test_cache_size_auto_from_the_flag_and_toml(tmp_path: Path) -> None:
+    assert load_config(["--source", f"a={tmp_path}", "--cache-size", "auto"]).cache_size_bytes is None  # sized at start
+    path = write_toml(tmp_path, f'cache_size = "auto"\n[sources.a]\npath = "{tmp_path}"\n')
+    assert load_config(["--config", path]).cache_size_bytes is None
+    assert load_config(["--config", path, "--cache-size", "64MiB"]).cache_size_bytes == 64 * 2**20  # flags win
+
+
+def test_a_plain_joaderd_keeps_the_explicit_cache_size(tmp_path: Path) -> None:
+    assert load_config(["--source", f"a={tmp_path}"]).cache_size_bytes == 2**30  # auto is opt-in

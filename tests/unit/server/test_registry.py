@@ -11,6 +11,7 @@ from pyroaring import BitMap
 
 from joader.errors import (
     InvalidArgumentError,
+    ServerExitingError,
     TooManyJobsError,
     UnknownJobError,
     UnknownSourceError,
@@ -353,6 +354,66 @@ def test_stall_reports_are_summed_over_readers_per_epoch() -> None:
     status = registry.status()["jobs"][0]
     assert status["stall"]["epoch"] == 2 and status["stall"]["fraction"] == 0.5
     assert status["stall_total"] == {"wait_s": 4.5, "step_s": 7.5, "items": 12, "fraction": 0.375}
+
+
+# ----------------------------------------------------------------------------- --idle-exit-s
+
+
+def test_idle_exit_counts_from_the_start_then_refuses_every_attach() -> None:
+    registry, _, clock = make_registry(idle_exit_s=2.0)
+    clock.now += 1.5
+    assert registry.exit_if_idle() is None
+    assert (registry.status()["idle_exit_s"], registry.status()["idle_s"]) == (2.0, 1.5)
+    clock.now += 0.5
+    assert registry.exit_if_idle() == 2.0
+    assert registry.exit_if_idle() is None  # decided once
+    # NOTE [ Deciding to exit refuses the next attach ]: to a client, as if no joaderd answered
+    with pytest.raises(ServerExitingError, match="--idle-exit-s 2.*start joaderd again") as refused:
+        registry.attach("demo", None, "late", 4)
+    assert isinstance(refused.value, ConnectionError)
+    assert registry.status()["jobs"] == []
+
+
+def test_idle_exit_counts_from_when_joaderd_serves() -> None:
+    registry, _, clock = make_registry(idle_exit_s=2.0)
+    clock.now += 5.0  # the pool and grpc took their time
+    registry.serving()
+    clock.now += 1.9
+    assert registry.exit_if_idle() is None
+    clock.now += 0.1
+    assert registry.exit_if_idle() == 2.0
+
+
+def test_idle_exit_waits_while_a_job_is_attached_and_counts_from_when_it_left() -> None:
+    registry, _, clock = make_registry(idle_exit_s=2.0, lease_s=60.0)
+    clock.now += 1.0
+    job = attach(registry, "demo", BitMap(range(20)), "sweep", 4)
+    clock.now += 30.0  # attached, reading nothing (evaluation, a checkpoint): joaderd stays
+    registry.touch(job.job_id)
+    assert registry.exit_if_idle() is None and registry.status()["idle_s"] is None
+    registry.close_rank(job.job_id, 0)
+    clock.now += 1.9
+    assert registry.exit_if_idle() is None and registry.status()["idle_s"] == 1.9
+    clock.now += 0.1
+    assert registry.exit_if_idle() == 2.0
+
+
+def test_idle_exit_counts_from_a_lease_that_expired() -> None:
+    registry, _, clock = make_registry(idle_exit_s=2.0, lease_s=5.0)
+    attach(registry, "demo", BitMap(range(20)), "killed", 4)
+    clock.now += 6.0  # its training process died: no request, no heartbeat
+    registry.schedule_once()
+    assert registry.status()["jobs"] == [] and registry.status()["idle_s"] == 0.0
+    clock.now += 2.0
+    assert registry.exit_if_idle() == 2.0
+
+
+def test_without_idle_exit_joaderd_never_decides_to_exit_but_says_how_long_it_idled() -> None:
+    registry, _, clock = make_registry()
+    clock.now += 1e6
+    assert registry.exit_if_idle() is None
+    assert (registry.status()["idle_exit_s"], registry.status()["idle_s"]) == (0.0, 1e6)
+    attach(registry, "demo", BitMap(range(20)), "still-welcome", 4)
 
 
 # ----------------------------------------------------------------------------- faults
