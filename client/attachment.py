@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,15 +39,31 @@ from joader.sampling import hosts
 # filter on (and tests read), `joader.client.dataset`.
 logger = logging.getLogger("joader.client.dataset")
 
+# Datasets are built in threads too (an Optuna study's `n_jobs`): the counts below are taken
+# under this lock, so that no two datasets get the same place.
+_counts_lock = threading.Lock()
 _ordinals: dict[tuple[str, str], int] = {}
+_solo_names: dict[str, int] = {}
 
 
 def next_ordinal(source: str, digest: str) -> str:
     """This dataset's place among the process's datasets of the same source and indices: the
     same on every rank of a job (each runs the same script), so it keys the job's name there."""
-    count = _ordinals.get((source, digest), 0)
-    _ordinals[(source, digest)] = count + 1
+    with _counts_lock:
+        count = _ordinals.get((source, digest), 0)
+        _ordinals[(source, digest)] = count + 1
     return f"{source}/{digest}/{count}"
+
+
+def next_solo_name(base: str) -> str:
+    """The default name of a job of one process: `base` (`placement.process_name`) for the
+    process's first dataset under it, `base-2`, `base-3`, ... for the later ones, of any source
+    (NOTE [ Default names that tell trials apart ] in placement.py). Counted per base: a Ray
+    actor reused for the next trial names that trial's first job after the trial alone."""
+    with _counts_lock:
+        serial = _solo_names.get(base, 0) + 1
+        _solo_names[base] = serial
+    return placement.numbered(base, serial)
 
 
 def to_bitmap(indices: Any) -> BitMap | None:
@@ -201,6 +218,8 @@ class Attachment:
         self.connection: Connection | None = None
         self.passes = 0  # started in this process on the job attached now
         self.job_name = ""
+        self.solo_name: str | None = None  # its default name as one process, once given (`default_name`)
+        self.noticed = False  # joaderd's notice (a name another live job has) was logged
         self.seed = seed
         self.order = order
         self.num_items = 0  # this rank's items per epoch, once attached
@@ -217,7 +236,11 @@ class Attachment:
     def default_name(self, found: placement.Placement) -> str:
         if self.name_given:
             return self.name_given
-        return placement.job_name(found, ordinal=self.ordinal, distributed=torch.distributed)
+        if found.world_size > 1:
+            return placement.job_name(found, ordinal=self.ordinal, distributed=torch.distributed)
+        if self.solo_name is None:  # one per dataset: attaching again (`settle`) keeps it
+            self.solo_name = next_solo_name(placement.process_name())
+        return self.solo_name
 
     def _described(self, info: dict[str, Any]) -> Description:
         description = Description.from_keeper(info)
@@ -269,6 +292,10 @@ class Attachment:
             ) from None
         self.placement = found
         self.job_name = name
+        if info.get("notice") and not self.noticed:
+            # NOTE [ Two live jobs of one name ] in server/jobs.py: said where the user looks.
+            self.noticed = True
+            logger.warning("JoaderDataset(%r), job %s: %s", self.source, info["job_id"], info["notice"])
         self.rank, self.world_size = found.rank, found.world_size
         self.description = self._described(info)
         self.seed = int(info["seed"])

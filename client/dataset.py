@@ -90,9 +90,13 @@ class JoaderDataset(IterableDataset):
         transform: applied in this process to each uint8 CHW tensor (the per-job stage).
         return_index: yield `(index, image, label)` instead of `(image, label)`.
         address: joaderd's address; default `$JOADER_ADDRESS`, else the per-user socket.
-        name: a name for this job in `joader status`. Default: `<script>-<pid>` for one
-            process; for ranks, one name per run that every rank agrees on (through the process
-            group's store when torch.distributed is initialized, else torchrun's run id).
+        name: a name for this job in `joader status`. Default for one process: inside a Ray
+            Tune trial the trial's name, else `<script>-<pid>`; the process's second and later
+            datasets add `-2`, `-3`, ... (an Optuna study's trials in threads differ). For
+            ranks, one name per run that every rank agrees on (through the process group's
+            store when torch.distributed is initialized, else torchrun's run id). A name another
+            live job on the same joaderd has (not a rank of this job) is accepted, with a
+            warning in this process's log: pass each trial its own name.
         batch_size: items per request. Default: the batch size of the DataLoader that collates
             the items (joaderd replies in whole batches, so every worker collates whole ones and
             an epoch has exactly `len(loader)` batches), else 64; and the batch size of
@@ -291,8 +295,20 @@ class JoaderDataset(IterableDataset):
         self._attachment.dispatch(frameworks.process_index(owner, self.rank or 0))
 
     def close(self) -> None:
-        """Ends this job on the server now (otherwise: when the dataset is collected or the
-        process exits)."""
+        """Ends this job on the server now; `with JoaderDataset(...) as ds:` calls it at the end
+        of the block. Otherwise the job ends when the dataset is collected or the process exits.
+
+        NOTE [ A sweep's trial ends its job ]
+        joader keeps no reference cycle of its own: a dataset that goes out of scope (an Optuna
+        objective that returns, in a thread of the study's `n_jobs`) ends its job at once, its
+        lease keeper stopped by the attachment's finalizer (tests/unit/client/test_dataset.py
+        runs such trials with the cycle collector off). What holds one longer is the caller's:
+        an objective that raises (`optuna.TrialPruned`, a failure) leaves its frame, and the
+        dataset in it, in a cycle Optuna keeps (its `func_err` holds the exception, whose
+        traceback holds the frame that holds `func_err`) until Python's cycle collector runs;
+        a dataset kept in a global lives with the process. A sweep's trial should use `with`,
+        or call `close()`, which ends the job whatever holds the dataset.
+        """
         self._attachment.close()
 
     def __enter__(self) -> JoaderDataset:

@@ -413,7 +413,9 @@ def main() -> int:
     if registration.get("describe"):
         _reply({"ok": True, **_description(first)})
         return 0
-    _reply({"ok": True, **_identity(first, server_uid), **_description(first)})
+    # `notice`: what joaderd said of the registration (a name another live job has); the dataset
+    # logs it. Not part of the identity: a re-attach after a restart says nothing new to the user.
+    _reply({"ok": True, **_identity(first, server_uid), **_description(first), "notice": first.notice})
 
     def wait_for_eof() -> None:
         if "close" in sys.stdin.read():

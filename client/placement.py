@@ -111,22 +111,74 @@ def unsettled_message(env: Mapping[str, str] | None = None) -> str:
 
 # ------------------------------------------------------------------------------------ names
 
+# NOTE [ Default names that tell trials apart ]
+# Every job of one process was `<script>-<pid>`: the six trials of an Optuna study run in
+# threads (`n_jobs`) showed as one name six times in `joader status`, and Ray Tune's trials as
+# `default_worker.py-<pid>`, a name that says nothing. So a process's jobs are named after the
+# Ray Tune trial it runs, if it runs one, else `<script>-<pid>`; and the second and later
+# dataset of a process under that name (an Optuna thread's trial, a validation set) is
+# `<name>-2`, `-3`, ... (`joader.client.attachment.next_solo_name`). The ranks of a DDP job keep
+# their own rule (`job_name`): every rank must come to the same name.
+
+
+def ray_trial_name(modules: Mapping[str, Any] | None = None) -> str | None:
+    """The name of the Ray Tune trial this process runs now (`ray.tune.get_context()
+    .get_trial_name()`, Ray 2.x), or None: not in a trial, or Ray not in use.
+
+    Ray is looked at only when the process has imported Ray Tune already (a trial's worker has:
+    it runs the trainable); it is never imported here (seconds of start-up, and Ray's own
+    threads, in every training script). Outside a trial Ray's call warns once and gives None, so
+    its session is looked up first where Ray keeps it (ray.train._internal.session, the
+    function trainable's); a Ray that moved it gets the public call alone.
+    """
+    modules = sys.modules if modules is None else modules
+    tune = modules.get("ray.tune")
+    if "ray" not in modules or tune is None:
+        return None
+    session = modules.get("ray.train._internal.session")
+    get_session = getattr(session, "get_session", None)
+    try:
+        if get_session is not None and get_session() is None:
+            return None
+        name = tune.get_context().get_trial_name()
+    except Exception:  # noqa: BLE001  a Ray whose API changed: the plain default name
+        return None
+    return str(name) if name else None
+
+
+def process_name(*, pid: int | None = None, modules: Mapping[str, Any] | None = None) -> str:
+    """The default name of a job of one process: its Ray Tune trial's name, else
+    `<script>-<pid>` (NOTE [ Default names that tell trials apart ])."""
+    trial = ray_trial_name(modules)
+    if trial:
+        return trial
+    script = os.path.basename(sys.argv[0] or "python") or "python"
+    return f"{script}-{os.getpid() if pid is None else pid}"
+
+
+def numbered(name: str, serial: int) -> str:
+    """`name` for the first dataset of a process under it, `name-2`, `name-3`, ... after."""
+    return name if serial <= 1 else f"{name}-{serial}"
+
+
 def job_name(placement: Placement, *, ordinal: str, env: Mapping[str, str] | None = None,
-             distributed: Any = None, pid: int | None = None, ppid: int | None = None) -> str:
+             distributed: Any = None, pid: int | None = None, ppid: int | None = None,
+             modules: Mapping[str, Any] | None = None) -> str:
     """A default name for the job: the same on every rank of one run, and new in the next run
     (a name is how ranks find their job; consecutive runs under one name collided when it came
     from a fixed `MASTER_PORT`, e.g. accelerate's 29500).
 
-    One process: `<script>-<pid>`. Ranks with a process group: a name that the first rank to
-    ask writes into the group's store (`compare_set`, so no rank waits for another), keyed by
-    `ordinal` (the dataset's place among this process's datasets of its source and indices, the
-    same on every rank). Else torchrun's run id; else torchrun's agent (the ranks' parent, one
+    One process: `process_name` (its Ray Tune trial's name, else `<script>-<pid>`; a process's
+    later datasets number it, `joader.client.attachment.next_solo_name`). Ranks with a process
+    group: a name that the first rank to ask writes into the group's store (`compare_set`, so no
+    rank waits for another), keyed by `ordinal` (the dataset's place among this process's
+    datasets of its source and indices, the same on every rank). Else torchrun's run id; else torchrun's agent (the ranks' parent, one
     per run on a host) and its master port; else the master address and port.
     """
     env = os.environ if env is None else env
-    script = os.path.basename(sys.argv[0] or "python") or "python"
     if placement.world_size == 1:
-        return f"{script}-{os.getpid() if pid is None else pid}"
+        return process_name(pid=pid, modules=modules)
+    script = os.path.basename(sys.argv[0] or "python") or "python"
     store = _store(distributed)
     if store is not None:
         candidate = f"{script}-{uuid.uuid4().hex[:12]}"

@@ -28,6 +28,17 @@ Heartbeats alone keep a job registered whose client cannot read the arena (anoth
 TCP), holding a --max-jobs slot and a share of the cache for good. A JoaderDataset's
 lease keeper checks the arena and sends a request at once; a rank whose client sends none
 within its lease of attaching is removed (`expire`).
+
+NOTE [ Two live jobs of one name ]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A name is how the ranks of one job find it, so the ranks of a job share one by design. Two
+*jobs* of one name (another source or indices, a new run while the last one's ranks finish, the
+trials of a sweep given the same `name=`) are still two jobs, and both are served: refusing the
+second would stop a run over a label. But `joader status`, `top` and the metrics' `job` label
+show the name, and six Optuna trials all shown as `optuna_sweep.py-7925` could not be told
+apart; the same name twice at once was accepted silently. So the rank that attaches under a
+name another live job has gets a `notice` in its Attach reply (the dataset logs it once as a
+warning, naming the fix), and joaderd logs it too.
 """
 
 from __future__ import annotations
@@ -110,6 +121,7 @@ class JobTable:
                 member = job.ranks[rank]
                 member.attached = True
                 member.last_seen_s = member.attached_s = now
+                member.notice = self._name_notice(job)
                 logger.info("job %s: rank %d of %d attached", job.job_id, rank, world_size)
                 return job, member
         if len(self.jobs) >= self.max_jobs:
@@ -133,7 +145,21 @@ class JobTable:
             f" (rank {rank} of {world_size})" if world_size > 1 else "",
             ", its own order (independent)" if order == "independent" else "",
         )
+        ranks[rank].notice = self._name_notice(job)
+        if ranks[rank].notice:
+            logger.warning("job %s: %s", job_id, ranks[rank].notice)
         return job, ranks[rank]
+
+    def _name_notice(self, job: Job) -> str:
+        """What to tell a rank of `job` when another live job has its name, else "" (see
+        NOTE [ Two live jobs of one name ])."""
+        others = [other.job_id for other in self.jobs.values() if other.name == job.name and other is not job]
+        if not others:
+            return ""
+        which = f"a job named {job.name!r} is" if len(others) == 1 else f"{len(others)} jobs named {job.name!r} are"
+        return (f"{which} already attached (job id {', '.join(others)}); this one ({job.job_id}) "
+                "is served as a separate job under the same name. Pass each JoaderDataset its own "
+                "name= to tell them apart in joader status")
 
     def _group(self, key: tuple[object, ...], rank: int) -> Job | None:
         """The job whose ranks `key` describes, still missing rank `rank`.

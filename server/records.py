@@ -227,6 +227,9 @@ class Rank:
     # whose client sends none within its lease is removed (`JobTable.expire`).
     attached_s: float = 0.0
     requested: bool = False
+    # What joaderd told it when it attached (`AttachResponse.notice`): another live job has its
+    # name (NOTE [ Two live jobs of one name ] in jobs.py); "" when nothing.
+    notice: str = ""
 
 
 @dataclass

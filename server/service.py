@@ -181,6 +181,7 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
             rank=rank,
             num_rank_items=job.per_rank,
             seed=job.seed,
+            notice=job.ranks[rank].notice,
         ))
         return self._checked_size(reply, source)
 

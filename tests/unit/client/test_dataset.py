@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import gc
 import pickle
+import threading
 
 import numpy as np
 import pytest
+import torch
 from pyroaring import BitMap
 
 from joader.client.dataset import JoaderDataset, to_bitmap
@@ -72,6 +74,40 @@ def test_the_iterator_keeps_the_job_alive_without_the_dataset(joaderd: str) -> N
     items = iter(JoaderDataset("demo", address=joaderd, threads=None, name="alone"))
     gc.collect()
     assert len(list(items)) == ITEMS
+
+
+@pytest.mark.parametrize("how", ["an epoch", "a pass left midway", "never read", "with"])
+def test_a_trial_in_a_thread_ends_its_job_when_it_ends_with_no_cycle_collection(joaderd: str, how: str) -> None:
+    # NOTE [ A sweep's trial ends its job ]: an Optuna objective in a thread of the study's n_jobs.
+    # Python's cycle collector is off: the job must end by reference counting alone.
+    ended: dict[str, object] = {}
+
+    def objective() -> None:
+        if how == "with":
+            with JoaderDataset("demo", address=joaderd, threads=None, batch_size=4, name="trial") as ds:
+                ended["keeper"] = ds._keeper
+                assert len(list(torch.utils.data.DataLoader(ds, batch_size=4))) == ITEMS // 4
+            ended["at block end"] = not ds._keeper.alive()  # type: ignore[union-attr]
+            return
+        ds = JoaderDataset("demo", address=joaderd, threads=None, batch_size=4, name="trial")
+        ended["keeper"] = ds._keeper
+        loader = torch.utils.data.DataLoader(ds, batch_size=4)
+        if how == "an epoch":
+            assert sum(len(labels) for _, labels in loader) == ITEMS
+        elif how == "a pass left midway":
+            batches = iter(loader)
+            next(batches)
+
+    gc.disable()
+    try:
+        thread = threading.Thread(target=objective)
+        thread.start()
+        thread.join()
+        keeper = ended["keeper"]
+        assert not keeper.alive(), "the lease keeper outlived its trial"  # type: ignore[attr-defined]
+        assert ended.get("at block end", True)
+    finally:
+        gc.enable()
 
 
 def test_close_ends_the_lease_keeper_and_a_pickled_dataset_carries_no_lease(joaderd: str) -> None:

@@ -109,3 +109,47 @@ def test_names_without_a_group() -> None:
     assert job_name(ranks, ordinal="o", env={"MASTER_ADDR": "h", "MASTER_PORT": "1"}).endswith("-h-1")
     with pytest.raises(InvalidArgumentError, match="pass the same name= in every rank"):
         job_name(ranks, ordinal="o", env={})
+
+
+class RayTune:
+    """`ray.tune` as a trial's worker has it: `get_context().get_trial_name()`."""
+
+    def __init__(self, trial: str | None, fails: bool = False) -> None:
+        self.trial, self.fails = trial, fails
+
+    def get_context(self) -> Any:
+        if self.fails:
+            raise RuntimeError("an API that changed")
+        return type("TuneContext", (), {"get_trial_name": lambda _self: self.trial})()
+
+
+def _session(active: bool) -> Any:
+    return type("session", (), {"get_session": staticmethod(lambda: object() if active else None)})
+
+
+def test_a_ray_tune_trial_names_its_processs_jobs_and_ray_is_never_imported() -> None:
+    trial = {"ray": object(), "ray.tune": RayTune("train_cnn_5f3a2_00001"),
+             "ray.train._internal.session": _session(True)}
+    assert placement.ray_trial_name(trial) == "train_cnn_5f3a2_00001"
+    assert placement.process_name(modules=trial) == "train_cnn_5f3a2_00001"
+    assert job_name(Placement(0, 1, ALONE), ordinal="o", env={}, pid=41, modules=trial) == "train_cnn_5f3a2_00001"
+    # a Ray worker outside a trial (a task, the driver): its session is None, Ray's call is not made
+    outside = dict(trial, **{"ray.train._internal.session": _session(False), "ray.tune": RayTune(None, fails=True)})
+    assert placement.ray_trial_name(outside) is None
+    # a Ray that moved its session: the public call alone; and one whose call fails: no trial
+    moved = {"ray": object(), "ray.tune": RayTune("t_00000")}
+    assert placement.ray_trial_name(moved) == "t_00000"
+    assert placement.ray_trial_name({"ray": object(), "ray.tune": RayTune(None)}) is None
+    assert placement.ray_trial_name({"ray": object(), "ray.tune": RayTune("x", fails=True)}) is None
+    # Ray imported without Ray Tune, or not at all: the script's name
+    for modules in ({"ray": object()}, {}):
+        assert placement.ray_trial_name(modules) is None
+        assert placement.process_name(pid=41, modules=modules).endswith("-41")
+    # the ranks of a DDP job keep their rule, trial or not
+    ranks = Placement(0, 2, ENVIRONMENT)
+    assert job_name(ranks, ordinal="o", env={"TORCHELASTIC_RUN_ID": "abc"}, modules=trial).endswith("-abc")
+
+
+def test_later_datasets_of_a_name_are_numbered() -> None:
+    assert placement.numbered("sweep.py-7925", 1) == "sweep.py-7925"
+    assert placement.numbered("sweep.py-7925", 3) == "sweep.py-7925-3"

@@ -127,6 +127,44 @@ def test_a_wrong_secret_and_an_unknown_job_get_the_same_answer_and_a_removed_job
     assert table.expected_pins() == {}
 
 
+def test_a_second_live_job_of_a_name_is_served_and_told_with_the_fix(caplog: pytest.LogCaptureFixture) -> None:
+    # NOTE [ Two live jobs of one name ]: the six trials of an Optuna study, all one name.
+    table, _, source, _ = books()
+    first, first_rank = table.attach(source, BitMap(range(20)), "sweep", 4)
+    assert first_rank.notice == ""
+    with caplog.at_level("WARNING", logger="joader.server.jobs"):
+        second, second_rank = table.attach(source, BitMap(range(20)), "sweep", 4)
+    assert second is not first and len(table.jobs) == 2  # accepted: two jobs, both served
+    assert second_rank.notice == (
+        f"a job named 'sweep' is already attached (job id {first.job_id}); this one ({second.job_id}) "
+        "is served as a separate job under the same name. Pass each JoaderDataset its own name= to "
+        "tell them apart in joader status")
+    assert [r.getMessage() for r in caplog.records] == [f"job {second.job_id}: {second_rank.notice}"]
+    third, third_rank = table.attach(source, BitMap(range(5)), "sweep", 4)  # other indices: still the name
+    assert third_rank.notice.startswith(f"2 jobs named 'sweep' are already attached (job id {first.job_id}, "
+                                        f"{second.job_id}); this one ({third.job_id})")
+    table.remove(first.job_id, "done")
+    table.remove(second.job_id, "done")
+    assert table.attach(source, BitMap(range(20)), "sweep", 4)[1].notice.startswith(
+        f"a job named 'sweep' is already attached (job id {third.job_id})")
+    assert table.attach(source, BitMap(range(20)), "other", 4)[1].notice == ""
+
+
+def test_the_ranks_of_one_job_share_its_name_without_a_notice() -> None:
+    table, _, source, _ = books()
+    job, rank0 = table.attach(source, BitMap(range(20)), "ddp", 4, rank=0, world_size=2)
+    joined, rank1 = table.attach(source, BitMap(range(20)), "ddp", 4, rank=1, world_size=2)
+    assert joined is job and rank0.notice == rank1.notice == ""
+    # a second run of the name while the first still runs: its ranks are told, each of them
+    table.attach(source, BitMap(range(10)), "ddp", 4, rank=0, world_size=2)
+    other, other1 = table.attach(source, BitMap(range(10)), "ddp", 4, rank=1, world_size=2)
+    assert other is not job and other.ranks[0].notice == other1.notice != ""
+    assert f"(job id {job.job_id})" in other1.notice
+    # a job with no name is named by its id: never the same as another's
+    assert table.attach(source, BitMap(range(20)), "", 4)[1].notice == ""
+    assert table.attach(source, BitMap(range(20)), "", 4)[1].notice == ""
+
+
 def test_job_names_cannot_forge_log_lines() -> None:
     assert printable_name("a\nINFO fake") == "a\\nINFO fake"
     assert len(printable_name("x" * 500)) == 80

@@ -56,7 +56,9 @@ stage = types.SimpleNamespace(size=64, name="center-crop", spec=types.SimpleName
 source = types.SimpleNamespace(name="s", listing=listing, num_items=4, stage=stage, max_item_bytes=12288,
                                fingerprint="f")
 job = types.SimpleNamespace(job_id="j1", secret=b"s" * 16, num_items=4, world_size=1, per_rank=4, seed=1,
-                            dataset=BitMap(range(4)))
+                            dataset=BitMap(range(4)), ranks=[types.SimpleNamespace(notice="")])
+if case == "notice":
+    job.ranks[0].notice = "a job named 'job' is already attached (job id j0); ..."
 
 
 class Registry:
@@ -103,7 +105,7 @@ async def main():
     try:
         async for reply in servicer.Attach(requests(), context):
             replies.append({"classes": [c.decode() for c in reply.classes], "class_labels": list(reply.class_labels),
-                            "targets": np.frombuffer(reply.targets, dtype="<i4").tolist()})
+                            "targets": np.frombuffer(reply.targets, dtype="<i4").tolist(), "notice": reply.notice})
     except Abort:
         pass
     except Exception as error:
@@ -128,8 +130,14 @@ def test_a_good_attach_says_classes_their_labels_and_the_targets() -> None:
     # Integer labels: the classes that occur, in numeric order, each standing for itself; the
     # targets are the labels as written, in index order.
     assert got["replies"] == [{"classes": ["3", "7", "10000000"], "class_labels": [3, 7, 10_000_000],
-                               "targets": [3, 10_000_000, 3, 7]}]
+                               "targets": [3, 10_000_000, 3, 7], "notice": ""}]
     assert len(got["removed"]) == 1 and "lease stream closed" in got["removed"][0]
+
+
+def test_the_attach_reply_carries_the_ranks_notice() -> None:
+    got = _attach("notice")  # a name another live job has (JobTable._name_notice)
+    assert got["code"] is None
+    assert got["replies"][0]["notice"].startswith("a job named 'job' is already attached (job id j0)")
 
 
 def test_a_bug_in_the_registry_is_an_internal_error_that_says_so() -> None:

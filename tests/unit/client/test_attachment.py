@@ -1,0 +1,92 @@
+"""`joader.client.attachment`: the default names of one process's jobs (NOTE [ Default names
+that tell trials apart ] in placement.py) and joaderd's notice of a name another live job has
+(NOTE [ Two live jobs of one name ] in server/jobs.py), on a real joaderd."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+
+import pytest
+
+from joader.client import attachment, placement
+from joader.client.cli import fetch_status
+from joader.client.dataset import JoaderDataset
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_later_solo_names_of_a_base_are_numbered_also_across_threads() -> None:
+    base = f"names-{os.getpid()}-{threading.get_ident()}"
+    names: list[str] = []
+    lock = threading.Lock()
+
+    def take() -> None:
+        for _ in range(50):
+            name = attachment.next_solo_name(base)
+            with lock:
+                names.append(name)
+
+    threads = [threading.Thread(target=take) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(names) == sorted([base] + [f"{base}-{n}" for n in range(2, 201)])
+    assert attachment.next_solo_name(f"{base}-other") == f"{base}-other"  # counted per base
+
+
+def _names_by_id(address: str) -> dict[str, str]:
+    return {job["job_id"]: job["name"] for job in fetch_status(address)["jobs"]}
+
+
+def test_a_process_gives_its_later_datasets_numbered_default_names(joaderd: str) -> None:
+    # Optuna's n_jobs: each trial's dataset built in its own thread of one process.
+    datasets: list[JoaderDataset] = []
+    lock = threading.Lock()
+
+    def build() -> None:
+        ds = JoaderDataset("demo", indices=range(8), address=joaderd, threads=None, batch_size=4)
+        with lock:
+            datasets.append(ds)
+
+    threads = [threading.Thread(target=build) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        base = placement.process_name()
+        assert base == f"{os.path.basename(sys.argv[0])}-{os.getpid()}"
+        shown = _names_by_id(joaderd)
+        names = sorted(shown[ds.job_id] for ds in datasets)
+        later = [name for name in names if name != base]
+        assert len(set(names)) == 3 and len(later) >= 2, names  # earlier tests may have had the base
+        assert all(name.startswith(f"{base}-") and name[len(base) + 1:].isdigit() for name in later), names
+        # attaching again as the same process (`settle`) keeps the dataset's name
+        first = datasets[0]._attachment
+        assert first.default_name(placement.Placement(0, 1, placement.ALONE)) == shown[datasets[0].job_id]
+    finally:
+        for ds in datasets:
+            ds.close()
+
+
+def test_a_name_another_live_job_has_is_served_and_logged_once_with_the_fix(
+        joaderd: str, caplog: pytest.LogCaptureFixture) -> None:
+    with JoaderDataset("demo", indices=range(8), address=joaderd, threads=None, batch_size=4, name="trial") as first:
+        with caplog.at_level(logging.WARNING, logger="joader.client.dataset"):
+            with JoaderDataset("demo", indices=range(4, 12), address=joaderd, threads=None, batch_size=4,
+                               name="trial") as second:
+                assert second.job_id != first.job_id
+                shown = _names_by_id(joaderd)
+                assert shown[first.job_id] == shown[second.job_id] == "trial"
+                assert len(list(second)) == 8  # served all the same
+        notices = [r.getMessage() for r in caplog.records if "already attached" in r.getMessage()]
+        assert notices == [
+            f"JoaderDataset('demo'), job {second.job_id}: a job named 'trial' is already attached (job id "
+            f"{first.job_id}); this one ({second.job_id}) is served as a separate job under the same name. "
+            "Pass each JoaderDataset its own name= to tell them apart in joader status"]
+        # the first one attached alone: it was told nothing
+        assert not first._attachment.noticed and second._attachment.noticed
