@@ -323,19 +323,21 @@ def serve(source: str, root: str | os.PathLike[str], *, image_size: int | None =
           idle_exit_s: float | None = None, stop_timeout_s: float = 30.0) -> Iterator[Served]:
     """A sweep's joaderd, for the driver that launches the trials.
 
-    `cache_size` ("auto": from the data; or bytes such as "2GiB") and `idle_exit_s` default to
-    `$JOADER_CACHE_SIZE` and `$JOADER_IDLE_EXIT_S`, else "auto" and 600 s.
+    `cache_size` ("auto": from the data; or bytes such as "2GiB") defaults to
+    `$JOADER_CACHE_SIZE`, else "auto"; `idle_exit_s` to 600 s (a server the block started exits
+    at the block's end; this is for a driver killed before).
 
     Finds or starts the joaderd of this spec (as a job with `root=` would), exports its address
     in `JOADER_ADDRESS` for the block (trials started inside inherit it, so they may pass just
     the source's name), and stops the server at the end if this block started it. Trials that
     pass the same `root=` and stage options find the same server either way.
     """
-    sizing: dict[str, Any] = {}
+    # The block ends the server it started; its idle exit is only for a driver killed before
+    # that, so a short $JOADER_IDLE_EXIT_S (meant for the servers trials start) is not used: the
+    # trials of a Ray sweep may take longer than that to start and attach.
+    sizing: dict[str, Any] = {"idle_exit_s": DEFAULT_IDLE_EXIT_S if idle_exit_s is None else idle_exit_s}
     if cache_size is not None:
         sizing["cache_size"] = cache_size
-    if idle_exit_s is not None:
-        sizing["idle_exit_s"] = idle_exit_s
     spec = ServerSpec.make(source, root, image_size=image_size, mode=mode, stage=stage, decoder=decoder,
                            upscale=upscale, **sizing)
     address, pid = ensure_server(spec)

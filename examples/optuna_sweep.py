@@ -1,16 +1,17 @@
-"""An Optuna study on joader: three trials of a small CNN at once, all reading one source of joaderd's.
-
-Start joaderd on the host first, then the study beside it (one shell):
+"""An Optuna study on joader: three trials of a small CNN at once, all reading one folder of images.
 
     joader make-demo-data demo-data --items 1200
-    joaderd --source demo=demo-data --cache-size 256MiB --listen unix:/tmp/joaderd.sock &
-    JOADER_ADDRESS=unix:/tmp/joaderd.sock python examples/optuna_sweep.py --source demo
+    python examples/optuna_sweep.py --root demo-data
 
-The trials run in threads of this process (`n_jobs`). For processes sharing one study, run it
+No joaderd to start: the first trial's `JoaderDataset(..., root=...)` starts one for the folder
+(detached, shared by every later trial with the same root and image size), and it exits by
+itself 10 minutes after the last trial (`JOADER_IDLE_EXIT_S`; `joader servers --stop` at once).
+The trials run in threads of this process (`n_jobs`); torch's thread setting is the process's,
+one thread by default (JoaderDataset's threads="auto"). For processes sharing one study, run it
 once per process with a storage, e.g. three times at once:
 
     optuna create-study --study-name cnn --storage sqlite:///study.db --direction minimize
-    python examples/optuna_sweep.py --storage sqlite:///study.db --trials 1 --jobs 1
+    python examples/optuna_sweep.py --root demo-data --storage sqlite:///study.db --trials 1 --jobs 1
 
 (creating the study first: processes that all create a new SQLite study at once can collide on
 its tables, optuna/optuna#4621).
@@ -23,6 +24,7 @@ the trial (without `with`, a pruned trial's dataset lives until Python's cycle c
 from __future__ import annotations
 
 import argparse
+import os
 
 import optuna
 import torch
@@ -37,12 +39,11 @@ def small_cnn(channels: int, classes: int) -> torch.nn.Module:
         torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, classes))
 
 
-def make_objective(source: str, epochs: int):
+def make_objective(root: str, image_size: int, epochs: int):
     def objective(trial: optuna.Trial) -> float:
         lr = trial.suggest_float("lr", 0.003, 0.3, log=True)
-        # With auto-start (to come), `root=` goes here: JoaderDataset(source, root="/data/photos",
-        # image_size=64, name=...) finds or starts the host's joaderd itself.
-        with JoaderDataset(source, name=f"{trial.study.study_name}-{trial.number}") as ds:
+        with JoaderDataset("photos", root=root, image_size=image_size,
+                           name=f"{trial.study.study_name}-{trial.number}") as ds:
             model = small_cnn(ds.item_shape[0], len(ds.classes))
             optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
             loader = torch.utils.data.DataLoader(ds, batch_size=32)
@@ -67,7 +68,8 @@ def make_objective(source: str, epochs: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--source", default="demo", help="the joaderd source to train on")
+    parser.add_argument("--root", required=True, help="the images: class subfolders of JPEG/PNG files")
+    parser.add_argument("--image-size", type=int, default=64, help="the side joaderd crops and resizes to")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=3, help="trials at once, in threads of this process")
@@ -80,7 +82,8 @@ def main() -> None:
         storage = optuna.storages.RDBStorage(args.storage, engine_kwargs={"connect_args": {"timeout": 60}})
     study = optuna.create_study(study_name=args.study, storage=storage, load_if_exists=True, direction="minimize",
                                 pruner=optuna.pruners.MedianPruner(n_startup_trials=1))
-    study.optimize(make_objective(args.source, args.epochs), n_trials=args.trials, n_jobs=args.jobs)
+    objective = make_objective(os.path.abspath(args.root), args.image_size, args.epochs)
+    study.optimize(objective, n_trials=args.trials, n_jobs=args.jobs)
     for trial in study.trials:
         print(f"trial {trial.number}: {trial.state.name}, lr {trial.params['lr']:.3g}, loss {trial.value}")
     print(f"best: trial {study.best_trial.number}, lr {study.best_params['lr']:.3g}")

@@ -1,15 +1,14 @@
-"""A Ray Tune sweep on joader: three trials of a small CNN, all reading one source of joaderd's.
-
-Start joaderd on the host first, then the sweep beside it (one shell):
+"""A Ray Tune sweep on joader: three trials of a small CNN, all reading one folder of images.
 
     joader make-demo-data demo-data --items 1200
-    joaderd --source demo=demo-data --cache-size 256MiB --listen unix:/tmp/joaderd.sock &
-    JOADER_ADDRESS=unix:/tmp/joaderd.sock python examples/ray_tune_sweep.py --source demo
+    python examples/ray_tune_sweep.py --root demo-data
 
-Each trial builds its own `JoaderDataset` inside the trial, in a `with` block: one job of
-joaderd's, named after the trial in `joader status`, ended at the block's end, or with the
-trial's process when ASHA stops the trial early. joaderd decodes each image once for all the
-trials that read it. JOADER_ADDRESS reaches the trials through Ray's runtime_env.
+No joaderd to start: the driver's `joader.serve(...)` starts one for the folder (or finds the
+one running), and stops it when the sweep is over. Each trial builds its own `JoaderDataset`
+with the same `root=` and `image_size=`, which finds that server (a trial run without the
+driver's block would start it itself), in a `with` block: one job of joaderd's, named after the
+trial in `joader status`, ended at the block's end, or with the trial's process when ASHA stops
+the trial early. joaderd decodes each image once for all the trials that read it.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import torch
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler
 
+import joader
 from joader import JoaderDataset
 
 
@@ -34,9 +34,7 @@ def small_cnn(channels: int, classes: int) -> torch.nn.Module:
 
 def train_cnn(config: dict) -> None:
     trial = tune.get_context().get_trial_name()
-    # With auto-start (to come), `root=` goes here: JoaderDataset(config["source"], root=
-    # "/data/photos", image_size=64, name=trial) finds or starts the host's joaderd itself.
-    with JoaderDataset(config["source"], name=trial) as ds:
+    with JoaderDataset("photos", root=config["root"], image_size=config["image_size"], name=trial) as ds:
         # NOTE: len(ds.class_to_idx), not len(ds.classes). Ray pickles this function by value
         # (cloudpickle), and a function of a script that uses the global `torch` and the name
         # `classes` is taken to use the module torch.classes, which cannot be pickled ("cannot
@@ -61,21 +59,27 @@ def train_cnn(config: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--source", default="demo", help="the joaderd source to train on")
+    parser.add_argument("--root", required=True, help="the images: class subfolders of JPEG/PNG files")
+    parser.add_argument("--image-size", type=int, default=64, help="the side joaderd crops and resizes to")
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--cpus-per-trial", type=float, default=1.0, help="Ray's CPUs per trial (0.5: 3 at once on 2 cores)")
     parser.add_argument("--storage", default=None, help="Ray Tune's results folder (default ~/ray_results)")
     args = parser.parse_args()
+    root = os.path.abspath(args.root)
 
-    env = {"JOADER_ADDRESS": os.environ["JOADER_ADDRESS"]} if "JOADER_ADDRESS" in os.environ else {}
-    ray.init(include_dashboard=False, runtime_env={"env_vars": env})  # RAY_ADDRESS: an existing cluster
-    tuner = tune.Tuner(
-        train_cnn,
-        param_space={"lr": tune.grid_search([0.01, 0.03, 0.1]), "source": args.source, "epochs": args.epochs},
-        tune_config=tune.TuneConfig(scheduler=ASHAScheduler(metric="loss", mode="min", max_t=args.epochs,
-                                                            grace_period=1, reduction_factor=2)),
-        run_config=tune.RunConfig(name="joader-sweep", storage_path=args.storage, verbose=0),
-    )
-    results = tuner.fit()
+    # The sweep's joaderd: started here (or found running), stopped at the end of the block.
+    with joader.serve("photos", root=root, image_size=args.image_size):
+        ray.init(include_dashboard=False)  # RAY_ADDRESS: an existing cluster
+        tuner = tune.Tuner(
+            tune.with_resources(train_cnn, {"cpu": args.cpus_per_trial}),
+            param_space={"lr": tune.grid_search([0.01, 0.03, 0.1]), "root": root,
+                          "image_size": args.image_size, "epochs": args.epochs},
+            tune_config=tune.TuneConfig(scheduler=ASHAScheduler(metric="loss", mode="min", max_t=args.epochs,
+                                                                grace_period=1, reduction_factor=2)),
+            run_config=tune.RunConfig(name="joader-sweep", storage_path=args.storage, verbose=0),
+        )
+        results = tuner.fit()
+        ray.shutdown()
     for result in results:
         print(f"lr {result.config['lr']:g}: {result.metrics['training_iteration']} epochs, "
               f"loss {result.metrics['loss']:.3f}, accuracy {result.metrics['accuracy']:.2f}")

@@ -17,8 +17,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +30,7 @@ import pytest
 
 from tests.integration.conftest import Joaderd
 from tests.support.integrity import check_records, complete_epochs
-from tests.support.processes import NUM_DEMO_ITEMS, ROOT, Clients
+from tests.support.processes import IMAGE_SIZE, NUM_DEMO_ITEMS, ROOT, Clients
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -157,28 +160,52 @@ _EXAMPLE_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_
                 "TORCHELASTIC_RUN_ID", "RAY_ADDRESS")
 
 
-def _example(script: str, args: list[str], server: Joaderd, tmp_path: Path, env: dict[str, str],
-             timeout_s: float) -> str:
-    clean = {key: value for key, value in os.environ.items() if key not in _EXAMPLE_ENV}
+def _example(script: str, args: list[str], demo_root: Path, tmp_path: Path, env: dict[str, str],
+             timeout_s: float, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs an example as its README shows it: no joaderd started by hand (its trials start one
+    for `--root`, in a private XDG_RUNTIME_DIR); afterwards no joaderd of it may be left."""
+    from joader.client.autostart import running_servers, stop_servers
+
+    runtime = Path(tempfile.mkdtemp(prefix="jex-", dir="/tmp"))  # short: sun_path is 108 bytes
+    runtime.chmod(0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    clean = {key: value for key, value in os.environ.items() if key not in _EXAMPLE_ENV + ("JOADER_ADDRESS",)}
     try:
-        done = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], capture_output=True,
-                              text=True, timeout=timeout_s, cwd=tmp_path,
-                              env={**clean, "JOADER_ADDRESS": server.address, **env})
-    except subprocess.TimeoutExpired as error:
-        pytest.fail(f"examples/{script} did not finish within {timeout_s:g} s:\n{error.stdout}\n{error.stderr}")
-    assert done.returncode == 0, f"examples/{script} failed:\n{done.stdout}\n{done.stderr[-6000:]}"
-    assert server.status()["jobs"] == []
+        try:
+            done = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--root", str(demo_root),
+                                   "--image-size", str(IMAGE_SIZE), *args], capture_output=True, text=True,
+                                  timeout=timeout_s, cwd=tmp_path,
+                                  env={**clean, "JOADER_IDLE_EXIT_S": str(IDLE_EXIT_S), **env})
+        except subprocess.TimeoutExpired as error:
+            pytest.fail(f"examples/{script} did not finish within {timeout_s:g} s:\n{error.stdout}\n{error.stderr}")
+        assert done.returncode == 0, f"examples/{script} failed:\n{done.stdout}\n{done.stderr[-6000:]}"
+        logs = "".join(p.read_text() for p in (runtime / "joader").glob("*.log"))
+        assert logs.count(" started by pid ") == 1, logs  # one joaderd for the whole sweep
+        deadline = time.monotonic() + IDLE_EXIT_S + 20
+        while running_servers() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not running_servers(), f"examples/{script} left its joaderd running"
+    finally:
+        stop_servers()
+        shutil.rmtree(runtime, ignore_errors=True)
     return done.stdout
 
 
-def test_the_ray_tune_example_runs_its_sweep(server: Joaderd, tmp_path: Path) -> None:
-    out = _example("ray_tune_sweep.py", ["--source", "demo", "--epochs", "2", "--storage", str(tmp_path / "results")],
-                   server, tmp_path, {"RAY_USAGE_STATS_ENABLED": "0"}, 150)
+IDLE_EXIT_S = 3  # the auto-started joaderd of the Optuna example exits this long after its last trial
+
+
+def test_the_ray_tune_example_runs_its_sweep(demo_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver's `joader.serve` block starts the sweep's joaderd and stops it at its end."""
+    out = _example("ray_tune_sweep.py", ["--epochs", "2", "--cpus-per-trial", "0.5", "--storage",
+                                         str(tmp_path / "results")],
+                   demo_root, tmp_path, {"RAY_USAGE_STATS_ENABLED": "0"}, 150, monkeypatch)
     lines = out.splitlines()
     assert len([line for line in lines if line.startswith("lr ")]) == 3 and lines[-1].startswith("best: lr "), out
 
 
-def test_the_optuna_example_runs_its_study_in_threads(server: Joaderd, tmp_path: Path) -> None:
-    out = _example("optuna_sweep.py", ["--source", "demo", "--epochs", "2"], server, tmp_path, {}, 120)
+def test_the_optuna_example_runs_its_study_in_threads(demo_root: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first trial starts joaderd; it exits by itself once the study is over."""
+    out = _example("optuna_sweep.py", ["--epochs", "2"], demo_root, tmp_path, {}, 120, monkeypatch)
     lines = out.splitlines()
     assert len([line for line in lines if line.startswith("trial ")]) == 3 and lines[-1].startswith("best: trial "), out
