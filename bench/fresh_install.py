@@ -97,7 +97,8 @@ class Run:
     def step(self, name: str, command: list[str], *, timeout_s: float = 1800, cwd: Path | None = None,
              env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
         log = self.logs / f"{len(self.steps):02d}-{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}.log"
-        print(f"fresh_install: {name}: {' '.join(command)}", flush=True)
+        shown = [arg if "\n" not in arg else "<script>" for arg in command]
+        print(f"fresh_install: {name}: {' '.join(shown)}", flush=True)
         start = time.monotonic()
         try:
             done = subprocess.run(command, cwd=cwd or self.scratch, env=env, text=True, stdin=subprocess.DEVNULL,
@@ -110,7 +111,7 @@ class Run:
             done = subprocess.CompletedProcess(command, code, output)
         seconds = time.monotonic() - start
         log.write_text(output)
-        self.steps.append({"step": name, "command": command, "seconds": round(seconds, 2), "ok": code == 0,
+        self.steps.append({"step": name, "command": shown, "seconds": round(seconds, 2), "ok": code == 0,
                            "exit_code": code})
         if code != 0:
             tail = "\n".join(output.splitlines()[-_LOG_TAIL_LINES:])
