@@ -3,27 +3,42 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.joader-installed
+TORCH ?= torch==2.13.0
 DEMO_DIR ?= demo-data
 DEMO_ITEMS ?= 1200
+# One stamp per set of packages: the base (torch and joader) and each extra on top of it, so a
+# target installs only what it runs (`make demo` no extra, `make test` the test extra, ...), and
+# each set is installed again when pyproject.toml changes.
+BASE := $(VENV)/.joader-base
+EXTRA := $(VENV)/.joader-extra-
 
 .PHONY: venv test test-fast demo bench bench-full lint proto clean
+.PRECIOUS: $(EXTRA)%
 
 # torch is installed first, pinned, because a bare `torch` requirement on a machine without it
-# pulls the newest CUDA build (gigabytes); the project's own range then admits it (docs/architecture.md, "Lessons already paid for").
-$(STAMP): pyproject.toml
+# pulls the newest CUDA build (gigabytes); the project's own range then admits it and pip leaves it
+# be (docs/install.md; docs/architecture.md, "Lessons already paid for").
+$(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,bench,dev]'
-	touch $(STAMP)
+	$(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+# $(EXTRA)test, $(EXTRA)bench, $(EXTRA)dev: pyproject.toml's extra of that name (via $(BASE),
+# a change of pyproject.toml installs it again)
+$(EXTRA)%: $(BASE)
+	$(PY) -m pip install --quiet -e '.[$*]'
+	touch $@
 
 # The project is installed editable, so pip compiled none of its modules; where
 # PYTHONDONTWRITEBYTECODE is set (as on this machine) every process - each job, lease keeper, CLI
 # call and test subprocess - compiled them again (30-50 ms of CPU each). compileall writes the
-# .pyc files whatever that setting, and recompiles only what changed.
-venv: $(STAMP)
-	@$(PY) -m compileall -q joader server client bench tests >/dev/null
+# .pyc files whatever that setting, and recompiles only what changed. Every target runs it.
+COMPILE = @$(PY) -m compileall -q joader server client bench tests >/dev/null
+
+venv: $(BASE)
+	$(COMPILE)
 
 # The suite runs in TEST_WORKERS pytest processes at once (pytest-xdist): one at a time, its tests
 # leave a core idle while they wait on the processes they start (joaderd, jobs, torchrun); three
@@ -32,7 +47,8 @@ venv: $(STAMP)
 # jobs running in step) and run after, alone.
 # pytest exits 5 when it collects no test: that is a failure here, not a silent pass.
 TEST_WORKERS ?= 3
-test: venv
+test: $(EXTRA)test
+	$(COMPILE)
 	@rc=0; \
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal -m "not serial" tests || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; rc=1; fi; \
@@ -40,14 +56,17 @@ test: venv
 	if [ "$${rc2:-0}" -eq 5 ]; then echo "make test: pytest collected no serial tests" >&2; rc2=1; fi; \
 	if [ $$rc -ne 0 ]; then exit $$rc; fi; exit $${rc2:-0}
 
-test-fast: venv
+test-fast: $(EXTRA)test
+	$(COMPILE)
 	$(PY) -m pytest -q -x tests/unit
 
-demo: venv
+demo: $(BASE)
+	$(COMPILE)
 	$(PY) -m joader.client.demo --data $(DEMO_DIR) --items $(DEMO_ITEMS)
 
 # Quick: a few minutes, fewer repetitions and sizes. Full: about an hour.
-bench: venv
+bench: $(EXTRA)bench
+	$(COMPILE)
 	$(PY) -m bench.sampler --quick
 	$(PY) -m bench.multi_job --quick
 	$(PY) -m bench.async_jobs --quick
@@ -57,7 +76,8 @@ bench: venv
 	$(PY) -m bench.autoscale --quick
 	$(PY) -m bench.four_jobs --reps 1 --name four_jobs-quick
 
-bench-full: venv
+bench-full: $(EXTRA)bench
+	$(COMPILE)
 	$(PY) -m bench.sampler
 	$(PY) -m bench.multi_job --decoder pil
 	$(PY) -m bench.async_jobs
@@ -67,10 +87,10 @@ bench-full: venv
 	$(PY) -m bench.autoscale
 	$(PY) -m bench.four_jobs
 
-lint: venv
+lint: $(EXTRA)dev
 	$(VENV)/bin/ruff check joader server client tests bench
 
-proto: venv
+proto: $(EXTRA)dev
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. joader/proto/joader.proto
 
 clean:
