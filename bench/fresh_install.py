@@ -20,8 +20,11 @@ The install a user makes (README, "Install"; docs/install.md), step by step, eac
    cache), one epoch read with `DataLoader(JoaderDataset("demo", return_index=True))` (every
    index exactly once), `joader status`, joaderd stopped with SIGTERM (exit 0);
 7. with `--sweeps`: `ray[tune]` and `optuna` installed too (torch checked again), then
-   `examples/ray_tune_sweep.py` and `examples/optuna_sweep.py` of the clone run (each one that
-   exists; `--sweep-args` are passed to both) with `JOADER_ADDRESS` naming the running joaderd;
+   `examples/ray_tune_sweep.py` and `examples/optuna_sweep.py` of the clone run as the README
+   shows them, with no joaderd started by hand (`--root` the demo data; `--sweep-args` passed to
+   both), no auto-started joaderd left once they are over, and `bench.sweeps` (one repetition, 2
+   epochs, 600 items) from a copy of bench/: each sweep's wall against folder datasets, exact
+   epochs, jobs served per decode, what is left running;
 8. the temporary directory, venv included, removed (`--keep` keeps it and says where).
 
 Usage (from the repository root, with any python3 >= 3.11; it imports only the standard library):
@@ -187,6 +190,19 @@ def check_torch(run: Run, python: Path, before: dict[str, Any], pip_log: str, af
     return same
 
 
+def wait_no_servers(bindir: Path, env: dict[str, str], timeout_s: float) -> list[Any]:
+    """The auto-started joaderds still running after `timeout_s` (each exits on its own, or at
+    the end of its `joader.serve` block)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = subprocess.run([str(bindir / "joader"), "servers", "--json"], env=env, capture_output=True,
+                             text=True, timeout=60)
+        left = json.loads(out.stdout) if out.returncode == 0 and out.stdout.strip() else []
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
 def wait_ready(path: Path, proc: subprocess.Popen[bytes], timeout_s: float) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -300,16 +316,33 @@ def main(argv: list[str] | None = None) -> int:
         if args.sweeps:
             done = run.step("install ray[tune], optuna", [*pip, "install", *SWEEP_PACKAGES])
             torch_ok = check_torch(run, python, before, done.stdout, "ray[tune], optuna") and torch_ok
-            env = dict(os.environ, JOADER_ADDRESS=address)
-            for example in SWEEP_EXAMPLES:
+            # As the README shows them: no joaderd started by hand (the examples' trials and the
+            # Ray driver's joader.serve start one for --root), in a private runtime directory.
+            runtime = Path(tempfile.mkdtemp(prefix="jfi-", dir="/tmp"))
+            runtime.chmod(0o700)
+            env = {k: v for k, v in os.environ.items() if k not in ("JOADER_ADDRESS", "PYTHONPATH")}
+            env.update(XDG_RUNTIME_DIR=str(runtime), JOADER_IDLE_EXIT_S="10", RAY_USAGE_STATS_ENABLED="0")
+            for example, extra in zip(SWEEP_EXAMPLES, (["--cpus-per-trial", "0.5"], []), strict=True):
                 script = src / example
-                if not script.exists():
-                    print(f"fresh_install: {example} is not in the clone yet: skipped", flush=True)
-                    run.steps.append({"step": f"run {example}", "command": [], "seconds": 0, "ok": None,
-                                      "detail": "absent: skipped"})
-                    continue
-                run.step(f"run {example}", [str(python), str(script), *args.sweep_args.split()], env=env,
+                run.step(f"run {example}", [str(python), str(script), "--root", str(data), "--image-size", "64",
+                                            *extra, *args.sweep_args.split()], env=env,
                          timeout_s=args.sweep_timeout_s, check=False)
+            left = wait_no_servers(bindir, env, 60)
+            run.note("no joaderd left after the examples", not left, detail=f"left: {left}" if left else "none")
+            # The bench of the same sweeps (wall against folder datasets, exact epochs, served per
+            # decode, leftovers), run from a copy of bench/ so that `import joader` is the venv's.
+            benchdir = scratch / "benchcode"
+            shutil.copytree(src / "bench", benchdir / "bench", ignore=shutil.ignore_patterns("results", "__pycache__"))
+            done = run.step("bench.sweeps", [str(python), "-m", "bench.sweeps", "--reps", "1", "--epochs", "2",
+                                             "--items", "600", "--name", f"fresh_install-{label}-sweeps"],
+                            env=dict(env, PYTHONPATH=str(benchdir)), cwd=benchdir,
+                            timeout_s=args.sweep_timeout_s, check=False)
+            table = [line for line in done.stdout.splitlines() if line.strip()][-8:]
+            result["sweeps_table"] = table
+            print("\n".join(table), flush=True)
+            for made in (benchdir / "bench" / "results").glob("*.json"):
+                shutil.copy(made, RESULTS / made.name)
+            shutil.rmtree(runtime, ignore_errors=True)
 
         t0 = time.monotonic()
         server.send_signal(signal.SIGTERM)
