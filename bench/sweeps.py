@@ -8,7 +8,7 @@ block: the first trial to get there starts joaderd (`joader.client.autostart`), 
 it, and it exits by itself once the sweep is over (`JOADER_IDLE_EXIT_S`, 15 s here). On the
 folder side each trial reads `bench.field.StageFolder` (joaderd's stage, same decoder and
 parameters) through a shuffling DataLoader with one worker, as a trial would read an
-ImageFolder.
+ImageFolder; on the `pil-folder` side the same with Pillow's decoder (torchvision's).
 
 Tools: `ray` (tune.Tuner, 3 trials at 0.5 CPU each so all run at once), `optuna-threads`
 (study.optimize(n_jobs=3)) and `optuna-procs` (3 processes, one SQLite study). Every trial
@@ -19,7 +19,7 @@ joader arenas in /dev/shm. `--kill-after-s T` kills the auto-started joaderd (-9
 each joader sweep: a trial's lease keeper starts it again and the epochs must stay exact.
 
 Usage: python -m bench.sweeps [--items 1200] [--epochs 3] [--reps 3] [--tools ray,optuna-threads,optuna-procs]
-       [--sides joader,folder] [--kill-after-s T] [--name NAME]
+       [--sides joader,folder,pil-folder] [--kill-after-s T] [--name NAME]
 """
 
 from __future__ import annotations
@@ -66,8 +66,9 @@ def train(config: dict[str, Any], report: Any = None) -> dict[str, Any]:
         dataset: Any = JoaderDataset(SOURCE, root=config["root"], image_size=IMAGE_SIZE, return_index=True,
                                      name=name)
         loader = DataLoader(dataset, batch_size=BATCH_SIZE)
-    else:
-        dataset = StageFolder(config["root"], IMAGE_SIZE, "RGB", False, config["decoder"])
+    else:  # "folder": joaderd's decoder (turbo); "pil-folder": Pillow, as a torchvision ImageFolder decodes
+        decoder = "pil" if config["side"] == "pil-folder" else config["decoder"]
+        dataset = StageFolder(config["root"], IMAGE_SIZE, "RGB", False, decoder)
         loader = DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True, num_workers=1, persistent_workers=True,
                             generator=torch.Generator().manual_seed(config["seed"]))
     model = small_cnn(3, IMAGE_SIZE)
@@ -181,6 +182,7 @@ def run_sweep(tool: str, side: str, root: Path, args: argparse.Namespace) -> dic
         decoded, delivered = status.get("items_decoded", 0), status.get("items_delivered", 0)
         result |= {"items_decoded": decoded, "items_delivered": delivered,
                    "served_per_decode": round(delivered / decoded, 3) if decoded else None,
+                   "sharing": status.get("sharing"),  # within epochs (jobs per decode) and cross-epoch reuse
                    "cache_bytes": status.get("cache", {}).get("capacity_bytes")}
     return result
 
@@ -294,19 +296,27 @@ def main(argv: list[str] | None = None) -> int:
                       f"{result.get('served_per_decode', '-')}, servers started {result['servers_started']}, "
                       f"left {result['left_running']}", flush=True)
     rows = []
+    sides = args.sides.split(",")
     for tool in args.tools.split(","):
-        by = {s: [r for r in results if r["tool"] == tool and r["side"] == s] for s in args.sides.split(",")}
-        j, f = by.get("joader", []), by.get("folder", [])
-        jw = median([r["wall_s"] for r in j]) if j else None
-        fw = median([r["wall_s"] for r in f]) if f else None
-        rows.append([tool, jw or "-", fw or "-", round(fw / jw, 2) if jw and fw else "-",
-                     median([r["served_per_decode"] for r in j if r.get("served_per_decode")]) if j else "-",
-                     all(r["exact"] for r in j + f), max((r["servers_started"] for r in j), default=0),
-                     sum(len(v) for r in j + f for v in r["left_running"].values())])
+        by = {s: [r for r in results if r["tool"] == tool and r["side"] == s] for s in sides}
+        walls = {s: median([r["wall_s"] for r in by[s]]) if by[s] else None for s in sides}
+        spans = {s: median([r["trials_wall_s"] for r in by[s]]) if by[s] else None for s in sides}
+        j = by.get("joader", [])
+        row: list[Any] = [tool]
+        for s in sides:
+            ratio = f" ({walls[s] / walls['joader']:.2f}x)" if s != "joader" and walls.get("joader") and walls[s] else ""
+            row.append(f"{walls[s]} / {spans[s]}{ratio}" if walls[s] is not None else "-")
+        within = [r["sharing"]["within_epoch"] for r in j if r.get("sharing")]
+        row += [median([r["served_per_decode"] for r in j if r.get("served_per_decode")]) if j else "-",
+                median(within) if within else "-",
+                all(r["exact"] for s in sides for r in by[s]), max((r["servers_started"] for r in j), default=0),
+                sum(len(v) for s in sides for r in by[s] for v in r["left_running"].values())]
+        rows.append(row)
     print(f"\n{args.items} demo JPEGs at {IMAGE_SIZE} px, 3 trials x {args.epochs} epochs, medians of {args.reps}"
-          + (f", joaderd killed -9 {args.kill_after_s:g} s into each joader sweep" if args.kill_after_s else "") + ":")
-    print_table(["sweep", "joader wall s", "folder wall s", "folder/joader", "served/decode", "every epoch exact",
-                 "servers started", "left running"], rows)
+          + (f", joaderd killed -9 {args.kill_after_s:g} s into each joader sweep" if args.kill_after_s else "")
+          + ". Wall s: the sweep / the trials' span (x: against joader's sweep):")
+    print_table(["sweep", *[f"{s} wall s" for s in sides], "deliveries/decode", "jobs/decode (within epochs)",
+                 "every epoch exact", "servers started", "left running"], rows)
     path = write_json(args.name, {"command": "python -m bench.sweeps " + " ".join(argv), "machine": machine(),
                                   "items": args.items, "epochs": args.epochs, "reps": args.reps,
                                   "kill_after_s": args.kill_after_s, "results": results})

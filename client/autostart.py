@@ -53,7 +53,7 @@ from joader.address import ENV_ADDRESS, default_socket_path
 from joader.errors import InvalidArgumentError
 from joader.launch import JoaderdStartError, read_ready_file
 
-__all__ = ["DEFAULT_IDLE_EXIT_S", "ServerSpec", "Served", "ensure_server", "running_servers", "serve", "stop_servers"]
+__all__ = ["DEFAULT_IDLE_EXIT_S", "ServerSpec", "Served", "ensure_server", "running_servers", "serve", "stop_server", "stop_servers"]
 
 logger = logging.getLogger(__name__)
 
@@ -304,7 +304,7 @@ def stop_servers(timeout_s: float = 30.0) -> list[dict[str, Any]]:
     servers = running_servers()
     for server in servers:
         if server.get("pid"):
-            _stop(int(server["pid"]), Path(server["address"][len("unix:"):]), timeout_s)
+            stop_server(int(server["pid"]), timeout_s)
     return servers
 
 
@@ -351,11 +351,11 @@ def serve(source: str, root: str | os.PathLike[str], *, image_size: int | None =
         else:
             os.environ[ENV_ADDRESS] = before
         if pid is not None:
-            _stop(pid, spec.socket_path(), stop_timeout_s)
+            stop_server(pid, stop_timeout_s)
 
 
-def _stop(pid: int, path: Path, timeout_s: float) -> None:
-    """SIGTERM to the server this process started; waits until its socket is gone."""
+def stop_server(pid: int, timeout_s: float = 30.0) -> None:
+    """SIGTERM to joaderd `pid`; waits until it exited (SIGKILL after `timeout_s`)."""
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:

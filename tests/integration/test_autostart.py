@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from joader.client.autostart import ServerSpec
+from joader.client.autostart import ServerSpec, stop_server
 from joader.launch import read_ready_file
 from tests.support.integrity import Findings, check_records, read_records
 from tests.support.processes import IMAGE_SIZE, NUM_DEMO_ITEMS, ROOT, finish, wait_for
@@ -39,23 +39,8 @@ def runtime_dir() -> Iterator[Path]:
         for ready in (path / "joader").glob("*.ready"):
             info = read_ready_file(ready)
             if info is not None:
-                _stop_pid(int(info["pid"]))
+                stop_server(int(info["pid"]), timeout_s=20)
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _stop_pid(pid: int, timeout_s: float = 20.0) -> None:
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
 
 
 def _env(runtime_dir: Path, **extra: str) -> dict[str, str]:
