@@ -38,12 +38,19 @@ def get_stub(address: str) -> joader_pb2_grpc.JoaderStub:
 
 
 def reset_channel(address: str) -> None:
-    """Closes this process's channel to `address`; the next call makes a fresh one (after
-    joaderd restarted, a fresh channel connects at once instead of backing off)."""
+    """Forgets this process's channel to `address`; the next call makes a fresh one (after
+    joaderd restarted, a fresh channel connects at once instead of backing off).
+
+    NOTE [ Resetting a channel must not close it ]
+    The channel is the process's, shared by every dataset (and thread) that talks to `address`:
+    Optuna's `n_jobs` trials are threads of one process, each with its own dataset. When joaderd
+    restarted, the first reader to adopt the new job closed the channel, and the call another
+    trial's reader had just sent on it to the new joaderd failed with "CANCELLED: Channel
+    closed!", ending that trial. The old channel is only dropped from the cache: calls in flight
+    on it finish (or fail as the dead server's calls do), and it is closed when the last of them
+    lets go of it."""
     with _lock:
-        cached = _channels.pop(address, None)
-    if cached is not None and cached[0] == os.getpid():
-        cached[1].close()
+        _channels.pop(address, None)
 
 
 def translate(error: grpc.RpcError, address: str) -> Exception:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -25,6 +26,7 @@ class Server:
 
     def __init__(self, path: Path) -> None:
         self.abort: tuple[grpc.StatusCode, str, str | None] | None = None
+        self.delay_s = 0.0
         self.address = f"unix:{path}"
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         handler = grpc.method_handlers_generic_handler("joader.Joader", {"Next": grpc.unary_unary_rpc_method_handler(
@@ -35,6 +37,8 @@ class Server:
         self.server.start()
 
     def next(self, request: joader_pb2.NextRequest, context: grpc.ServicerContext) -> joader_pb2.NextResponse:
+        if self.delay_s:
+            time.sleep(self.delay_s)
         if self.abort is not None:
             code, details, class_name = self.abort
             if class_name is not None:
@@ -57,6 +61,17 @@ def test_a_process_reuses_its_channel_until_it_is_reset(server: Server) -> None:
     assert channel.call(server.address, "Next", joader_pb2.NextRequest(max_items=3)).item_ids == [3]
     channel.reset_channel(server.address)
     assert channel.get_stub(server.address) is not stub
+
+
+def test_a_reset_leaves_the_calls_in_flight_on_the_old_channel_alone(server: Server) -> None:
+    """NOTE [ Resetting a channel must not close it ]: one trial's reader resets the process's
+    channel after a restart while another trial's call is on it; that call must still answer."""
+    server.delay_s = 0.5
+    pending = channel.call_async(server.address, "Next", joader_pb2.NextRequest(max_items=5))
+    time.sleep(0.1)  # the call is on the wire
+    channel.reset_channel(server.address)
+    assert pending.result().item_ids == [5]
+    assert channel.call(server.address, "Next", joader_pb2.NextRequest(max_items=6)).item_ids == [6]
 
 
 def test_a_forked_child_makes_its_own_channel(server: Server) -> None:
