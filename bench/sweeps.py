@@ -15,11 +15,11 @@ Tools: `ray` (tune.Tuner, 3 trials at 0.5 CPU each so all run at once), `optuna-
 checks each of its epochs: every item exactly once, with its label. Reported per sweep: the
 sweep's wall (from launch to the last trial's end), jobs served per decode (joaderd's status,
 read before it exits), and what is left once it is over: joaderd and lease keeper processes,
-joader arenas in /dev/shm. `--kill-after-s T` kills the auto-started joaderd (-9) T seconds into
-each joader sweep: a trial's lease keeper starts it again and the epochs must stay exact.
+joader arenas in /dev/shm. `--kill-after-s T` kills the auto-started joaderd (-9) T seconds after
+it first serves in each joader sweep: a trial's lease keeper starts it again and the epochs must stay exact.
 
 Usage: python -m bench.sweeps [--items 1200] [--epochs 3] [--reps 3] [--tools ray,optuna-threads,optuna-procs]
-       [--sides joader,folder,pil-folder] [--kill-after-s T] [--name NAME]
+       [--sides joader,folder,pil-folder] [--image-size 64] [--kill-after-s T] [--name NAME]
 """
 
 from __future__ import annotations
@@ -59,19 +59,19 @@ def train(config: dict[str, Any], report: Any = None) -> dict[str, Any]:
     torch.manual_seed(config["seed"])
     labels = list_image_folder(config["root"]).labels
     name = config["name"]
+    size = config.get("image_size", IMAGE_SIZE)
     record: dict[str, Any] = {"name": name, "side": config["side"], "epochs": [], "started": time.time()}
     if config["side"] == "joader":
         from joader import JoaderDataset
 
-        dataset: Any = JoaderDataset(SOURCE, root=config["root"], image_size=IMAGE_SIZE, return_index=True,
-                                     name=name)
+        dataset: Any = JoaderDataset(SOURCE, root=config["root"], image_size=size, return_index=True, name=name)
         loader = DataLoader(dataset, batch_size=BATCH_SIZE)
     else:  # "folder": joaderd's decoder (turbo); "pil-folder": Pillow, as a torchvision ImageFolder decodes
         decoder = "pil" if config["side"] == "pil-folder" else config["decoder"]
-        dataset = StageFolder(config["root"], IMAGE_SIZE, "RGB", False, decoder)
+        dataset = StageFolder(config["root"], size, "RGB", False, decoder)
         loader = DataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True, num_workers=1, persistent_workers=True,
                             generator=torch.Generator().manual_seed(config["seed"]))
-    model = small_cnn(3, IMAGE_SIZE)
+    model = small_cnn(3, size)
     optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
     try:
         for epoch in range(config["epochs"]):
@@ -132,6 +132,7 @@ def run_sweep(tool: str, side: str, root: Path, args: argparse.Namespace) -> dic
     records = runtime / "records"
     records.mkdir()
     config = {"side": side, "root": str(root), "epochs": args.epochs, "records": str(records),
+              "image_size": args.image_size,
               "decoder": "turbo", "tool": tool}
     before = _leftovers()
     started = time.monotonic()
@@ -139,6 +140,7 @@ def run_sweep(tool: str, side: str, root: Path, args: argparse.Namespace) -> dic
                             env=_env(runtime), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     status: dict[str, Any] | None = None
     killed = None
+    seen = 0.0  # when the auto-started joaderd was first seen
     try:
         while proc.poll() is None:
             time.sleep(0.2)
@@ -146,8 +148,9 @@ def run_sweep(tool: str, side: str, root: Path, args: argparse.Namespace) -> dic
                 continue
             servers = _servers(runtime)
             if servers:
+                seen = seen or time.monotonic()
                 status = _status(servers[0]["address"], runtime) or status
-                if args.kill_after_s and killed is None and time.monotonic() - started > args.kill_after_s:
+                if args.kill_after_s and killed is None and time.monotonic() - seen > args.kill_after_s:
                     killed = servers[0]["pid"]
                     os.kill(int(killed), signal.SIGKILL)
         out, err = proc.communicate()
@@ -170,8 +173,8 @@ def run_sweep(tool: str, side: str, root: Path, args: argparse.Namespace) -> dic
     log = "".join(p.read_text(errors="replace") for p in (runtime / "joader").glob("*.log")) \
         if (runtime / "joader").exists() else ""
     shutil.rmtree(runtime, ignore_errors=True)
-    exact = bool(trials) and all(e["exact"] for t in trials for e in t["epochs"]) \
-        and all(len(t["epochs"]) == args.epochs for t in trials)
+    exact = len(trials) == len(LRS) and all(e["exact"] for t in trials for e in t["epochs"]) \
+        and all(len(t["epochs"]) == args.epochs for t in trials)  # a trial that failed wrote no record
     result: dict[str, Any] = {
         "tool": tool, "side": side, "wall_s": round(wall, 2), "trials_wall_s": round(trials_wall, 2),
         "trials": len(trials), "exact": exact, "epochs": [len(t["epochs"]) for t in trials],
@@ -276,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--items", type=int, default=1200)
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--image-size", type=int, default=IMAGE_SIZE, help="the shared stage's S (center-crop)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--tools", default=",".join(TOOLS))
     parser.add_argument("--sides", default="joader,folder")
@@ -312,13 +316,15 @@ def main(argv: list[str] | None = None) -> int:
                 all(r["exact"] for s in sides for r in by[s]), max((r["servers_started"] for r in j), default=0),
                 sum(len(v) for s in sides for r in by[s] for v in r["left_running"].values())]
         rows.append(row)
-    print(f"\n{args.items} demo JPEGs at {IMAGE_SIZE} px, 3 trials x {args.epochs} epochs, medians of {args.reps}"
-          + (f", joaderd killed -9 {args.kill_after_s:g} s into each joader sweep" if args.kill_after_s else "")
+    print(f"\n{args.items} demo JPEGs at {args.image_size} px, 3 trials x {args.epochs} epochs, medians of {args.reps}"
+          + (f", joaderd killed -9 {args.kill_after_s:g} s after it started, in each joader sweep"
+             if args.kill_after_s else "")
           + ". Wall s: the sweep / the trials' span (x: against joader's sweep):")
     print_table(["sweep", *[f"{s} wall s" for s in sides], "deliveries/decode", "jobs/decode (within epochs)",
                  "every epoch exact", "servers started", "left running"], rows)
     path = write_json(args.name, {"command": "python -m bench.sweeps " + " ".join(argv), "machine": machine(),
                                   "items": args.items, "epochs": args.epochs, "reps": args.reps,
+                                  "image_size": args.image_size,
                                   "kill_after_s": args.kill_after_s, "results": results})
     print(f"wrote {path}")
     return 0
