@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from joader.address import ENV_ADDRESS, default_socket_path
+from joader.cache.arena import pid_alive
 from joader.errors import InvalidArgumentError
 from joader.launch import JoaderdStartError, read_ready_file
 
@@ -238,13 +239,13 @@ def _start(spec: ServerSpec, path: Path, timeout_s: float) -> int:
         info = read_ready_file(ready)
         if info is not None:
             return int(info.get("pid") or server_pid)
-        code = _exit_code(server_pid)
-        if code is not None or time.monotonic() > deadline:
-            if code is None:
+        exited = not pid_alive(server_pid)
+        if exited or time.monotonic() > deadline:
+            if not exited:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(server_pid, signal.SIGKILL)
             tail = _tail(log_path)
-            what = f"exited with code {code}" if code is not None else f"was not ready within {timeout_s:g} s"
+            what = "exited" if exited else f"was not ready within {timeout_s:g} s"
             raise JoaderdStartError(
                 f"joaderd for source {spec.source!r} ({spec.root}) {what}. Its log ({log_path}) "
                 f"ends with:\n{tail}\nFix what it says, or start joaderd by hand and pass address=")
@@ -256,21 +257,6 @@ _LAUNCHER = (
     "p = subprocess.Popen(sys.argv[1:], start_new_session=True, stdin=subprocess.DEVNULL, stdout=2, stderr=2)\n"
     "print(p.pid)\n"
 )
-
-
-def _exit_code(pid: int) -> int | None:
-    """None while `pid` runs; otherwise some code (the launcher's orphan is not ours to wait)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return -1
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            if stat.read().rpartition(b")")[2].split()[:1] == [b"Z"]:
-                return -1
-    except OSError:
-        return -1
-    return None
 
 
 def _tail(path: Path) -> str:
@@ -362,7 +348,7 @@ def stop_server(pid: int, timeout_s: float = 30.0) -> None:
         return
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if _exit_code(pid) is not None:
+        if not pid_alive(pid):
             return
         time.sleep(_POLL_S)
     logger.warning("joader: joaderd %d did not stop within %g s of SIGTERM; killing it", pid, timeout_s)

@@ -375,7 +375,7 @@ def remove_stale_arenas(shm_dir: str | os.PathLike[str] = DEFAULT_SHM_DIR) -> li
         if match is None or entry.name in _created_here:
             continue
         pid = int(match.group(1))
-        if pid != os.getpid() and _pid_alive(pid):
+        if pid != os.getpid() and pid_alive(pid):
             continue
         try:
             if (
@@ -459,7 +459,8 @@ def _space_error(shm_dir: str | os.PathLike[str], size_bytes: int) -> CacheSpace
     )
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not: it holds nothing)."""
     if pid <= 0:
         return False
     try:
