@@ -39,7 +39,6 @@ import json
 import logging
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -49,21 +48,27 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from joader.address import ENV_ADDRESS, default_socket_path
-from joader.cache.arena import pid_alive
-from joader.errors import InvalidArgumentError
-from joader.launch import JoaderdStartError, read_ready_file
+import psutil
 
-__all__ = ["DEFAULT_IDLE_EXIT_S", "ServerSpec", "Served", "ensure_server", "running_servers", "serve", "stop_server", "stop_servers"]
+from joader.address import ENV_ADDRESS, SUN_PATH_MAX, runtime_dir
+from joader.errors import InvalidArgumentError, ServerStoppedError, UntrustedServerError
+from joader.launch import JoaderdStartError, read_ready_file
+from joader.private_dir import open_private, owner_name, private_dir, write_private
+from joader.process_ref import ProcessRef
+
+__all__ = ["DEFAULT_IDLE_EXIT_S", "ServerSpec", "Served", "ensure_server", "running_servers", "serve",
+           "stop_server", "stop_servers", "stopped_notice"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_IDLE_EXIT_S = 600.0  # an auto-started joaderd exits after this long without a job
 ENV_IDLE_EXIT_S = "JOADER_IDLE_EXIT_S"  # the environment's say on both, for the servers jobs start
 ENV_CACHE_SIZE = "JOADER_CACHE_SIZE"
+ENV_OWNER = "JOADER_SERVE_OWNER"  # set by `serve` for its block: servers started inside exit with the driver
 START_TIMEOUT_S = 120.0  # listing a large source takes a while
 _POLL_S = 0.05
 _LOG_TAIL_CHARS = 3000
+_SOURCE_IN_NAME = 32  # characters of the source's name in its files' names
 MODES = ("RGB", "L")
 
 
@@ -71,8 +76,10 @@ MODES = ("RGB", "L")
 class ServerSpec:
     """What an auto-started joaderd serves: one source and its shared stage.
 
-    `cache_size` and `idle_exit_s` size and time the server the first job starts; they are not
-    part of its identity (`key`): a later job with another cache size uses the running one."""
+    `cache_size` and `idle_exit_s` size and time the server the first job starts, and `owner`
+    (a `ProcessRef` as text: a `serve` block's driver) is the process it exits with; none of
+    them is part of its identity (`key`): a later job with another cache size uses the running
+    one."""
 
     source: str
     root: str
@@ -83,6 +90,7 @@ class ServerSpec:
     upscale: bool = False
     cache_size: str = field(default_factory=lambda: os.environ.get(ENV_CACHE_SIZE, "auto"))
     idle_exit_s: float = field(default_factory=lambda: _env_seconds(ENV_IDLE_EXIT_S, DEFAULT_IDLE_EXIT_S))
+    owner: str | None = field(default_factory=lambda: os.environ.get(ENV_OWNER) or None)
 
     @classmethod
     def make(cls, source: str, root: str | os.PathLike[str], **options: Any) -> ServerSpec:
@@ -106,11 +114,15 @@ class ServerSpec:
 
     def key(self) -> str:
         """The spec's identity: jobs whose specs have the same key share one joaderd."""
-        identity = {k: v for k, v in asdict(self).items() if k not in ("cache_size", "idle_exit_s")}
+        identity = {k: v for k, v in asdict(self).items() if k not in ("cache_size", "idle_exit_s", "owner")}
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
 
     def socket_path(self) -> Path:
-        return default_socket_path().parent / f"auto-{self.source[:32]}-{self.key()}.sock"
+        """`<runtime dir>/auto-<source>-<key>.sock`; the source's part goes if the path would not
+        fit a Unix socket's 107 bytes (`joader.address.runtime_dir` keeps the rest short)."""
+        directory = runtime_dir()
+        path = directory / f"auto-{self.source[:_SOURCE_IN_NAME]}-{self.key()}.sock"
+        return path if len(os.fsencode(path)) <= SUN_PATH_MAX else directory / f"auto-{self.key()}.sock"
 
     @property
     def address(self) -> str:
@@ -130,6 +142,8 @@ class ServerSpec:
             args += ["--decoder", self.decoder]
         if self.upscale:
             args += ["--upscale", self.source]
+        if self.owner is not None:
+            args += ["--exit-with", self.owner]
         return args
 
     def to_dict(self) -> dict[str, Any]:
@@ -166,31 +180,73 @@ def listening(path: Path) -> bool:
     return True
 
 
-def ensure_server(spec: ServerSpec, *, timeout_s: float = START_TIMEOUT_S) -> tuple[str, int | None]:
-    """The address of the joaderd serving `spec`, started first if none answers; and the pid of
-    the server this call started (None if it found one running)."""
+def ensure_server(spec: ServerSpec, *, timeout_s: float = START_TIMEOUT_S,
+                  restart: bool = False) -> tuple[str, ProcessRef | None]:
+    """The address of the joaderd serving `spec`, started first if none answers; and the server
+    this call started (None if it found one running).
+
+    `restart` is a lease keeper's call for a server that went away: it raises
+    `ServerStoppedError` instead of starting one that `joader servers --stop` stopped (NOTE
+    [ Stop means stop ]). A job's own first call starts it again, and the stop is forgotten."""
     path = spec.socket_path()
+    private_dir(path.parent, parents=True)  # before anything is opened there
     if listening(path):
         return spec.address, None
-    _private_dir(path.parent)
+    _refuse_if_stopped(path, restart)
     with _locked(path.with_suffix(".lock"), timeout_s, spec):
         if listening(path):
             return spec.address, None
+        _refuse_if_stopped(path, restart)
+        path.with_suffix(".stopped").unlink(missing_ok=True)
         return spec.address, _start(spec, path, timeout_s)
 
 
-def _private_dir(directory: Path) -> None:
-    """The user's socket directory, made 0700 if missing; joaderd checks it again (a directory
-    another user created or can write is refused, `joader.address.prepare_server_socket`)."""
+# NOTE [ Stop means stop ]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# A running job's lease keeper starts its auto-started joaderd again when it dies (NOTE [ A server
+# that died ]), which is right after a crash and wrong after `joader servers --stop`: the server
+# was back within seconds, then idled for ten minutes after its jobs ended. So a stop first leaves
+# a *stop file* beside the socket (who stopped it, when), then stops the server. A keeper that
+# finds the server gone and the stop file there neither starts it nor waits for it: it tells its
+# job's readers, whose next call raises `ServerStoppedError` with the text below. A job started
+# afterwards (a new `JoaderDataset(root=...)`) removes the stop file and starts a server: starting
+# a job is asking for one.
+
+
+def stopped_notice(address: str) -> str | None:
+    """The error text for the jobs of the auto-started joaderd at `address` if it was stopped by
+    `joader servers --stop` (its stop file), else None."""
+    if not address.startswith("unix:"):
+        return None
+    path = Path(address[len("unix:"):])
+    if not path.name.startswith("auto-"):
+        return None
     try:
-        directory.mkdir(mode=0o700, parents=False, exist_ok=True)
-    except FileNotFoundError:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = open_private(path.with_suffix(".stopped"), os.O_RDONLY)
+    except (FileNotFoundError, UntrustedServerError):
+        return None
+    with os.fdopen(fd, "rb") as file:
+        try:
+            info = json.loads(file.read() or b"{}")
+        except ValueError:
+            info = {}
+    when = time.strftime("%H:%M:%S", time.localtime(float(info.get("at", 0) or 0)))
+    return (f"the joaderd at {address} was stopped by `joader servers --stop` (pid {info.get('by_pid', '?')}, "
+            f"at {when}), so this job cannot go on reading. Run the job again to start a new server "
+            "(from a checkpoint, if you saved one), or pass address= of a joaderd you run yourself")
+
+
+def _refuse_if_stopped(path: Path, restart: bool) -> None:
+    if restart and (notice := stopped_notice(f"unix:{path}")) is not None:
+        raise ServerStoppedError(notice)
 
 
 @contextlib.contextmanager
 def _locked(path: Path, timeout_s: float, spec: ServerSpec) -> Iterator[None]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    """An exclusive `flock` on the spec's lock file (NOTE [ One server per spec, and the lock ]).
+    A holder of another account is refused at once; one of ours is waited for, and named if it
+    keeps the lock past `timeout_s`."""
+    fd = open_private(path, os.O_RDWR | os.O_CREAT)
     try:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -198,10 +254,18 @@ def _locked(path: Path, timeout_s: float, spec: ServerSpec) -> Iterator[None]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                holder = _lock_holder(fd)
+                if holder is not None and holder[1] != os.getuid():
+                    raise UntrustedServerError(
+                        f"the lock {path} is held by pid {holder[0]} of {owner_name(holder[1])}, not by "
+                        f"you: another account is using your private directory {path.parent}. Ask "
+                        f"{owner_name(holder[1]).split(' (')[0]} to stop it, or set XDG_RUNTIME_DIR to a "
+                        "directory of yours (mode 0700)") from None
                 if time.monotonic() > deadline:
+                    who = f"pid {holder[0]} ({_command(holder[0])})" if holder else "another process"
                     raise JoaderdStartError(
-                        f"another process has been starting joaderd for {spec.source!r} for over "
-                        f"{timeout_s:g} s (lock {path}); see its log {path.with_suffix('.log')}, or "
+                        f"{who} has been starting joaderd for {spec.source!r} for over {timeout_s:g} s "
+                        f"(lock {path}); see its log {path.with_suffix('.log')}, stop that process, or "
                         "start joaderd by hand and pass address=") from None
                 time.sleep(_POLL_S)
         yield
@@ -209,16 +273,45 @@ def _locked(path: Path, timeout_s: float, spec: ServerSpec) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _start(spec: ServerSpec, path: Path, timeout_s: float) -> int:
-    """Starts joaderd for `spec` detached from this process; returns its pid once it serves."""
+def _lock_holder(fd: int) -> tuple[int, int] | None:
+    """(pid, uid) of a process holding a `flock` on the file `fd` is open on, from /proc/locks."""
+    inode = os.fstat(fd).st_ino
+    try:
+        with open("/proc/locks") as locks:
+            lines = locks.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF" ("->" marks a waiter)
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] == str(inode):
+            pid = int(fields[4])
+            try:
+                return pid, os.stat(f"/proc/{pid}").st_uid
+            except OSError:
+                continue
+    return None
+
+
+def _command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200] or "?"
+    except OSError:
+        return "?"
+
+
+def _start(spec: ServerSpec, path: Path, timeout_s: float) -> ProcessRef:
+    """Starts joaderd for `spec` detached from this process; returns it once it serves. An
+    interruption (Ctrl-C) or a failure after the launch stops the server it launched."""
     ready = path.with_suffix(".ready")
     log_path = path.with_suffix(".log")
     ready.unlink(missing_ok=True)
-    path.with_suffix(".json").write_text(json.dumps(spec.to_dict()))  # what `joader servers` lists
+    write_private(path.with_suffix(".json"), json.dumps(spec.to_dict()).encode())  # for `joader servers`
     command = [sys.executable, "-m", "joader.server", *spec.server_args(),
                "--listen", spec.address, "--ready-file", str(ready)]
     logger.info("joader: starting joaderd for %s (%s); log %s", spec.source, spec.root, log_path)
-    with open(log_path, "ab") as log:
+    with os.fdopen(open_private(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") as log:
         log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} started by pid {os.getpid()}: "
                   f"{' '.join(command)}\n".encode())
         log.flush()
@@ -230,77 +323,114 @@ def _start(spec: ServerSpec, path: Path, timeout_s: float) -> int:
         # group's SIGKILL (Ray's, a scheduler's) leave it to the other jobs that share it.
         launcher = subprocess.run([sys.executable, "-c", _LAUNCHER, *command], stdin=subprocess.DEVNULL,
                                   stdout=subprocess.PIPE, stderr=log, close_fds=True, timeout=60, check=False)
+    launched = _launched(launcher.stdout)
+    if launched is None:
+        raise JoaderdStartError(f"could not start joaderd for {spec.source!r}: {_tail(log_path)}")
     try:
-        server_pid = int(launcher.stdout.split()[0])
+        return _wait_ready(spec, launched, ready, log_path, timeout_s)
+    except BaseException:
+        launched.stop(timeout_s=10)  # Ctrl-C while it starts: nothing is left behind
+        raise
+
+
+def _launched(stdout: bytes) -> ProcessRef | None:
+    """The server the launcher started: its pid and start time, as the launcher printed them."""
+    try:
+        return ProcessRef.parse(stdout.split()[0].decode())
     except (IndexError, ValueError):
-        raise JoaderdStartError(f"could not start joaderd for {spec.source!r}: {_tail(log_path)}") from None
+        return None
+
+
+def _wait_ready(spec: ServerSpec, launched: ProcessRef, ready: Path, log_path: Path, timeout_s: float) -> ProcessRef:
     deadline = time.monotonic() + timeout_s
     while True:
-        info = read_ready_file(ready)
-        if info is not None:
-            return int(info.get("pid") or server_pid)
-        exited = not pid_alive(server_pid)
+        if read_ready_file(ready) is not None:
+            return launched
+        exited = not launched.is_running()
         if exited or time.monotonic() > deadline:
-            if not exited:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(server_pid, signal.SIGKILL)
-            tail = _tail(log_path)
             what = "exited" if exited else f"was not ready within {timeout_s:g} s"
             raise JoaderdStartError(
                 f"joaderd for source {spec.source!r} ({spec.root}) {what}. Its log ({log_path}) "
-                f"ends with:\n{tail}\nFix what it says, or start joaderd by hand and pass address=")
+                f"ends with:\n{_tail(log_path)}\nFix what it says, or start joaderd by hand and pass address=")
         time.sleep(_POLL_S)
 
 
+# The launcher prints the server's pid and start time (`ProcessRef`), read while the server is
+# surely its child, so that nothing later signals a pid that was reused.
 _LAUNCHER = (
     "import subprocess, sys\n"
+    "from joader.process_ref import ProcessRef\n"
     "p = subprocess.Popen(sys.argv[1:], start_new_session=True, stdin=subprocess.DEVNULL, stdout=2, stderr=2)\n"
-    "print(p.pid)\n"
+    "print(ProcessRef.of(p.pid) or p.pid)\n"
 )
 
 
 def _tail(path: Path) -> str:
     try:
-        return path.read_text(errors="replace")[-_LOG_TAIL_CHARS:].strip()
+        fd = open_private(path, os.O_RDONLY)
     except OSError:
         return "(no log)"
+    with os.fdopen(fd, "rb") as log:
+        return log.read().decode(errors="replace")[-_LOG_TAIL_CHARS:].strip()
 
 
 def running_servers() -> list[dict[str, Any]]:
-    """This user's auto-started joaderds that serve now: each one's spec, address, pid and log."""
-    directory = default_socket_path().parent
+    """This user's auto-started joaderds that serve now: each one's spec, address, pid, start
+    time and log."""
+    directory = runtime_dir()
+    if not directory.is_dir():
+        return []
+    private_dir(directory)
     found = []
-    for ready in sorted(directory.glob("auto-*.ready")) if directory.is_dir() else []:
+    for ready in sorted(directory.glob("auto-*.ready")):
         socket_file = ready.with_suffix(".sock")
         info = read_ready_file(ready)
-        if info is None or not listening(socket_file):
+        server = _server_of(info)
+        if server is None or not listening(socket_file):
             continue
         try:
-            spec = json.loads(ready.with_suffix(".json").read_text())
+            with os.fdopen(open_private(ready.with_suffix(".json"), os.O_RDONLY), "rb") as file:
+                spec = json.loads(file.read())
         except (OSError, ValueError):
             spec = {}
-        found.append({**spec, "address": info["address"], "pid": info.get("pid"),
+        found.append({**spec, "address": info["address"], "pid": server.pid, "start_time": server.start_time,
                       "log": str(ready.with_suffix(".log"))})
     return found
 
 
+def _server_of(info: dict[str, Any] | None) -> ProcessRef | None:
+    """The joaderd a ready file describes, if that very process still runs (its pid alone could
+    be another process's by now: the start time must match too)."""
+    if info is None or not info.get("pid") or info.get("start_time") is None:
+        return None
+    server = ProcessRef(int(info["pid"]), float(info["start_time"]))
+    return server if server.is_running() else None
+
+
 def stop_servers(timeout_s: float = 30.0) -> list[dict[str, Any]]:
-    """Stops every auto-started joaderd of this user (their jobs wait for a new one, or give up
-    after their timeout_s); returns what was stopped."""
+    """Stops every auto-started joaderd of this user, for good: their jobs' lease keepers do not
+    start them again, and the jobs fail with `ServerStoppedError` (NOTE [ Stop means stop ]).
+    Returns what was stopped."""
     servers = running_servers()
     for server in servers:
-        if server.get("pid"):
-            stop_server(int(server["pid"]), timeout_s)
+        sock = Path(server["address"][len("unix:"):])
+        write_private(sock.with_suffix(".stopped"),
+                      json.dumps({"by_pid": os.getpid(), "at": time.time(), "server_pid": server["pid"]}).encode())
+        ProcessRef(server["pid"], server["start_time"]).stop(timeout_s)
     return servers
 
 
 @dataclass
 class Served:
-    """The joaderd a `serve` block uses: its address, and its pid if the block started it."""
+    """The joaderd a `serve` block uses: its address, and the server if the block started it."""
 
     address: str
     spec: ServerSpec
-    started_pid: int | None
+    started: ProcessRef | None
+
+    @property
+    def started_pid(self) -> int | None:
+        return self.started.pid if self.started is not None else None
 
 
 @contextlib.contextmanager
@@ -310,49 +440,67 @@ def serve(source: str, root: str | os.PathLike[str], *, image_size: int | None =
     """A sweep's joaderd, for the driver that launches the trials.
 
     `cache_size` ("auto": from the data; or bytes such as "2GiB") defaults to
-    `$JOADER_CACHE_SIZE`, else "auto"; `idle_exit_s` to 600 s (a server the block started exits
-    at the block's end; this is for a driver killed before).
+    `$JOADER_CACHE_SIZE`, else "auto"; `idle_exit_s` to 600 s.
 
     Finds or starts the joaderd of this spec (as a job with `root=` would), exports its address
     in `JOADER_ADDRESS` for the block (trials started inside inherit it, so they may pass just
     the source's name), and stops the server at the end if this block started it. Trials that
     pass the same `root=` and stage options find the same server either way.
+
+    NOTE [ A driver's server ends with the driver ]
+    A server the block starts is told to exit with the driver (`--exit-with`, this process's
+    pid and start time): a driver killed by SIGTERM or SIGKILL, or interrupted while the server
+    starts, leaves nothing behind. The block also exports `JOADER_SERVE_OWNER`, so a server
+    that a trial's lease keeper starts again after a crash exits with the driver too, and the
+    block's end stops whichever server then serves the spec, not the pid it first recorded.
     """
-    # The block ends the server it started; its idle exit is only for a driver killed before
-    # that, so a short $JOADER_IDLE_EXIT_S (meant for the servers trials start) is not used: the
-    # trials of a Ray sweep may take longer than that to start and attach.
+    # The block ends the server it started; its idle exit is only a last resort, so a short
+    # $JOADER_IDLE_EXIT_S (meant for the servers trials start) is not used: the trials of a Ray
+    # sweep may take longer than that to start and attach.
     sizing: dict[str, Any] = {"idle_exit_s": DEFAULT_IDLE_EXIT_S if idle_exit_s is None else idle_exit_s}
     if cache_size is not None:
         sizing["cache_size"] = cache_size
     spec = ServerSpec.make(source, root, image_size=image_size, mode=mode, stage=stage, decoder=decoder,
-                           upscale=upscale, **sizing)
-    address, pid = ensure_server(spec)
-    before = os.environ.get(ENV_ADDRESS)
+                           upscale=upscale, owner=str(ProcessRef.current()), **sizing)
+    address, started = ensure_server(spec)
+    saved = {name: os.environ.get(name) for name in (ENV_ADDRESS, ENV_OWNER)}
     os.environ[ENV_ADDRESS] = address
+    if started is not None:
+        os.environ[ENV_OWNER] = spec.owner or ""
     try:
-        yield Served(address, spec, pid)
+        yield Served(address, spec, started)
     finally:
-        if before is None:
-            os.environ.pop(ENV_ADDRESS, None)
-        else:
-            os.environ[ENV_ADDRESS] = before
-        if pid is not None:
-            stop_server(pid, stop_timeout_s)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if started is not None:
+            _stop_owned(spec, started, stop_timeout_s)
 
 
-def stop_server(pid: int, timeout_s: float = 30.0) -> None:
-    """SIGTERM to joaderd `pid`; waits until it exited (SIGKILL after `timeout_s`)."""
+def _stop_owned(spec: ServerSpec, started: ProcessRef, timeout_s: float) -> None:
+    """Stops the server the block started, and the one serving its spec now if a keeper started
+    another (only one that exits with this driver: the block's own)."""
+    started.stop(timeout_s)
+    info = read_ready_file(spec.socket_path().with_suffix(".ready"))
+    current = _server_of(info)
+    if current is not None and current != started and _owner_of(current) == spec.owner:
+        current.stop(timeout_s)
+
+
+def _owner_of(server: ProcessRef) -> str | None:
+    """The `--exit-with` of a running joaderd, from its command line."""
     try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not pid_alive(pid):
-            return
-        time.sleep(_POLL_S)
-    logger.warning("joader: joaderd %d did not stop within %g s of SIGTERM; killing it", pid, timeout_s)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
+        words = psutil.Process(server.pid).cmdline()
+    except psutil.Error:
+        return None
+    return words[words.index("--exit-with") + 1] if "--exit-with" in words[:-1] else None
 
 
+def stop_server(server: ProcessRef | int, timeout_s: float = 30.0) -> None:
+    """SIGTERM to joaderd `server`; waits until it exited (SIGKILL after `timeout_s`). A bare
+    pid is taken as the process that has it now."""
+    ref = ProcessRef.of(server) if isinstance(server, int) else server
+    if ref is not None and not ref.stop(timeout_s):
+        logger.warning("joader: joaderd %d did not stop after SIGKILL", ref.pid)

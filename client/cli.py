@@ -199,7 +199,10 @@ def _servers(as_json: bool, stop: bool) -> int:
         stage = ", ".join(f"{k}={server[k]}" for k in ("image_size", "mode", "stage") if server.get(k))
         print(f"{'stopped' if stop else 'serving'} {server.get('source', '?')} ({server.get('root', '?')}"
               f"{', ' + stage if stage else ''}): pid {server.get('pid')}, {server['address']}, log {server['log']}")
-    if not stop:
+    if stop:
+        print("their jobs end with an error that says so, and no job starts them again; a job started "
+              "from now on starts a new one")
+    else:
         print("joader status --address ADDRESS shows one; joader servers --stop stops them all")
     return 0
 

@@ -31,7 +31,7 @@ from joader.cache.arena import ArenaReader
 from joader.client.board import Board
 from joader.client.channel import PendingCall, call_async, reset_channel
 from joader.client.handoff import ArenaLocation
-from joader.errors import IntegrityError, ParentDiedError, SourceChangedError, UnknownJobError
+from joader.errors import ERROR_CLASSES, IntegrityError, ParentDiedError, SourceChangedError, UnknownJobError
 from joader.proto import joader_pb2
 
 logger = logging.getLogger(__name__)
@@ -148,8 +148,8 @@ class Connection:
             return False
         generation = board.generation
         info = board.identity()
-        if "refused" in info:
-            raise SourceChangedError(info["refused"])
+        if "refused" in info:  # the keeper will not attach again: why, and as which error
+            raise ERROR_CLASSES.get(info.get("error", ""), SourceChangedError)(info["refused"])
         identity = Identity.from_keeper(info, generation)
         if self.identity.fingerprint and identity.fingerprint and identity.fingerprint != self.identity.fingerprint:
             raise SourceChangedError(_changed_message(self.identity, identity))

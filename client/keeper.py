@@ -36,7 +36,8 @@ import grpc
 from joader.address import verify_server
 from joader.client.board import Board
 from joader.client.channel import get_stub, reset_channel, translate
-from joader.errors import ERROR_CLASSES, JoaderError
+from joader.client.autostart import stopped_notice
+from joader.errors import ERROR_CLASSES, JoaderError, ServerStoppedError
 from joader.proto import joader_pb2
 
 DEFAULT_HEARTBEAT_S = 1.0
@@ -300,14 +301,17 @@ def _restart_if_auto(registration: dict[str, Any]) -> None:
     if listening(server_spec.socket_path()):
         return
     try:
-        _address, pid = ensure_server(server_spec)
+        _address, started = ensure_server(server_spec, restart=True)
+    except ServerStoppedError:
+        return  # `_reattach` tells the readers (NOTE [ Stop means stop ])
     except JoaderError as error:
         if not registration.get("_start_failed"):
             print(f"joader lease keeper: could not start joaderd again: {error}", file=sys.stderr, flush=True)
         registration["_start_failed"] = True
         return
-    if pid is not None:
-        print(f"joader: started joaderd again for {server_spec.source} (pid {pid})", file=sys.stderr, flush=True)
+    if started is not None:
+        print(f"joader: started joaderd again for {server_spec.source} (pid {started.pid})", file=sys.stderr,
+              flush=True)
 
 
 def _first_attach(address: str, registration: dict[str, Any], stop: threading.Event,
@@ -357,6 +361,11 @@ def _reattach(address: str, registration: dict[str, Any], stop: threading.Event,
     while not stop.is_set() and time.monotonic() < deadline:
         stop.wait(0.25)
         reset_channel(address)
+        if (notice := stopped_notice(address)) is not None:  # NOTE [ Stop means stop ]
+            print(f"joader lease keeper: {notice}", file=sys.stderr, flush=True)
+            board.publish({"refused": notice, "error": ServerStoppedError.__name__})
+            board.reconnecting = False
+            return None
         _restart_if_auto(registration)
         try:
             responses, first, server_uid = _attach(address, _with_report(registration, board), stop, interval)

@@ -34,13 +34,16 @@ import tempfile
 from pathlib import Path
 
 from joader.errors import InvalidArgumentError, JoaderError, UntrustedServerError
+from joader.private_dir import private_dir
 
 __all__ = [
     "ENV_ADDRESS",
+    "SUN_PATH_MAX",
     "default_socket_path",
     "is_loopback",
     "prepare_server_socket",
     "resolve_address",
+    "runtime_dir",
     "socket_path",
     "verify_server",
 ]
@@ -62,12 +65,31 @@ _CLIENT_SOCKET_FIX = (
 _PROBE_TIMEOUT_S = 1.0
 
 
+SUN_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path holds 108 with the closing NUL)
+_LONGEST_NAME = len("auto-") + 32 + len("-") + 12 + len(".sock")  # an auto-started server's socket
+
+
+def runtime_dir() -> Path:
+    """The user's private directory for joaderd's default socket and the auto-started servers'
+    files: `$XDG_RUNTIME_DIR/joader`, else `$TMPDIR/joader-<uid>`, else `/tmp/joader-<uid>`; the
+    first in which the longest socket name joader uses fits a Unix socket's 107 bytes (a long
+    XDG_RUNTIME_DIR or TMPDIR would otherwise make every bind fail). Checked before use
+    (`joader.private_dir`)."""
+    uid = os.getuid()
+    candidates = [Path(tempfile.gettempdir()) / f"joader-{uid}", Path("/tmp") / f"joader-{uid}"]
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg):
+        candidates.insert(0, Path(xdg) / "joader")
+    for candidate in candidates:
+        if len(os.fsencode(candidate)) + 1 + _LONGEST_NAME <= SUN_PATH_MAX:
+            return candidate
+    return candidates[-1]
+
+
 def default_socket_path() -> Path:
-    """`$XDG_RUNTIME_DIR/joader/joaderd.sock`, or `/tmp/joader-<uid>/joaderd.sock`."""
-    runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime_dir and os.path.isdir(runtime_dir):
-        return Path(runtime_dir) / "joader" / "joaderd.sock"
-    return Path(tempfile.gettempdir()) / f"joader-{os.getuid()}" / "joaderd.sock"
+    """`joaderd.sock` in `runtime_dir()`: `$XDG_RUNTIME_DIR/joader/joaderd.sock`, or
+    `/tmp/joader-<uid>/joaderd.sock`."""
+    return runtime_dir() / "joaderd.sock"
 
 
 def resolve_address(address: str | None = None) -> str:
@@ -134,9 +156,16 @@ def prepare_server_socket(path: Path, address: str, *, remove_dead: bool = True)
     arena (seconds) then still find a socket, which refuses, and wait for it (the lease keeper's
     first attach), instead of finding none and failing at once.
     """
-    is_default = path == default_socket_path()
-    _make_private_dir(path.parent, parents=is_default)
-    _check_dir(path.parent, allow_sticky=not is_default, fix=_SERVER_DIR_FIX)
+    if len(os.fsencode(path)) > SUN_PATH_MAX:
+        raise InvalidArgumentError(
+            f"the socket path {path} is {len(os.fsencode(path))} bytes, and a Unix socket's path holds at "
+            f"most {SUN_PATH_MAX}: pass --listen unix:/a/shorter/path.sock, or set XDG_RUNTIME_DIR to a "
+            "shorter directory")
+    if path.parent == runtime_dir():  # the default socket, and the auto-started servers'
+        private_dir(path.parent, parents=True)
+    else:
+        _make_private_dir(path.parent, parents=False)
+        _check_dir(path.parent, allow_sticky=True, fix=_SERVER_DIR_FIX)
     try:
         st = os.lstat(path)
     except FileNotFoundError:

@@ -94,6 +94,14 @@ class ServerExitingError(JoaderError, ConnectionError):
     status_code = "UNAVAILABLE"
 
 
+class ServerStoppedError(JoaderError, ConnectionError):
+    """The auto-started joaderd of a job was stopped on purpose (`joader servers --stop`): the
+    job's lease keeper does not start it again (NOTE [ Stop means stop ] in
+    `joader.client.autostart`). Run the job again to start a new one."""
+
+    status_code = "UNAVAILABLE"
+
+
 class UntrustedServerError(JoaderError, PermissionError):
     """A socket, its directory or a cache arena is not private to this user.
 
@@ -164,6 +172,7 @@ ERROR_CLASSES: dict[str, type[JoaderError]] = {
         TooManyJobsError,
         ServerFailedError,
         ServerExitingError,
+        ServerStoppedError,
         UntrustedServerError,
         SourceChangedError,
         IntegrityError,

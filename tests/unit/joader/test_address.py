@@ -37,10 +37,11 @@ def sockdir() -> Iterator[Path]:
 
 
 @pytest.fixture
-def default_location(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Makes the default socket `<tmp_path>/t/joader-<uid>/joaderd.sock`, as without XDG."""
+def default_location(sockdir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Makes the default socket `<sockdir>/t/joader-<uid>/joaderd.sock`, as without XDG (a short
+    path: a temporary directory whose socket names would not fit is passed over for /tmp)."""
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "t"))
+    monkeypatch.setattr(tempfile, "tempdir", str(sockdir / "t"))
     return default_socket_path()
 
 
@@ -95,8 +96,10 @@ def test_a_squatted_default_directory_is_refused(default_location: Path) -> None
     with pytest.raises(UntrustedServerError) as info:
         prepare_server_socket(default_location, f"unix:{default_location}")
     message = str(info.value)
-    assert str(squatted) in message and f"owner uid {os.getuid()}" in message and "mode 0o777" in message
-    assert message.endswith("remove it, or set XDG_RUNTIME_DIR, or pass --listen unix:/a/private/dir/joaderd.sock")
+    assert str(squatted) in message and f"uid {os.getuid()}" in message and "mode 0o777" in message
+    assert "writable by group or others" in message
+    assert message.endswith("set XDG_RUNTIME_DIR to a directory of yours that only you can enter (mode 0700), "
+                            "and run the job again")
     squatted.chmod(0o1777)  # sticky is no excuse for the default location: it must be ours alone
     with pytest.raises(UntrustedServerError, match="writable by group or others"):
         prepare_server_socket(default_location, f"unix:{default_location}")
