@@ -5,6 +5,7 @@ TOML (`--config FILE`), every key optional, command-line flags win:
     listen = "unix:/run/user/1000/joader/joaderd.sock"   # or "127.0.0.1:7070"
     allow_remote = false       # true: allow a non-loopback TCP listen (no authentication!)
     cache_size = "2GiB"         # or "auto": the whole prepared dataset, within /dev/shm and RAM
+    cache_budget_dir = "/run/user/1000/joader"  # auto sizes share one budget with the servers there
     workers = "auto"           # default: adapt between 1 and the CPUs this process may use; or a fixed count
     lease_s = 10
     lookahead_batches = 4
@@ -99,6 +100,8 @@ class ServerConfig:
     listen: str | None = None  # None: $JOADER_ADDRESS or the per-user socket
     # None: --cache-size auto, sized from the sources at start (server/cache_sizing.py)
     cache_size_bytes: int | None = parse_size(DEFAULT_CACHE_SIZE)
+    # the ledger of one user's auto-sized servers (server/cache_budget.py); None: this one alone
+    cache_budget_dir: Path | None = None
     num_workers: int = field(default_factory=lambda: initial_auto_workers())  # at start (fixed unless autoscale)
     autoscale: bool = True  # --workers auto: the pool adapts (joader.server.autoscale)
     max_workers: int = field(default_factory=default_num_workers)  # autoscale's upper bound
@@ -256,6 +259,7 @@ _KEYS: dict[str, _Key] = {
     "listen": _Key("--listen", _string, '"127.0.0.1:7070"'),
     "allow_remote": _Key("--allow-remote", _bool, "true"),
     "cache_size": _Key("--cache-size", _cache_size, '"2GiB"'),
+    "cache_budget_dir": _Key("--cache-budget-dir", _path, '"/run/user/1000/joader"'),
     "workers": _Key("--workers", _workers, '"auto"'),
     "lease_s": _Key("--lease-s", _positive_seconds, "10"),
     "lookahead_batches": _Key("--lookahead-batches", _positive_int, "4"),
@@ -316,7 +320,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="allow --listen on a non-loopback address; joaderd has NO authentication")
     add("--cache-size", metavar="BYTES|auto",
         help=f"shared-memory cache (default {DEFAULT_CACHE_SIZE}); auto: the whole prepared dataset, "
-             "at most half of /dev/shm's free space and a quarter of the RAM")
+             "at most half of /dev/shm's free space and a quarter of the RAM (or the cgroup's limit)")
+    add("--cache-budget-dir", metavar="DIR",
+        help="with --cache-size auto: share one budget with the other servers that name DIR (a "
+             "directory of yours, 0700; jobs' auto-started servers use their socket directory): all of "
+             "them together hold at most half of /dev/shm's size and a quarter of the RAM; each takes "
+             "its whole prepared dataset if it fits in what the others left, else half of that")
     add("--workers", metavar="N|auto",
         help="decode worker processes: auto (default) starts with half the CPUs this process may "
              "use and adapts between 1 and all of them, by the jobs' stalls and the host's idle CPU; "
@@ -402,7 +411,7 @@ def _worker_settings(workers: int | str) -> dict[str, Any]:
 
 
 # Settings whose ServerConfig field has the same name as the key.
-_PLAIN_FIELDS = ("lease_s", "lookahead_batches", "seed", "log_level", "allow_remote",
+_PLAIN_FIELDS = ("cache_budget_dir", "lease_s", "lookahead_batches", "seed", "log_level", "allow_remote",
                  "ready_file", "retry_failed_s", "decode_timeout_s", "rank_attach_timeout_s", "max_jobs",
                  "pacing", "epoch_align", "plan_horizon", "max_hold_s", "metrics_listen", "idle_exit_s")
 

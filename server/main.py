@@ -18,7 +18,9 @@ supervised `joaderd-idle` thread asks `Registry.exit_if_idle`, server/idle_exit.
 arena, the socket and the ready file. A restart after a crash removes the arenas a dead joaderd
 left behind.
 
-`--cache-size auto` sizes the arena from the sources once they are listed (server/cache_sizing.py).
+`--cache-size auto` sizes the arena from the sources once they are listed (server/cache_sizing.py);
+with `--cache-budget-dir` against what the user's other auto-sized servers hold
+(server/cache_budget.py), under that budget's lock until the arena is allocated and recorded.
 """
 
 from __future__ import annotations
@@ -42,12 +44,16 @@ from joader.errors import CacheSpaceError, JoaderError
 from joader.launch import write_ready_file
 from joader.server import cpu_meter
 from joader.server.autoscale import AutoscaleConfig, Autoscaler, PeriodMeter
+from joader.server.cache_budget import BudgetClaim, CacheBudget
 from joader.server.cache_sizing import (
     CacheSize,
     PreparedSource,
+    SharedBudget,
     auto_cache_size,
     host_memory,
+    memory_limit,
     prepared_bytes,
+    shm_size_bytes,
 )
 from joader.server.config import ServerConfig, load_config
 from joader.server.decode_pool import DecodePool, PoolConfig, SourceSpec
@@ -155,8 +161,8 @@ def run(config: ServerConfig) -> int:
         )
     checker = SourceChecker(sources, seed=config.seed)  # each source's stamp, right after listing
     min_bytes = max(s.max_item_bytes for s in sources)
-    cache_size = _cache_size(config, sources, min_bytes)
-    arena = Arena.create(cache_size.size_bytes, min_bytes)
+    budget = CacheBudget(config.cache_budget_dir) if config.cache_budget_dir is not None else None
+    cache_size, arena = _sized_arena(config, sources, min_bytes, budget)
     pool: DecodePool | None = None
     try:
         pool = DecodePool(
@@ -180,24 +186,46 @@ def run(config: ServerConfig) -> int:
             pool.close()
         arena.close()
         arena.unlink()
+        if budget is not None:
+            budget.release()
         if sock is not None and sock.exists() and sock.is_socket():
             sock.unlink()
         logger.info("joaderd stopped; removed %s", arena.path)
 
 
-def _cache_size(config: ServerConfig, sources: list[Source], min_bytes: int) -> CacheSize:
-    """The arena's size: `--cache-size` as given, or chosen from the sources (`auto`, logged)."""
+def _sized_arena(config: ServerConfig, sources: list[Source], min_bytes: int,
+                 budget: CacheBudget | None) -> tuple[CacheSize, Arena]:
+    """The arena, sized (`_cache_size`) and allocated; with a budget, both under its lock, and
+    recorded in its ledger before the lock is let go (server/cache_budget.py)."""
+    if budget is None:
+        cache_size = _cache_size(config, sources, min_bytes)
+        return cache_size, Arena.create(cache_size.size_bytes, min_bytes)
+    with budget.claim() as claim:
+        cache_size = _cache_size(config, sources, min_bytes, claim)
+        arena = Arena.create(cache_size.size_bytes, min_bytes)
+        what = ", ".join(f"{s.name} ({s.stage.name})" for s in sources)
+        claim.record(arena.size_bytes, str(arena.path), f"{what} at {resolve_address(config.listen)}")
+    return cache_size, arena
+
+
+def _cache_size(config: ServerConfig, sources: list[Source], min_bytes: int,
+                claim: BudgetClaim | None = None) -> CacheSize:
+    """The arena's size: `--cache-size` as given, or chosen from the sources (`auto`, logged);
+    `claim`: the live other servers of the budget (`--cache-budget-dir`)."""
     prepared = [PreparedSource(s.name, s.num_items, s.max_item_bytes,
                                s.stage.spec.shape is not None or bound_is_nominal(s)) for s in sources]
     if config.cache_size_bytes is not None:
         return CacheSize(config.cache_size_bytes, prepared_bytes(prepared), "set by --cache-size")
     try:
         shm_free, ram = host_memory()
+        shared = None if claim is None else SharedBudget(
+            shm_size_bytes(), tuple((h.describe(), h.arena_bytes) for h in claim.others))
     except OSError as error:
         raise CacheSpaceError(
             f"--cache-size auto: cannot read the free space of /dev/shm ({error}); joader needs a "
             "tmpfs such as /dev/shm (Linux); or give --cache-size a size") from None
-    choice = auto_cache_size(prepared, shm_free_bytes=shm_free, ram_bytes=ram, min_bytes=min_bytes)
+    choice = auto_cache_size(prepared, shm_free_bytes=shm_free, ram_bytes=ram, min_bytes=min_bytes,
+                             ram_what=memory_limit()[1], budget=shared)
     logger.info("--cache-size auto: %s", choice.describe())
     return choice
 
