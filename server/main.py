@@ -42,7 +42,7 @@ from joader.address import is_loopback, prepare_server_socket, resolve_address, 
 from joader.cache.arena import Arena, format_size, remove_stale_arenas
 from joader.errors import CacheSpaceError, JoaderError
 from joader.launch import write_ready_file
-from joader.server import cpu_meter
+from joader.server import cpu_meter, log_limits
 from joader.server.autoscale import AutoscaleConfig, Autoscaler, PeriodMeter
 from joader.server.cache_budget import BudgetClaim, CacheBudget
 from joader.server.cache_sizing import (
@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:  # at DEBUG, every line
+        log_limits.install(logging.getLogger())  # a client cannot flood the log (server/log_limits.py)
     try:
         return run(config)
     except JoaderError as error:

@@ -12,6 +12,16 @@ registry sets (through `call_soon_threadsafe`) when the job's items may be ready
 Errors: every `JoaderError` becomes a gRPC status through the one table in `joader.errors`, with
 the exception's class name in the `joader-error` trailing metadata so the client can raise the
 same type. Anything else is a bug: it is logged with its traceback and reported as INTERNAL.
+
+NOTE [ A malformed message is the client's error, in one line ]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With the generated handlers, bytes that are not a valid message (or a string field that is not
+UTF-8) made protobuf raise inside gRPC's deserializer: gRPC logged ten lines of traceback at
+ERROR for each, and the client got a bare UNKNOWN. Anyone who can reach the socket could fill
+joaderd's log that way. The handlers here parse with `_tolerant`, which returns a `Malformed`
+instead of raising; the method refuses it with InvalidArgumentError (what was wrong, which
+message, the fix), and joaderd logs one line per kind of malformed message per minute, then how
+many more there were (`server/log_limits.py`; every one with --log-level DEBUG).
 """
 
 from __future__ import annotations
@@ -23,9 +33,11 @@ import json
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from pyroaring import BitMap
 
 from joader.errors import InvalidArgumentError, JoaderError, UnknownJobError, status_code_name
@@ -45,14 +57,63 @@ logger = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 
+_SERVICE = "joader.Joader"
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """What `_tolerant` makes of bytes that do not parse as the method's request message."""
+
+    message: str  # the message type's name, e.g. NextRequest
+    num_bytes: int
+    problem: str  # protobuf's words
+
+    def error(self, method: str) -> InvalidArgumentError:
+        return InvalidArgumentError(
+            f"joaderd could not parse the {self.message} ({self.num_bytes} bytes) of a {method} "
+            f"call: {self.problem}; send {_SERVICE} messages as joader's client does (a client "
+            "and a joaderd of the same joader version)"
+        )
+
+
+def _tolerant(message_type: Any) -> Callable[[bytes], Any]:
+    """`message_type.FromString`, returning a `Malformed` instead of raising (NOTE [ A malformed
+    message is the client's error, in one line ])."""
+    def parse(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except DecodeError as error:
+            return Malformed(message_type.DESCRIPTOR.name, len(data), str(error))
+
+    return parse
+
+
 async def _abort(context: grpc.aio.ServicerContext, error: JoaderError) -> None:
     context.set_trailing_metadata(((ERROR_METADATA_KEY, type(error).__name__),))
     await context.abort(grpc.StatusCode[status_code_name(error)], str(error))
 
 
+async def _refuse(method: str, malformed: Malformed, context: grpc.aio.ServicerContext) -> None:
+    # One line a minute per kind (method, problem) in joaderd's log: an outsider repeats it at will.
+    logger.warning("refused a malformed %s (%d bytes) on %s from %s: %s", malformed.message,
+                   malformed.num_bytes, method, _peer(context) or "an unknown peer", malformed.problem,
+                   extra={"repeat_key": ("malformed", method, malformed.problem), "repeat_burst": 1})
+    await _abort(context, malformed.error(method))
+
+
+def _peer(context: grpc.aio.ServicerContext) -> str:
+    try:
+        return str(context.peer())
+    except Exception:  # a context without a peer (a test's) is no reason to fail the refusal
+        return ""
+
+
 def _translating(method: F) -> F:
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, Malformed):
+            await _refuse(method.__name__, request, context)
+            return None
         try:
             return await method(self, request, context)
         except JoaderError as error:
@@ -90,6 +151,9 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
         try:
             first = await anext(request_iterator)
         except StopAsyncIteration:
+            return
+        if isinstance(first, Malformed):
+            await _refuse("Attach", first, context)
             return
         try:
             source = self._registry.source(first.source)
@@ -144,13 +208,19 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
                 await context.abort(grpc.StatusCode.INTERNAL, _ATTACH_INTERNAL)
                 return
             yield reply
-            heartbeats = asyncio.ensure_future(self._heartbeats(job_id, rank, request_iterator, closed))
+            malformed: list[Malformed] = []
+            heartbeats = asyncio.ensure_future(
+                self._heartbeats(job_id, rank, request_iterator, closed, malformed))
             gone = asyncio.ensure_future(removed.wait())
             try:
                 await asyncio.wait({heartbeats, gone}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 for task in (heartbeats, gone):
                     task.cancel()
+            if malformed:
+                failure.append(f"its lease stream sent a malformed message ({malformed[0].problem})")
+                await _refuse("Attach", malformed[0], context)
+                return
             if removed.is_set():
                 # The lease ended on the server's side (expired): end the stream, freeing it.
                 context.set_trailing_metadata(((ERROR_METADATA_KEY, "UnknownJobError"),))
@@ -226,9 +296,12 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
 
     async def _heartbeats(self, job_id: str, rank: int,
                           request_iterator: AsyncIterator[joader_pb2.AttachRequest],
-                          closed: list[bool]) -> None:
+                          closed: list[bool], malformed: list[Malformed]) -> None:
         try:
             async for request in request_iterator:
+                if isinstance(request, Malformed):
+                    malformed.append(request)
+                    return
                 if request.closing:
                     closed.append(True)
                     return
@@ -337,9 +410,32 @@ async def start_server(
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
     )
-    joader_pb2_grpc.add_JoaderServicer_to_server(servicer, server)
+    add_servicer(servicer, server)
     port = server.add_insecure_port(address)
     if port == 0 and not address.startswith("unix:"):
         raise OSError(f"joaderd cannot listen on {address}: the port is taken or the host is not local")
     await server.start()
     return server, port
+
+
+def add_servicer(servicer: JoaderServicer, server: grpc.aio.Server) -> None:
+    """`joader_pb2_grpc.add_JoaderServicer_to_server`, but every request parsed by `_tolerant`
+    (NOTE [ A malformed message is the client's error, in one line ]); the methods are read from
+    the service's descriptor, so a method added to joader.proto is served the same way."""
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    handlers = {}
+    for method in joader_pb2.DESCRIPTOR.services_by_name[_SERVICE.split(".")[-1]].methods:
+        make = kinds[(method.client_streaming, method.server_streaming)]
+        reply_type = getattr(joader_pb2, method.output_type.name)
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=_tolerant(getattr(joader_pb2, method.input_type.name)),
+            response_serializer=reply_type.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
+    server.add_registered_method_handlers(_SERVICE, handlers)
