@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 from pyroaring import BitMap
 
+from joader.errors import InvalidArgumentError
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -233,13 +235,24 @@ class Board:
             pass  # a reply that arrived after the dataset closed: its job ended with it
 
     def mark(self, item_ids: list[int], epoch: int) -> None:
-        """These items reached a reader in `epoch`."""
+        """These items reached a reader in `epoch`. An id beyond the source is refused, and
+        nothing marked: the board has one entry per item (a loaded state's ids are checked
+        before, by `joader.client.state_checks`; joaderd's are the source's)."""
         import numpy as np
 
         try:
-            self._arrays()[0][np.asarray(item_ids, dtype=np.int64)] = epoch
+            items = self._arrays()[0]
         except BoardClosedError:
-            pass  # as in note_pass
+            return  # as in note_pass
+        ids = np.asarray(item_ids, dtype=np.int64)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= len(items)):
+            bad = ids[(ids < 0) | (ids >= len(items))]
+            raise InvalidArgumentError(
+                f"joader board: item ids {bad[:5].tolist()} are not ids of the source's {len(items)} "
+                "items, so the board cannot mark them; they came from a loaded state or from a "
+                "joaderd that serves another source: load the state this job saved, and read "
+                "from the joaderd the job attached to")
+        items[ids] = epoch
 
     def received(self, epoch: int) -> BitMap:
         """The items this rank's readers received in `epoch`."""

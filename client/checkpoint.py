@@ -10,6 +10,9 @@ must stay as they are, or checkpoints users already saved would no longer load.
 - `Checkpoint`: its owner, the epoch, the ids yielded of it, and how many readers reported;
 - `ResumePoint`: what a new pass carries to joaderd until its first reply (the epoch and the
   ids consumed of it), the part of a checkpoint joaderd acts on.
+
+Every field of a loaded state is checked before any is used (`joader.client.state_checks`):
+against the job that loads it when given its `Share`.
 """
 
 from __future__ import annotations
@@ -20,8 +23,12 @@ from typing import Any
 
 from pyroaring import BitMap
 
+from joader.client import state_checks as checks
 from joader.client.board import MAX_EPOCH
+from joader.client.state_checks import FIX_OWN, Share
 from joader.errors import InvalidArgumentError
+
+__all__ = ["MAX_PARTS", "STATE_VERSION", "Checkpoint", "Owner", "ResumePoint", "Share", "indices_digest"]
 
 STATE_VERSION = 1
 JOB_TAG = "joader"
@@ -68,13 +75,13 @@ class Owner:
         if "source" in state and state["source"] != self.source:
             problems.append(f"source {state['source']!r}, not {self.source!r}")
         if "dataset" in state and state["dataset"] != self.dataset:
-            problems.append("other indices")
+            problems.append(f"other indices: dataset {state['dataset']!r}, not {self.dataset!r}")
         if state.get("seed_given") and self.seed_given and state.get("seed") != self.seed:
             problems.append(f"seed {state.get('seed')}, not {self.seed}")
         if problems:
             raise InvalidArgumentError(
-                f"load_state_dict: the state is of another job ({'; '.join(problems)}); load the state "
-                "this job saved, or build the dataset with the same source, indices and seed")
+                f"load_state_dict: the state is of another job ({'; '.join(problems)}); {FIX_OWN} "
+                "(or build the dataset with the same source, indices and seed)")
         if state.get("hosts") != self.hosts:
             raise InvalidArgumentError(
                 f"load_state_dict: the state was saved with its ranks on hosts {state.get('hosts')}, this "
@@ -120,33 +127,28 @@ class Checkpoint:
         }
 
     @classmethod
-    def from_state_dict(cls, state: dict[str, Any], expected: Owner) -> Checkpoint:
+    def from_state_dict(cls, state: dict[str, Any], expected: Owner, share: Share | None = None) -> Checkpoint:
         """`state` read back, for `expected` to resume; raises `InvalidArgumentError` naming
-        what is wrong with it (the version, another rank or job, the epoch, the parts, the
-        consumed set), in that order."""
+        the field that is wrong and the fix, checked in this order: the tag, the version, the
+        keys, the owner's types, another rank or job, the epoch, the parts, the consumed set,
+        an epoch 0 with ids consumed, and with `share` the ids, their count and the readers."""
         cls.check_tag(state)
-        if state.get("version") != STATE_VERSION:
+        version = state.get("version")
+        if not checks.is_int(version) or version != STATE_VERSION:
             raise InvalidArgumentError(
-                f"load_state_dict: state version {state.get('version')!r}; this joader reads version "
+                f"load_state_dict: state version {version!r}; this joader reads version "
                 f"{STATE_VERSION}. Resume with the joader version that saved it.")
+        checks.check_keys(state)
+        checks.check_owner_types(state)
         expected.check(state)
-        epoch = state.get("epoch")
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch < MAX_EPOCH:
-            raise InvalidArgumentError(
-                f"load_state_dict: epoch {epoch!r} is not an epoch number (0..{MAX_EPOCH - 1}); "
-                "load a state saved by JoaderDataset.state_dict()")
-        parts = state.get("parts", 1)
-        if not isinstance(parts, int) or not 1 <= parts <= MAX_PARTS:
-            raise InvalidArgumentError(
-                f"load_state_dict: parts {parts!r} is not a number of readers (1..{MAX_PARTS}); load a "
-                "state saved by JoaderDataset.state_dict() (with DataLoader workers, through "
-                "torchdata's StatefulDataLoader)")
-        try:
-            consumed = BitMap.deserialize(state["consumed"])
-        except Exception as error:
-            raise InvalidArgumentError(f"load_state_dict: its consumed set is unreadable ({error})") from error
+        epoch = checks.check_epoch(state["epoch"], MAX_EPOCH)
+        parts = checks.check_parts(state.get("parts", 1), MAX_PARTS)
+        consumed = checks.read_consumed(state["consumed"])
+        checks.check_coherent(epoch, consumed)
+        if share is not None:
+            checks.check_share(consumed, parts, share)
         owner = Owner(source=state.get("source", expected.source), dataset=state.get("dataset", expected.dataset),
-                      seed=state.get("seed"), seed_given=bool(state.get("seed_given")), rank=state.get("rank"),
+                      seed=state["seed"], seed_given=bool(state.get("seed_given")), rank=state["rank"],
                       world_size=state["world_size"], hosts=state.get("hosts"))
         return cls(owner, epoch, consumed, parts)
 

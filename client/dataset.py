@@ -35,7 +35,7 @@ from joader.client import frameworks
 from joader.client.attachment import Attachment, Expected, to_bitmap
 from joader.client.autostart import ServerSpec, ensure_server
 from joader.client.batchpool import ProcessBatchPool
-from joader.client.checkpoint import Checkpoint, Owner, ResumePoint
+from joader.client.checkpoint import Checkpoint, Owner, ResumePoint, Share
 from joader.client.connection import BATCHES_PER_REQUEST, Connection
 from joader.client.delivery import Reader, ReadOptions
 from joader.client.keeper import Keeper
@@ -43,6 +43,7 @@ from joader.client.passes import Pass, Progress
 from joader.client.threads import set_threads
 from joader.errors import InvalidArgumentError
 from joader.sampling import check_order
+from joader.sampling.hosts import host_part, source_salt
 
 logger = logging.getLogger(__name__)
 
@@ -341,9 +342,20 @@ class JoaderDataset(IterableDataset):
         (in a uniform random order), then whole epochs."""
         Checkpoint.check_tag(state)
         self._settle()
-        checkpoint = Checkpoint.from_state_dict(state, self._owner())
+        checkpoint = Checkpoint.from_state_dict(state, self._owner(), self._share())
         self._progress.restore(checkpoint.epoch, checkpoint.consumed)
         self._resume = checkpoint.resume_point
+
+    def _share(self) -> Share:
+        """What the job gives this reader, to check a loaded state against: its items on this
+        host's joaderd, an epoch's count for this rank, and the readers that load its parts."""
+        attachment, worker = self._attachment, get_worker_info()
+        items = attachment.all_items
+        if attachment.hosts is not None:
+            items = host_part(attachment.items(), source_salt(self.source), attachment.hosts,
+                              drop_last=self.drop_last)
+        return Share(items, attachment.description.num_source_items, attachment.rank_items(),
+                     worker.num_workers if worker is not None else 1, in_worker=worker is not None)
 
     def _owner(self) -> Owner:
         return Owner(self.source, self._attachment.digest, self.seed, self._seed_given, self.rank, self.world_size,

@@ -8,8 +8,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pyroaring import BitMap
 
 from joader.client.board import Board
+from joader.errors import InvalidArgumentError
 
 
 @pytest.fixture
@@ -81,3 +83,13 @@ def test_a_reply_marked_after_the_dataset_closed_is_dropped_quietly(tmp_path: Pa
         assert Board.created(board.key) is None
     finally:
         os.close(fd)
+
+
+def test_ids_beyond_the_source_are_refused_and_nothing_is_marked(board: Board) -> None:
+    """Issue 36, item 6: a loaded state's ids beyond the source raised a raw `IndexError: index
+    400 is out of bounds` here; the board refuses them by name, and marks none of the others."""
+    with pytest.raises(InvalidArgumentError, match=r"item ids \[400\] are not ids of the source's 16 items"):
+        board.mark([1, 400], 1)
+    assert board.received(1) == BitMap()
+    board.mark([1, 2], 1)
+    assert board.received(1) == BitMap([1, 2])
