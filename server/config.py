@@ -13,7 +13,7 @@ TOML (`--config FILE`), every key optional, command-line flags win:
     seed = 0
     log_level = "INFO"         # DEBUG, INFO, WARNING or ERROR
     retry_failed_s = 60        # a file that failed to decode is tried again after this long
-    decode_timeout_s = 60      # a decode that takes longer kills its worker
+    decode_timeout_s = "auto"  # a decode that takes longer kills its worker; auto: fitted to the data, <= 60
     rank_attach_timeout_s = 60 # a job whose ranks do not all attach within this long ends
     max_jobs = 1024            # jobs attached at once; more are refused
     pacing = "deadline"        # decode by when jobs read, evict by speed; "rounds": the old order
@@ -112,7 +112,7 @@ class ServerConfig:
     allow_remote: bool = False
     ready_file: Path | None = None
     retry_failed_s: float = 60.0
-    decode_timeout_s: float = 60.0
+    decode_timeout_s: float | None = None  # None: auto (joader.server.decode_timeout)
     rank_attach_timeout_s: float = 60.0
     max_jobs: int = 1024
     pacing: str = "deadline"
@@ -184,6 +184,21 @@ def _positive_seconds(value: Any, where: str, example: str) -> float:
 
 def _non_negative_seconds(value: Any, where: str, example: str) -> float:
     return _seconds(value, where, example, zero_ok=True)
+
+
+def _timeout_seconds(value: Any, where: str, example: str) -> float | None:
+    """--decode-timeout-s: "auto" (None: fitted to the decode times, joader.server.decode_timeout)
+    or a positive number of seconds."""
+    if value == "auto":
+        return None
+    if isinstance(value, str):
+        raise _fail(where, '"auto" or a positive number of seconds', value, example)
+    return _seconds(value, where, example, zero_ok=False)
+
+
+def _seconds_or_auto(text: str) -> float | str:
+    """argparse's type of --decode-timeout-s (checked by `_timeout_seconds`)."""
+    return text if text == "auto" else float(text)
 
 
 def _cache_size(value: Any, where: str, example: str) -> int | str:
@@ -267,7 +282,7 @@ _KEYS: dict[str, _Key] = {
     "seed": _Key("--seed", _non_negative_int, "0"),
     "log_level": _Key("--log-level", _log_level, '"INFO"'),
     "retry_failed_s": _Key("--retry-failed-s", _non_negative_seconds, "60"),
-    "decode_timeout_s": _Key("--decode-timeout-s", _positive_seconds, "60"),
+    "decode_timeout_s": _Key("--decode-timeout-s", _timeout_seconds, '"auto"'),
     "rank_attach_timeout_s": _Key("--rank-attach-timeout-s", _positive_seconds, "60"),
     "max_jobs": _Key("--max-jobs", _positive_int, "1024"),
     "pacing": _Key("--pacing", lambda v, w, e: _choice(v, w, e, PACINGS), '"deadline"'),
@@ -336,8 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--log-level", help=f"{', '.join(LOG_LEVELS)} (default INFO)")
     add("--retry-failed-s", type=float, metavar="S",
         help="retry a file that failed to decode at its next use after S seconds (default 60)")
-    add("--decode-timeout-s", type=float, metavar="S",
-        help="kill and replace a decode worker stuck on one file for S seconds (default 60)")
+    add("--decode-timeout-s", type=_seconds_or_auto, metavar="S|auto",
+        help="kill and replace a decode worker stuck on one file for S seconds; a file that does it "
+             "twice is quarantined until it changes on disk (default auto: max(2 s, 20 x the p99 "
+             "of the measured decode times), at most 60 s)")
     add("--rank-attach-timeout-s", type=float, metavar="S",
         help="end a job whose ranks do not all attach within S seconds of its first (default 60)")
     add("--max-jobs", type=int, help="jobs attached at once; more are refused (default 1024)")

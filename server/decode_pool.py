@@ -44,6 +44,7 @@ from itertools import count
 from typing import Any, Self
 
 from joader.errors import InvalidArgumentError, JoaderError
+from joader.server.decode_timeout import AutoTimeout, DecodeTimes
 from joader.server.decode_worker import MAX_MESSAGE, SIZES
 from joader.server.pool_faults import FaultHandling
 from joader.server.pool_probes import Probing
@@ -59,6 +60,7 @@ from joader.server.pool_records import (
 )
 from joader.server.pool_resizing import RESIZE_LOG, Resizing
 from joader.server.pool_spawning import OwedSpawn, WorkerSpawning, reap, start_forker
+from joader.server.quarantine import Quarantine
 from joader.server.replacement import ReplacementPolicy
 from joader.sources.safe_open import display_path
 
@@ -83,8 +85,11 @@ class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
     def __init__(self, config: PoolConfig, arena_path: str, sources: Sequence[SourceSpec]) -> None:
         if config.num_workers <= 0:
             raise InvalidArgumentError(f"num_workers must be positive, got {config.num_workers}")
-        if config.decode_timeout_s <= 0:
+        if config.decode_timeout_s is not None and config.decode_timeout_s <= 0:
             raise InvalidArgumentError(f"decode_timeout_s must be positive, got {config.decode_timeout_s}")
+        if config.decode_timeout_ceiling_s <= 0:
+            raise InvalidArgumentError(
+                f"decode_timeout_ceiling_s must be positive, got {config.decode_timeout_ceiling_s}")
         try:
             arena_bytes = os.path.getsize(arena_path)
         except FileNotFoundError:
@@ -113,7 +118,9 @@ class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
         self._replacement = ReplacementPolicy()
         self._suspects: deque[DecodeTask] = deque()  # the suspect lane's tasks not sent yet
         self._suspect_ids: set[int] = set()  # task ids in the lane, waiting or running
-        self._quarantined: set[tuple[int, int]] = set()  # (source index, item id) that failed so
+        self._quarantine = Quarantine()  # (source index, item id) that hung or crashed twice
+        self._lifted: set[tuple[int, int]] = set()  # quarantined, then changed on disk: not tried yet
+        self._timeouts = DecodeTimes(config.decode_timeout_s, AutoTimeout(ceiling_s=config.decode_timeout_ceiling_s))
         self._probation: Worker | None = None
         self._replaced = 0
         self._retried = 0
@@ -130,8 +137,9 @@ class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
         except BaseException:
             self.close()
             raise
-        logger.info("decode pool: %d workers (forker pid %d) on arena %s", config.num_workers,
-                    self._forker_pid, arena_path)
+        logger.info("decode pool: %d workers (forker pid %d) on arena %s; decode timeout %s", config.num_workers,
+                    self._forker_pid, arena_path, self._timeouts.describe())
+        self._timeouts.to_log()
 
     # ----------------------------------------------------------------------------- use
 
@@ -162,7 +170,11 @@ class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
                 raise InvalidArgumentError(f"decode pool: task id {task_id} is already in flight")
             task = DecodeTask(task_id, source_index, item_id, offset, capacity)
             self._tasks[task_id] = task
-            if task.key in self._quarantined:  # it killed workers before: tried alone again
+            if task.key in self._quarantine:  # unchanged since it hung or crashed twice: not run
+                self._fail(task, self._quarantine.reason(task.key))
+                return
+            if task.key in self._lifted:  # it changed on disk since: tried again, alone
+                self._lifted.discard(task.key)
                 task.attempts = self.config.max_attempts - 1
                 self._to_lane(task)
                 self._dispatch()
@@ -179,6 +191,10 @@ class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
             with self._lock:
                 self._check_timeouts()
                 self._replace_deferred()
+                due = self._quarantine.due(time.monotonic())
+            if due:  # before a quarantined file's failure is out: its stamp is the reference
+                self._restamp(due)  # stats off the lock
+            with self._lock:
                 if self._ready:
                     return self._take(self._ready.popleft())
                 if self._closed:
@@ -194,7 +210,7 @@ class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
                         self._read_control()
                     else:
                         self._read_worker(worker)
-                if self._ready:
+                if self._ready and not self._quarantine.unstamped:
                     return self._take(self._ready.popleft())
             if deadline is not None and time.monotonic() >= deadline:
                 return None
@@ -217,9 +233,17 @@ class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
                 restart_in_s=(max(0.0, round(self._replacement.retry_at() - time.monotonic(), 1))
                               if len(workers) < self.num_workers and self._replacement.crash_loop else 0.0),
                 suspects=len(self._suspect_ids),
-                quarantined=len(self._quarantined),
+                quarantined=len(self._quarantine),
                 probation_pid=probation.pid if probation is not None else 0,
+                decode_timeout_s=self._timeouts.limit_s,
+                quarantine_lifted=self._quarantine.lifted,
             )
+
+    def is_quarantined(self, source_index: int, item_id: int) -> bool:
+        """Whether the item's file hung or crashed a worker twice and has not changed on disk
+        since (joader.server.quarantine): asking for it again would only fail."""
+        with self._lock:
+            return (source_index, item_id) in self._quarantine
 
     @property
     def worker_pids(self) -> list[int]:
@@ -342,6 +366,8 @@ class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
                 self._sizes.extend((head.source_index, item_id, nbytes) for item_id, nbytes in sizes)
         else:
             result = DecodeResult(*message)
+            if result.ok or result.nbytes:  # decoded (a misfit too: it decoded, then did not fit)
+                self._measured(result.decode_s)
             if isinstance(head, DecodeTask) and head.task_id == result.task_id:
                 worker.tasks.popleft()
                 if worker.probation:

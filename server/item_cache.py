@@ -162,7 +162,7 @@ class ItemCache:
                 self.policy.add_refcount(key, -1)
             lookups.hits += 1
         elif item.state is ItemState.FAILED:
-            if self._clock() - item.failed_s >= self.retry_failed_s:
+            if self._retry_allowed(item):
                 # Failures are not forever: the file may have been fixed (or its storage come
                 # back) since. Jobs that queued it meanwhile wait for this decode.
                 item.move(ItemState.WAITING)
@@ -191,7 +191,7 @@ class ItemCache:
         is old by now. The file may have been fixed since; it is tried again, and every queue
         holding the item waits for that decode.
         """
-        if item.state is not ItemState.FAILED or self._clock() - item.failed_s < self.retry_failed_s:
+        if item.state is not ItemState.FAILED or not self._retry_allowed(item):
             return False
         item.move(ItemState.WAITING)
         item.due_s = due_s
@@ -200,6 +200,21 @@ class ItemCache:
         self.items_retried += 1
         self.retried_at_use += 1
         return True
+
+    def _retry_allowed(self, item: Item) -> bool:
+        """Whether a FAILED item may be decoded again now: `retry_failed_s` has passed since it
+        failed, and its file is not quarantined (it hung or crashed a decode worker twice and
+        has not changed on disk since: joader.server.quarantine)."""
+        return self._clock() - item.failed_s >= self.retry_failed_s and not self.quarantined(item)
+
+    def quarantined(self, item: Item) -> bool:
+        """Whether the decode pool holds the item's file in quarantine (a pool without
+        `is_quarantined` quarantines nothing)."""
+        if self._dispatcher is None:
+            return False
+        pool, _, source_index = self._dispatcher
+        check = getattr(pool, "is_quarantined", None)
+        return bool(check is not None and check(source_index(item.source), item.item_id))
 
     def consume_unqueued(self, source: Source, item_id: int) -> None:
         """A pick nobody receives (drop_last) left a job's remaining set: one reference less."""
@@ -396,8 +411,9 @@ class ItemCache:
             item.offset = -1
             source.failed[item.item_id] = error or "unknown error"
             logger.warning(
-                "source %s: item %d could not be prepared and is skipped (retried after %g s): %s",
-                source.name, item.item_id, self.retry_failed_s, error,
+                "source %s: item %d could not be prepared and is skipped (%s): %s", source.name, item.item_id,
+                "quarantined until its file changes" if self.quarantined(item)
+                else f"retried after {self.retry_failed_s:g} s", error,
             )
         return item
 

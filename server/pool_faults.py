@@ -5,8 +5,10 @@ Faults are found by `get_result` (the one consumer thread) and handled here:
 - a worker that dies (EOF on its socket: an OOM kill, a crash in a native decoder) is replaced,
   and the task it was running becomes a *suspect* (below). Tasks it had queued but not started
   go back to the head of the queue without counting an attempt.
-- a task running longer than `decode_timeout_s` (a hung NFS read, a pathological file): its
-  worker is killed and replaced, and the task becomes a suspect too.
+- a task running longer than the decode timeout (a hung NFS read, a pathological file): its
+  worker is killed and replaced, and the task becomes a suspect too. The timeout is
+  `--decode-timeout-s S`, or by default "auto", fitted to the decode times measured here
+  (`joader.server.decode_timeout`, NOTE [ A timeout that fits the data ]).
 - replacements are never given up: in a crash loop (more than ten deaths that nothing explains
   within a minute) each next one waits longer, 1 s doubling to 30 s, until a minute passes
   without one (`joader.server.replacement`, NOTE [ Crash loops slow down, never stop ]).
@@ -26,9 +28,11 @@ NOTE [ Suspects run alone ]):
   healthy task or a probe, one task at a time so that its death names exactly one file).
 - a suspect that dies (or times out) there is quarantined: it fails with the reason, as a
   corrupt file does (`on_error="skip"` skips it, `"raise"` raises), after its second death. The
-  pool remembers it: when the cache asks for it again (after `--retry-failed-s`) it goes
-  straight to the lane, so a quarantined file never kills a member again; once it decodes, it is
-  forgotten.
+  pool remembers it until the file changes on disk (`joader.server.quarantine`, NOTE
+  [ Quarantined until the file changes ]): asked for again meanwhile, it fails at once, and the
+  item cache does not ask (`is_quarantined`), whatever `--retry-failed-s` says. Once the file
+  changed, its next use runs it in the lane again: a second chance only (one more death or
+  timeout quarantines it again), never in a member.
 - a suspect that decodes there was innocent: its first death was the pool's (an OOM kill, a
   signal from outside) and is charged to the replacement policy then.
 - replacements for deaths a suspect explains (a member running a task, the probation worker
@@ -51,6 +55,7 @@ from itertools import count
 
 from joader.server.pool_records import DecodeResult, DecodeTask, Probe, Worker
 from joader.server.pool_spawning import NoWorker
+from joader.server.source_watch import file_stamp, item_file
 from joader.sources.safe_open import display_path
 
 __all__ = ["FaultHandling"]
@@ -69,29 +74,38 @@ logger = logging.getLogger("joader.server.decode_pool")  # the pool's log, which
 class FaultHandling:
     """The `DecodePool`'s part that handles dead and hung workers and runs the suspect lane (see
     the module docstring). State it owns: `_suspects` (the lane's tasks not sent yet),
-    `_suspect_ids` (waiting or running), `_quarantined` ((source index, item id) that failed
-    so), `_probation` (the probation worker), `_replacement` (the crash-loop policy) and the
-    counts `_replaced`, `_retried`, `_timed_out`."""
+    `_suspect_ids` (waiting or running), `_quarantine` (`joader.server.quarantine`: files that
+    hung or crashed twice) and `_lifted` (quarantined keys whose file changed since, not tried
+    yet), `_probation` (the probation worker), `_replacement` (the crash-loop policy),
+    `_timeouts` (the decode timeout in force) and the counts `_replaced`, `_retried`,
+    `_timed_out`."""
+
+    def _measured(self, decode_s: float) -> None:
+        """A decode's time, for the "auto" timeout (logged when its value moves)."""
+        self._timeouts.add(decode_s)
+        if self._timeouts.to_log() is not None:
+            logger.info("decode pool: decode timeout now %s", self._timeouts.describe())
 
     def _check_timeouts(self) -> None:
         now = time.monotonic()
-        limit = self.config.decode_timeout_s
+        limit = self._timeouts.limit_s
         for worker in list(self._workers.values()):
             if worker.tasks and now - worker.started_s > limit:
                 task = worker.tasks[0]
                 self._timed_out += 1
                 logger.error(
-                    "decode pool: %sworker pid %d spent more than %g s (--decode-timeout-s) on %s; "
+                    "decode pool: %sworker pid %d spent more than %.3g s (--decode-timeout-s%s) on %s; "
                     "killing it", "retiring " if worker.retiring else "", worker.pid, limit,
-                    self._describe(task),
+                    " auto" if self._timeouts.auto else "", self._describe(task),
                 )
                 try:
                     os.kill(worker.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
                 self._worker_died(worker, "killed after the decode timeout", failure=(
-                    f"decoding {display_path(self._path(task))} took longer than {limit:g} s "
-                    f"(--decode-timeout-s) {self.config.max_attempts} times; the file or its storage hangs"
+                    f"decoding {display_path(self._path(task))} took longer than {limit:.3g} s "
+                    f"(--decode-timeout-s{' auto' if self._timeouts.auto else ''}) {self.config.max_attempts} "
+                    "times, the last time alone: the file or its storage hangs"
                 ))
 
     def _worker_died(self, worker: Worker, how: str, *, failure: str | None = None) -> None:
@@ -125,11 +139,11 @@ class FaultHandling:
             running.attempts += 1
             running.reason = failure or (
                 f"the decode worker died {running.attempts} times while preparing "
-                f"{display_path(self._path(running))} ({how}), the last time alone; the file crashes "
-                "the decoder or the stage - check it (or remove it from the source)"
+                f"{display_path(self._path(running))} ({how}), the last time alone: the file crashes "
+                "the decoder or the stage"
             )
             if worker.probation and running.attempts >= self.config.max_attempts:
-                self._quarantine(running)
+                self._quarantine_task(running)
             elif worker.probation:  # not its last chance yet: again, still alone
                 self._suspects.appendleft(running)
             else:
@@ -152,12 +166,31 @@ class FaultHandling:
             self._fill(replacing=True, explained=explained and not worker.retiring)
         self._dispatch()
 
-    def _quarantine(self, task: DecodeTask) -> None:
-        """A suspect that killed the probation worker: fails as a file, and is remembered."""
-        self._quarantined.add(task.key)
-        logger.error("decode pool: quarantined %s: it killed a decode worker %d times, the last time "
-                     "alone; reported as a failed item", self._describe(task), task.attempts)
-        self._fail(task, task.reason)
+    def _quarantine_task(self, task: DecodeTask) -> None:
+        """A suspect that killed the probation worker: fails as a file, and is remembered until
+        its file changes (joader.server.quarantine)."""
+        reason = (f"{task.reason}; quarantined, not decoded again until the file changes on disk - "
+                  "fix or replace it (joaderd tries it again once its size or modification time "
+                  "changes), or remove it from the source")
+        spec = self._sources[task.source_index]
+        self._quarantine.add(task.key, item_file(spec.source, task.item_id), reason, time.monotonic())
+        logger.error("decode pool: quarantined %s: it hung or killed a decode worker %d times, the last "
+                     "time alone; reported as a failed item, and not decoded again until the file "
+                     "changes on disk (%d quarantined)", self._describe(task), task.attempts,
+                     len(self._quarantine))
+        self._fail(task, reason)
+
+    def _restamp(self, due: list[tuple[tuple[int, int], int, str]]) -> None:
+        """Stats the quarantined files `due` (off the lock: a stat may block) and lifts those
+        that changed on disk: their next use tries them again, alone."""
+        stamps = [(key, generation, file_stamp(path)) for key, generation, path in due]
+        with self._lock:
+            for key, generation, stamp in stamps:
+                entry = self._quarantine.stamped(key, generation, stamp)
+                if entry is not None:
+                    self._lifted.add(key)
+                    logger.warning("decode pool: %s changed on disk; no longer quarantined: tried "
+                                   "again (alone) at its next use", display_path(entry.path))
 
     def _to_lane(self, task: DecodeTask) -> None:
         """`task` is a suspect now: retried alone, in the probation worker (module docstring)."""
@@ -199,9 +232,8 @@ class FaultHandling:
             self._replacement.charge(time.monotonic())
             logger.warning("decode pool: %s did not kill the probation worker; the death while a "
                            "member ran it counts as one nothing explains", self._describe(task))
-        if result.ok and task.key in self._quarantined:
-            self._quarantined.discard(task.key)
-            logger.info("decode pool: %s decodes again; no longer quarantined", self._describe(task))
+        if result.ok and task.key in self._quarantine:  # cannot happen: a quarantined file is not run
+            self._quarantine.discard(task.key)
 
     def _may_replace(self) -> bool:
         """Whether a replacement may start now (`joader.server.replacement`); entering a crash

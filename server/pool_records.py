@@ -52,7 +52,10 @@ class DecodeResult:
 @dataclass(frozen=True)
 class PoolConfig:
     num_workers: int
-    decode_timeout_s: float = 60.0
+    # a decode running longer kills its worker; None: "auto", fitted to the measured decode
+    # times, at most `decode_timeout_ceiling_s` (joader.server.decode_timeout; joaderd's default)
+    decode_timeout_s: float | None = 60.0
+    decode_timeout_ceiling_s: float = 60.0
     tasks_per_worker: int = 2  # sent ahead, so that a worker never idles between tasks
     max_attempts: int = 2
 
@@ -75,8 +78,12 @@ class PoolStats:
     crash_loop: bool = False  # over ten deaths nothing explains within a minute: replacements slowed
     restart_in_s: float = 0.0  # when the next delayed replacement starts (0: none waiting)
     suspects: int = 0  # tasks in the suspect lane (waiting or running in the probation worker)
-    quarantined: int = 0  # files that killed a worker twice, the last time alone (they fail)
+    # files that hung or killed a worker twice, the last time alone: they fail at once, and are
+    # not decoded again until they change on disk (joader.server.quarantine)
+    quarantined: int = 0
     probation_pid: int = 0  # the probation worker (0: none running)
+    decode_timeout_s: float = 0.0  # the timeout in force (joader.server.decode_timeout)
+    quarantine_lifted: int = 0  # quarantined files tried again because they changed on disk
 
 
 class DecodeTask:

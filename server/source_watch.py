@@ -45,6 +45,7 @@ done: a restart takes seconds and is what the message says.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -66,7 +67,7 @@ from joader.sources.watch import (
     watch_targets,
 )
 
-__all__ = ["CHECK_PERIOD_S", "Settlement", "SourceChecker", "SourceWatch", "stopped_error"]
+__all__ = ["CHECK_PERIOD_S", "Settlement", "SourceChecker", "SourceWatch", "file_stamp", "item_file", "stopped_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -279,3 +280,24 @@ class SourceChecker:
                 watch = source.watch
                 seen_seq = watch.hold_seq  # read before the stamp (an int: no lock needed)
                 file_verdict(source, compare(watch.listed, take_stamp(watch.targets), watch.ignore), seen_seq)
+
+
+def item_file(listing: Any, item_id: int) -> str:
+    """The file on disk an item is read from (an `ItemSource`'s item): for a tar member, its
+    shard. What `file_stamp` stamps for the decode pool's quarantine (joader.server.quarantine)."""
+    kind = getattr(listing, "kind", "imagefolder")
+    if kind == "tar":
+        return os.path.join(listing.root, listing.shards[int(listing.shard_ids[item_id])])
+    folder = listing.folder if kind == "list" else listing.root
+    return os.path.join(folder, listing.paths[item_id])
+
+
+def file_stamp(path: str) -> tuple[int, int, int, int] | None:
+    """(st_dev, st_ino, st_size, st_mtime_ns) of `path`, None if it cannot be stat'ed: the same
+    kind of stamp as the sources' (joader.sources.watch), one file at a time. One `stat`, which
+    may block on a hung mount: never call it under the registry's or the pool's lock."""
+    try:
+        info = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
