@@ -119,10 +119,16 @@ def rank_state(state: Any, rank: int | None = None, world_size: int | None = Non
     if _TAG not in state:
         return state  # a plain StatefulDataLoader state (an older checkpoint): this rank's own
     version = state[_TAG]
-    if version != LOADER_STATE_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or version != LOADER_STATE_VERSION:
         raise InvalidArgumentError(
             f"JoaderDataLoader.load_state_dict: loader state version {version!r}; this joader reads "
             f"version {LOADER_STATE_VERSION}. Resume with the joader version that saved it.")
+    unknown = sorted(str(key) for key in state if key not in (_TAG, "world_size", "ranks"))
+    if unknown:
+        raise InvalidArgumentError(
+            f"JoaderDataLoader.load_state_dict: unknown key(s) {', '.join(map(repr, unknown))} in the "
+            f"state (a gathered state has {_TAG!r}, 'world_size' and 'ranks'); load what "
+            "JoaderDataLoader.state_dict() returned, or start without one")
     saved_size, ranks = state.get("world_size"), state.get("ranks")
     if (not isinstance(saved_size, int) or isinstance(saved_size, bool) or saved_size < 1
             or not isinstance(ranks, list) or len(ranks) != saved_size
@@ -145,7 +151,33 @@ def rank_state(state: Any, rank: int | None = None, world_size: int | None = Non
         raise InvalidArgumentError(
             f"JoaderDataLoader.load_state_dict: rank {rank} is not in 0..{world_size - 1}; pass "
             "rank= and world_size= consistently")
-    return ranks[rank]
+    return _checked_entry(ranks[rank], rank)
+
+
+def _checked_entry(entry: dict[str, Any], rank: int) -> dict[str, Any]:
+    """A rank's entry: `{_FRESH: True}` or a StatefulDataLoader state (never empty, never both)."""
+    if entry == {_FRESH: True} or (entry and _FRESH not in entry):
+        return entry
+    raise InvalidArgumentError(
+        f"JoaderDataLoader.load_state_dict: ranks[{rank}] is {_short(entry)}, neither a "
+        f"StatefulDataLoader state nor {{{_FRESH!r}: True}} (a fresh pass); load what "
+        "JoaderDataLoader.state_dict() returned, or start without one")
+
+
+def _saved_workers(own: dict[str, Any]) -> Any:
+    """The num_workers of the loader that saved `own` (torchdata's format: a multi-process state
+    has it in `_snapshot._main_snapshot`, a single-process one has no `_snapshot`); None if
+    the state does not say (torchdata checks the rest)."""
+    snapshot = own.get("_snapshot")
+    if snapshot is None:
+        return 0
+    main = snapshot.get("_main_snapshot") if isinstance(snapshot, dict) else None
+    return main.get("_num_workers") if isinstance(main, dict) else None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class JoaderDataLoader(StatefulDataLoader):
@@ -197,4 +229,12 @@ class JoaderDataLoader(StatefulDataLoader):
         own = rank_state(state_dict)
         if own.get(_FRESH):
             return  # saved after its epoch's last batch, under Lightning: a fresh pass
+        saved_workers = _saved_workers(own)
+        if saved_workers is not None and saved_workers != self.num_workers:
+            # torchdata would raise a bare AssertionError at the next iter(), far from here.
+            raise InvalidArgumentError(
+                f"JoaderDataLoader.load_state_dict: this rank's state was saved by a loader with "
+                f"num_workers={saved_workers!r}, this loader has num_workers={self.num_workers}; each "
+                f"worker's state is its own part of the epoch, so build the loader with "
+                f"num_workers={saved_workers!r}, or start without the loader state")
         super().load_state_dict(own)

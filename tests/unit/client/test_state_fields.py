@@ -14,9 +14,11 @@ from typing import Any
 
 import pytest
 from pyroaring import BitMap
+from torch.utils.data import IterableDataset
 
 from joader.client.checkpoint import Checkpoint, Owner, Share, indices_digest
 from joader.client.dataset import JoaderDataset
+from joader.client.loader import JoaderDataLoader
 from joader.errors import InvalidArgumentError
 
 MISSING = object()  # a key taken out of the state
@@ -143,3 +145,65 @@ def test_a_state_within_the_share_loads() -> None:
     assert loaded.consumed == BitMap(range(20)) and loaded.parts == 2
     # Without a share (no job to check against) only the state's own coherence is checked.
     assert Checkpoint.from_state_dict(SAVED, OWNER).parts == 2
+
+
+# ------------------------------------------------------------------------- JoaderDataLoader
+
+
+class _Stream(IterableDataset):
+    """Ten items, with a dataset state of its own (what it loaded is kept)."""
+
+    loaded: dict[str, Any] | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(10))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pos": 0}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded = state
+
+
+def _gathered(num_workers: int = 0) -> dict[str, Any]:
+    """What JoaderDataLoader.state_dict() gives one process after a batch (no process group)."""
+    loader = JoaderDataLoader(_Stream(), batch_size=2, num_workers=num_workers)
+    batches = iter(loader)
+    next(batches)
+    state = loader.state_dict()
+    del batches
+    return state
+
+
+LOADER_TAMPERED: list[tuple[str, Any, str]] = [
+    ("joader_loader", True, "loader state version True"),
+    ("extra", 1, "unknown key(s) 'extra' in the state"),
+    ("ranks", [{}], "ranks[0] is {}, neither a StatefulDataLoader state nor {'joader_fresh': True}"),
+    ("ranks", [{"joader_fresh": "no"}], "ranks[0] is {'joader_fresh': 'no'}, neither"),
+    ("ranks", [{"joader_fresh": False}], "ranks[0] is {'joader_fresh': False}, neither"),
+    ("ranks", [5], "the state is malformed (world_size 1, 1 rank entries)"),
+    ("world_size", 2, "the state is malformed (world_size 2, 1 rank entries)"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "words"), LOADER_TAMPERED,
+                         ids=[f"{i:02d}-{f}" for i, (f, _, _) in enumerate(LOADER_TAMPERED)])
+def test_each_tampered_loader_field_is_refused_naming_it(field: str, value: Any, words: str) -> None:
+    state = dict(_gathered(), **{field: value})
+    loader = JoaderDataLoader(_Stream(), batch_size=2)
+    with pytest.raises(InvalidArgumentError) as raised:
+        loader.load_state_dict(state)
+    assert words in str(raised.value), str(raised.value)
+
+
+def test_a_loader_state_of_other_num_workers_is_refused_when_loaded_not_at_iter() -> None:
+    """torchdata raised a bare `AssertionError: State doesn't contain key '_num_yielded'` at the
+    next iter(); the loader refuses it when it is loaded, naming the num_workers to use."""
+    loader = JoaderDataLoader(_Stream(), batch_size=2)
+    with pytest.raises(InvalidArgumentError, match="saved by a loader with num_workers=2, this loader has "
+                                                   "num_workers=0; .* build the loader with num_workers=2"):
+        loader.load_state_dict(_gathered(num_workers=2))
+    with pytest.raises(InvalidArgumentError, match="num_workers=0, this loader has num_workers=2"):
+        JoaderDataLoader(_Stream(), batch_size=2, num_workers=2).load_state_dict(_gathered())
+    loader.load_state_dict(_gathered())  # its own still loads, and reaches the dataset
+    assert len(list(loader)) == 5 and loader.dataset.loaded == {"pos": 0}
