@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from joader.client.autostart import ServerSpec, stop_server
+from joader.client.autostart import ServerSpec, listening, stop_server
 from joader.launch import read_ready_file
 from tests.support.integrity import Findings, check_records, read_records
 from tests.support.processes import IMAGE_SIZE, NUM_DEMO_ITEMS, ROOT, finish, wait_for
@@ -162,3 +162,121 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+# --- stop means stop, and a driver's server ends with the driver --------------------------------
+
+
+def _joaderds_for(socket: Path) -> list[int]:
+    """pids of every joaderd process serving `socket` (whatever any file says)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"joader.server" in cmdline and f"unix:{socket}".encode() in cmdline:
+                found.append(int(entry.name))
+    return found
+
+
+def test_servers_stop_is_not_undone_by_running_jobs(demo_root: Path, tmp_path: Path, runtime_dir: Path) -> None:
+    """`joader servers --stop` under two running jobs (one with DataLoader workers): the jobs'
+    keepers used to start the server again within seconds. Now no joaderd runs 10 s later, and
+    each job ends with an error that says it was stopped and how to start again."""
+    _spec_, socket = _spec(demo_root, runtime_dir)
+    env = _env(runtime_dir)
+    names = ["plain", "workers"]
+    jobs = [_job(tmp_path, "plain", env, "--root", str(demo_root), "--image-size", str(IMAGE_SIZE),
+                 "--epochs", "50", "--sleep", "0.05"),
+            _job(tmp_path, "workers", env, "--root", str(demo_root), "--image-size", str(IMAGE_SIZE),
+                 "--epochs", "50", "--sleep", "0.05", "--workers", "2")]
+    wait_for(lambda: all(any(r.get("kind") == "sample" for r in read_records(tmp_path / f"{n}.jsonl"))
+                         for n in names), 120, "both jobs to read")
+    stopped = subprocess.run([sys.executable, "-m", "joader.client.cli", "servers", "--stop"], env=env,
+                             capture_output=True, text=True, timeout=60)
+    assert stopped.returncode == 0, stopped.stderr
+    assert "stopped demo" in stopped.stdout and "no job starts them again" in stopped.stdout
+    stopped_at = time.monotonic()
+    for name, job in zip(names, jobs, strict=True):
+        assert finish(job, timeout_s=60) != 0, f"{name} went on without its server"
+        err = (tmp_path / f"{name}.err").read_text()
+        assert "ServerStoppedError" in err and "was stopped by `joader servers --stop`" in err, err
+        assert "Run the job again to start a new server" in err
+        assert "started joaderd again" not in err
+    time.sleep(max(0.0, stopped_at + 10 - time.monotonic()))
+    assert _joaderds_for(socket) == [] and not listening(socket)
+    assert _starts(socket) == 1, socket.with_suffix(".log").read_text()
+
+
+_DRIVER = """
+import os, sys, time
+import joader
+with joader.serve("demo", sys.argv[1], image_size=int(sys.argv[2])) as served:
+    print(served.started_pid, flush=True)
+    while not os.path.exists(sys.argv[3]):
+        time.sleep(0.05)
+print("block ended", flush=True)
+"""
+
+
+def _driver(demo_root: Path, tmp_path: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", _DRIVER, str(demo_root), str(IMAGE_SIZE), str(tmp_path / "end")],
+                            env=env, stdout=subprocess.PIPE, stderr=open(tmp_path / "driver.err", "wb"), text=True)
+
+
+def _nothing_left(socket: Path, arenas: list[str]) -> None:
+    wait_for(lambda: not _joaderds_for(socket), 20, "every joaderd of the spec to exit")
+    assert not listening(socket)
+    assert [a for a in arenas if os.path.exists(a)] == []
+
+
+def test_serve_driver_killed_by_sigterm_leaves_nothing(demo_root: Path, tmp_path: Path, runtime_dir: Path) -> None:
+    _spec_, socket = _spec(demo_root, runtime_dir)
+    driver = _driver(demo_root, tmp_path, _env(runtime_dir))
+    assert driver.stdout is not None and int(driver.stdout.readline())
+    info = read_ready_file(socket.with_suffix(".ready"))
+    assert info is not None
+    driver.send_signal(signal.SIGTERM)
+    assert driver.wait(timeout=30) == -signal.SIGTERM
+    _nothing_left(socket, [info["arena_path"]])
+
+
+def test_serve_interrupted_while_its_server_starts_leaves_nothing(demo_root: Path, tmp_path: Path,
+                                                                  runtime_dir: Path) -> None:
+    _spec_, socket = _spec(demo_root, runtime_dir)
+    driver = _driver(demo_root, tmp_path, _env(runtime_dir))
+    wait_for(lambda: _starts(socket) == 1, 60, "the driver to start joaderd")
+    driver.send_signal(signal.SIGINT)  # Ctrl-C before the server is ready
+    assert driver.wait(timeout=60) != 0
+    assert "KeyboardInterrupt" in (tmp_path / "driver.err").read_text()
+    _nothing_left(socket, [])
+
+
+def test_serve_stops_the_server_a_keeper_started_again(demo_root: Path, tmp_path: Path, runtime_dir: Path) -> None:
+    """The block's server is killed -9 under a trial, whose keeper starts it again: the block's
+    end stops that one too (it used to stop only the dead pid it had recorded)."""
+    _spec_, socket = _spec(demo_root, runtime_dir)
+    env = _env(runtime_dir)
+    driver = _driver(demo_root, tmp_path, env)
+    assert driver.stdout is not None
+    first_pid = int(driver.stdout.readline())
+    first = read_ready_file(socket.with_suffix(".ready"))
+    assert first is not None
+    owner = next(a for a in Path(f"/proc/{first_pid}/cmdline").read_bytes().decode().split("\0")[1:]
+                 if ":" in a and a.split(":")[0] == str(driver.pid))
+    trial_env = dict(env, JOADER_SERVE_OWNER=owner, JOADER_ADDRESS=f"unix:{socket}")  # as inside the block
+    trial = _job(tmp_path, "trial", trial_env, "--root", str(demo_root), "--image-size", str(IMAGE_SIZE),
+                 "--epochs", "40", "--sleep", "0.05")
+    wait_for(lambda: any(r.get("kind") == "sample" for r in read_records(tmp_path / "trial.jsonl")), 120,
+             "the trial to read")
+    os.kill(first_pid, signal.SIGKILL)
+    wait_for(lambda: (info := read_ready_file(socket.with_suffix(".ready"))) and info["pid"] != first_pid
+             and listening(socket), 60, "the trial's keeper to start joaderd again")
+    second = read_ready_file(socket.with_suffix(".ready"))
+    assert second is not None
+    (tmp_path / "end").touch()
+    assert driver.wait(timeout=60) == 0, (tmp_path / "driver.err").read_text()
+    _nothing_left(socket, [second["arena_path"]])
+    finish(trial, timeout_s=60)  # it ends with its server (an error), or was done
