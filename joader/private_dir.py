@@ -68,8 +68,9 @@ def private_dir(directory: Path, *, parents: bool = False) -> Path:
     problem = _problem(st)
     if problem is not None:
         owner = owner_name(st.st_uid)
+        whose = "" if owner in problem else f"owner {owner}, "
         raise UntrustedServerError(
-            f"the directory {directory} {problem} (owner {owner}, mode 0o{stat.S_IMODE(st.st_mode):o}): "
+            f"the directory {directory} {problem} ({whose}mode 0o{stat.S_IMODE(st.st_mode):o}): "
             f"another local user could turn the files joader keeps there against you. "
             + _FIX.format(owner=owner.split(" (")[0] if st.st_uid != os.getuid() else "you"))
     if stat.S_IMODE(st.st_mode) != 0o700:  # ours, others may only read or enter: close it

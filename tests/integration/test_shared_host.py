@@ -113,6 +113,7 @@ class Host:
         done = self.run_as(self.victim, (
             "from joader.client.autostart import ServerSpec, ensure_server\n"
             f"print(ensure_server(ServerSpec.make('demo', {str(self.data)!r}, image_size=64)))\n"), timeout_s)
+        print(f"victim's job ({time.monotonic() - started:.2f} s): {done.stderr.strip().splitlines()[-1:]}")
         return done, time.monotonic() - started
 
     def spec_names(self) -> str:
