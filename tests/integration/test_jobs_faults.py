@@ -341,10 +341,12 @@ def forged_command(args: argparse.Namespace) -> None:
 
     from pyroaring import BitMap
 
+    from joader.client.checkpoint import ResumePoint
+
     ds = _dataset(args)
-    state = ds.state_dict()
-    state.update(epoch=1, consumed=BitMap([0, 1, 2]).serialize(), parts=args.parts)
-    ds.load_state_dict(state)
+    # A forged request (load_state_dict refuses a state whose parts exceed its readers): what a
+    # client of its own, or readers that died before reporting, can still leave joaderd with.
+    ds._resume = ResumePoint(1, BitMap([0, 1, 2]), args.parts)
     threading.Thread(target=lambda: next(iter(ds)), daemon=True).start()
     time.sleep(0.5)
     _touch(args.ready)
