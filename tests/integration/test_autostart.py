@@ -202,6 +202,7 @@ def test_servers_stop_is_not_undone_by_running_jobs(demo_root: Path, tmp_path: P
     for name, job in zip(names, jobs, strict=True):
         assert finish(job, timeout_s=60) != 0, f"{name} went on without its server"
         err = (tmp_path / f"{name}.err").read_text()
+        print(f"{name}: {err.strip().splitlines()[-1]}")
         assert "ServerStoppedError" in err and "was stopped by `joader servers --stop`" in err, err
         assert "Run the job again to start a new server" in err
         assert "started joaderd again" not in err
