@@ -10,33 +10,33 @@ NOTE [ One budget for all of a user's auto-started servers ]). In DIR:
   and closed before the decode pool forks);
 - `budget.json`: one entry per server: its pid, its process start time, its arena's bytes and
   path, what it serves. Written whole to a temp file and moved in place (`os.replace`), so a
-  reader never sees half of it; every file is opened with O_NOFOLLOW.
+  reader never sees half of it.
 
 An entry counts only while its process lives: the pid AND its start time (psutil's
 `create_time`) must match, since pids wrap and a pid recorded yesterday may be someone else's
 now. A server that exits cleanly removes its entry (`CacheBudget.release`); one killed -9 leaves
 it, and the next reader drops it.
 
-DIR must be the user's own: a directory (not a symlink) owned by this uid that no one else can
-write into. It is created 0700 if missing.
+DIR must be the user's own (`joader.private_dir`: created 0700 if missing, refused if it is a
+symlink or someone else can write in it); its files are opened with O_NOFOLLOW and must be ours.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import logging
 import os
-import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
 import psutil
 
-from joader.errors import CacheSpaceError, InvalidArgumentError, JoaderError, UntrustedServerError
+from joader.errors import CacheSpaceError, JoaderError
+from joader.private_dir import open_private, private_dir, write_private
 
 __all__ = ["BudgetClaim", "CacheBudget", "Holder", "LEDGER_NAME", "LOCK_NAME", "live_holders"]
 
@@ -137,12 +137,9 @@ class CacheBudget:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        self._check_dir()
+        private_dir(self.directory)  # NOTE [ Check the directory before anything is written in it ]
         path = self.directory / LOCK_NAME
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError as error:
-            raise _unusable(path, error) from None
+        fd = open_private(path, os.O_RDWR | os.O_CREAT)
         try:
             deadline = time.monotonic() + self.lock_timeout_s
             while True:
@@ -163,11 +160,9 @@ class CacheBudget:
     def _read(self) -> list[Holder]:
         path = self.directory / LEDGER_NAME
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = open_private(path, os.O_RDONLY)
         except FileNotFoundError:
             return []
-        except OSError as error:
-            raise _unusable(path, error) from None
         with os.fdopen(fd, "rb") as file:
             raw = file.read()
         try:
@@ -177,50 +172,5 @@ class CacheBudget:
             return []
 
     def _write(self, holders: list[Holder]) -> None:
-        temp = self.directory / f"{LEDGER_NAME}.{os.getpid()}.tmp"
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)  # ours, left by a crash: the lock is held
-        try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError as error:
-            raise _unusable(temp, error) from None
-        try:
-            with os.fdopen(fd, "wb") as file:
-                file.write(json.dumps({"version": 1, "servers": [asdict(h) for h in holders]},
-                                      indent=1).encode())
-            os.replace(temp, self.directory / LEDGER_NAME)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temp)
-            raise
-
-    def _check_dir(self) -> None:
-        """The directory must be this user's alone (created 0700 if missing)."""
-        try:
-            self.directory.mkdir(mode=0o700)
-        except FileExistsError:
-            pass
-        except OSError as error:
-            if error.errno != errno.EEXIST:
-                raise InvalidArgumentError(
-                    f"--cache-budget-dir {self.directory}: cannot create it ({error}); give a directory "
-                    "of yours") from None
-        st = os.lstat(self.directory)
-        problem = None
-        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-            problem = "is not a directory (or is a symbolic link)"
-        elif st.st_uid != os.getuid():
-            problem = f"is owned by uid {st.st_uid}, not by you (uid {os.getuid()})"
-        elif st.st_mode & 0o022:
-            problem = f"is writable by others (mode 0o{stat.S_IMODE(st.st_mode):o})"
-        if problem is not None:
-            raise UntrustedServerError(
-                f"--cache-budget-dir {self.directory} {problem}: another user could rewrite the "
-                f"ledger of your servers' cache budget; use a directory of yours with mode 0700")
-
-
-def _unusable(path: Path, error: OSError) -> CacheSpaceError:
-    why = "is a symbolic link" if error.errno == errno.ELOOP else f"cannot be opened ({error.strerror})"
-    return CacheSpaceError(
-        f"the cache budget's file {path} {why}; remove it (the servers write it again), or give "
-        "--cache-size a size")
+        data = json.dumps({"version": 1, "servers": [asdict(h) for h in holders]}, indent=1).encode()
+        write_private(self.directory / LEDGER_NAME, data)

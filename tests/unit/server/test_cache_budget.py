@@ -110,7 +110,7 @@ def test_a_symlinked_ledger_is_refused_not_followed(tmp_path: Path) -> None:
     target = tmp_path / "elsewhere.json"
     target.write_text(json.dumps({"version": 1, "servers": []}))
     (directory / LEDGER_NAME).symlink_to(target)
-    with pytest.raises(CacheSpaceError, match=r"budget.json is a symbolic link; remove it"):
+    with pytest.raises(UntrustedServerError, match=r"budget.json is a symbolic link; joader does not follow"):
         with CacheBudget(directory).claim():
             pass
 
@@ -125,7 +125,7 @@ def test_a_directory_that_is_not_the_users_alone_is_refused(tmp_path: Path, prob
         directory.symlink_to(real)
     else:
         real.chmod(0o770)
-    with pytest.raises(UntrustedServerError, match="use a directory of yours with mode 0700"):
+    with pytest.raises(UntrustedServerError, match="another local user could turn the files"):
         with CacheBudget(directory).claim():
             pass
     assert not (real / LEDGER_NAME).exists()
