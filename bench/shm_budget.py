@@ -1,7 +1,7 @@
 """Do a user's auto-sized joaderds leave room for the training process's own shared memory?
 
     sudo python -m bench.shm_budget [--shm-size 1g] [--items 100] [--stages resize:512,resize:640,resize:768,resize:896]
-                                    [--batch-mib 64] [--no-budget]
+                                    [--batch-mib 64] [--no-budget] [--together]
 
 Question (issue 36): jobs that start their own joaderd (`JoaderDataset(root=...)`) start one per
 spec, each with `--cache-size auto`. Each used to take half of what /dev/shm had free, so four
@@ -18,13 +18,14 @@ checks every batch's bytes; stops the servers and checks that the ledger is empt
 prints what the same rule gives a 5-resolution ImageNet sweep (1,281,167 items; resize
 224/256/288/320/384, RGB uint8) on this host's real /dev/shm and RAM.
 
-Writes bench/results/shm_budget[-no-budget].json. Exits 1 if the DataLoader failed or the
+Writes bench/results/shm_budget[-no-budget][-together].json. Exits 1 if the DataLoader failed or the
 arenas' total exceeds the budget (with the budget on).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -88,12 +90,15 @@ def main() -> int:
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--items", type=int, default=DEMO_ITEMS, help="demo JPEGs in the served folder")
     parser.add_argument("--no-budget", action="store_true", help="start the servers without --cache-budget-dir")
+    parser.add_argument("--together", action="store_true",
+                        help="start the servers at the same instant (a sweep's first jobs), not one after the other")
     parser.add_argument("--out", type=Path, help="the JSON (default bench/results/shm_budget[-no-budget].json)")
     args = parser.parse_args()
-    out = args.out or RESULTS / f"shm_budget{'-no-budget' if args.no_budget else ''}.json"
+    out = args.out or RESULTS / f"shm_budget{'-no-budget' if args.no_budget else ''}{'-together' if args.together else ''}.json"
     if os.environ.get(INSIDE_ENV) == "1":
         result = run_inside(args.stages.split(","), batch_bytes=args.batch_mib << 20, batches=args.batches,
-                            budget=not args.no_budget, items=args.items)
+                            budget=not args.no_budget, items=args.items,
+                            together=args.together)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
         _print(result)
@@ -130,7 +135,7 @@ def _without_out(argv: list[str]) -> list[str]:
 
 
 def run_inside(stages: list[str], *, batch_bytes: int, batches: int, budget: bool,
-               items: int = DEMO_ITEMS) -> dict[str, Any]:
+               items: int = DEMO_ITEMS, together: bool = False) -> dict[str, Any]:
     """The servers, the DataLoader, the ledger: in this process's /dev/shm (the private one)."""
     from joader.client.demo_data import make_demo_data
     from joader.launch import JoaderdProcess
@@ -143,14 +148,27 @@ def run_inside(stages: list[str], *, batch_bytes: int, batches: int, budget: boo
         ram, ram_what = memory_limit()
         total, why = budget_bytes(shm_size, ram, ram_what)
         started = []
-        for stage in stages:
+
+        def start(stage: str) -> JoaderdProcess:
             args = ["--source", f"photos={work / 'photos'}", "--stage", stage, "--cache-size", "auto",
                     "--workers", "1", "--listen", f"unix:{work / stage.replace(':', '-')}.sock"]
             if budget:
                 args += ["--cache-budget-dir", str(work)]
+            return JoaderdProcess.start(args, stdout=work / f"{stage.replace(':', '-')}.log", ready_timeout_s=60)
+
+        if together:
+            with ThreadPoolExecutor(len(stages)) as pool:
+                futures = [pool.submit(start, stage) for stage in stages]
+                for future in futures:  # every one, so that none is left running if one failed
+                    with contextlib.suppress(Exception):
+                        servers.append(future.result())
+                for future in futures:
+                    future.result()  # raises the first failure
+        else:
+            for stage in stages:
+                servers.append(start(stage))
+        for stage, server in zip(stages, servers, strict=True):
             log = work / f"{stage.replace(':', '-')}.log"
-            server = JoaderdProcess.start(args, stdout=log, ready_timeout_s=60)
-            servers.append(server)
             arena_bytes = os.stat(str(server.arena_path)).st_size
             sizing = next((line.split("--cache-size auto: ", 1)[1] for line in log.read_text().splitlines()
                            if "--cache-size auto: " in line), "")
@@ -163,7 +181,7 @@ def run_inside(stages: list[str], *, batch_bytes: int, batches: int, budget: boo
             server.stop()
         servers.clear()
         return {
-            "budget_on": budget, "shm_size_bytes": shm_size, "shm_size": format_size(shm_size),
+            "budget_on": budget, "started_together": together, "shm_size_bytes": shm_size, "shm_size": format_size(shm_size),
             "memory_limit": f"{format_size(ram)} ({ram_what})",
             "budget_bytes": total, "budget": f"{format_size(total)} = {why}",
             "servers": started, "total_bytes": held, "total": format_size(held),
