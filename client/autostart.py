@@ -144,7 +144,9 @@ class ServerSpec:
             args += ["--upscale", self.source]
         if self.owner is not None:
             args += ["--exit-with", self.owner]
-        return args
+        # One budget for every server this user auto-starts, counted also when sized explicitly
+        # (server/cache_budget.py): their socket directory holds the ledger.
+        return args + ["--cache-budget-dir", str(self.socket_path().parent)]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -175,7 +177,9 @@ def listening(path: Path) -> bool:
         probe.settimeout(1.0)
         try:
             probe.connect(str(path))
-        except OSError:  # no file, refused (a dead server's socket), timed out
+        except (TimeoutError, BlockingIOError):
+            return True  # a full backlog: a busy server, not a dead one (as joader.address sees it)
+        except OSError:  # no file, refused (a dead server's socket)
             return False
     return True
 
@@ -376,7 +380,7 @@ def _tail(path: Path) -> str:
 
 def running_servers() -> list[dict[str, Any]]:
     """This user's auto-started joaderds that serve now: each one's spec, address, pid, start
-    time and log."""
+    ticks and log."""
     directory = runtime_dir()
     if not directory.is_dir():
         return []
@@ -393,7 +397,7 @@ def running_servers() -> list[dict[str, Any]]:
                 spec = json.loads(file.read())
         except (OSError, ValueError):
             spec = {}
-        found.append({**spec, "address": info["address"], "pid": server.pid, "start_time": server.start_time,
+        found.append({**spec, "address": info["address"], "pid": server.pid, "start_ticks": server.start_ticks,
                       "log": str(ready.with_suffix(".log"))})
     return found
 
@@ -401,9 +405,9 @@ def running_servers() -> list[dict[str, Any]]:
 def _server_of(info: dict[str, Any] | None) -> ProcessRef | None:
     """The joaderd a ready file describes, if that very process still runs (its pid alone could
     be another process's by now: the start time must match too)."""
-    if info is None or not info.get("pid") or info.get("start_time") is None:
+    if info is None or not info.get("pid") or info.get("start_ticks") is None:
         return None
-    server = ProcessRef(int(info["pid"]), float(info["start_time"]))
+    server = ProcessRef(int(info["pid"]), int(info["start_ticks"]))
     return server if server.is_running() else None
 
 
@@ -416,7 +420,7 @@ def stop_servers(timeout_s: float = 30.0) -> list[dict[str, Any]]:
         sock = Path(server["address"][len("unix:"):])
         write_private(sock.with_suffix(".stopped"),
                       json.dumps({"by_pid": os.getpid(), "at": time.time(), "server_pid": server["pid"]}).encode())
-        ProcessRef(server["pid"], server["start_time"]).stop(timeout_s)
+        ProcessRef(server["pid"], server["start_ticks"]).stop(timeout_s)
     return servers
 
 

@@ -1,11 +1,12 @@
 """A process named by its pid AND its start time, so that a recorded pid is never someone else's.
 
 PIDs wrap (on a busy host within the hour): a pid written in a ready file or kept by a driver may
-belong to another process by the time it is used. `ProcessRef` keeps the start time the kernel
-reports (`psutil.Process.create_time`, from /proc/PID/stat's start ticks: fixed for a process's
-life) beside the pid, and `send_signal` opens a pidfd first and checks the start time through it,
-so the signal reaches the process that was recorded or nobody (a pidfd keeps naming its process
-even if the pid is reused after the check).
+belong to another process by the time it is used. `ProcessRef` keeps the process's start time
+beside the pid, as the kernel counts it: clock ticks since boot (/proc/PID/stat's field 22), fixed
+for the process's life and, unlike a wall-clock start time (psutil's `create_time`, computed from
+the boot time, which moves when the clock is stepped), never off by a second. `send_signal` opens
+a pidfd first and checks the start through it, so the signal reaches the process that was
+recorded or nobody (a pidfd keeps naming its process even if the pid is reused after the check).
 """
 
 from __future__ import annotations
@@ -17,27 +18,32 @@ import signal
 import time
 from dataclasses import dataclass
 
-import psutil
-
 __all__ = ["ProcessRef"]
 
-_SAME_START_S = 0.01  # create_time is computed from clock ticks: equal for one process
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, start ticks) of process `pid`, or None if there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rpartition(b")")[2].split()
+    except (OSError, ValueError):
+        return None
+    # after the command's closing parenthesis: field 3 (state) is [0], field 22 (starttime) [19]
+    return fields[0].decode(), int(fields[19])
 
 
 @dataclass(frozen=True)
 class ProcessRef:
-    """Process `pid`, started at `start_time` (seconds since the epoch, as psutil gives it)."""
+    """Process `pid`, started `start_ticks` clock ticks after boot."""
 
     pid: int
-    start_time: float
+    start_ticks: int
 
     @classmethod
     def of(cls, pid: int) -> ProcessRef | None:
-        """The process that has `pid` now, or None if there is none."""
-        try:
-            return cls(pid, psutil.Process(pid).create_time())
-        except (psutil.NoSuchProcess, psutil.ZombieProcess, ValueError):
-            return None
+        """The process that has `pid` now, or None if there is none (or only its zombie)."""
+        found = _stat(pid) if pid > 0 else None
+        return cls(pid, found[1]) if found is not None and found[0] != "Z" else None
 
     @classmethod
     def current(cls) -> ProcessRef:
@@ -47,26 +53,19 @@ class ProcessRef:
 
     @classmethod
     def parse(cls, text: str) -> ProcessRef:
-        """From `str(ref)`: "PID:START_TIME"."""
+        """From `str(ref)`: "PID:START_TICKS"."""
         pid, _, start = text.partition(":")
         try:
-            return cls(int(pid), float(start))
+            return cls(int(pid), int(start))
         except ValueError:
-            raise ValueError(f"{text!r} is not PID:START_TIME") from None
+            raise ValueError(f"{text!r} is not PID:START_TICKS") from None
 
     def __str__(self) -> str:
-        return f"{self.pid}:{self.start_time!r}"
+        return f"{self.pid}:{self.start_ticks}"
 
     def is_running(self) -> bool:
         """Whether this very process still runs (a zombie does not: it holds nothing)."""
-        try:
-            process = psutil.Process(self.pid)
-            same = abs(process.create_time() - self.start_time) < _SAME_START_S
-            return same and process.status() != psutil.STATUS_ZOMBIE
-        except (psutil.NoSuchProcess, psutil.ZombieProcess):
-            return False
-        except psutil.AccessDenied:
-            return True
+        return self.of(self.pid) == self
 
     def send_signal(self, sig: int) -> bool:
         """Sends `sig` to this process if it still runs; False if it does not (nothing sent)."""

@@ -60,6 +60,7 @@ from typing import Any
 from joader.address import is_loopback, resolve_address
 from joader.cache.arena import parse_size
 from joader.errors import InvalidArgumentError
+from joader.process_ref import ProcessRef
 from joader.sampling.dependent import ALIGN_MODES
 from joader.stages import DECODERS, DEFAULT_DECODER
 
@@ -121,9 +122,18 @@ class ServerConfig:
     max_hold_s: float = 0.0  # NOTE [ A leader waits only where it costs the sweep nothing ] in in_step.py
     metrics_listen: str | None = None  # HOST:PORT of Prometheus /metrics; None: off
     idle_exit_s: float = 0.0  # exit after this long with no job attached (server/idle_exit.py); 0: never
+    exit_with: str | None = None  # PID:START_TICKS of a process joaderd exits with (a `joader.serve` driver)
 
 
 # --- value checks: (value, where, example) -> the value; where names the key or the flag ---
+
+
+def _process_ref(value: Any, where: str, example: str) -> str:
+    try:
+        ProcessRef.parse(str(value))
+    except ValueError:
+        raise InvalidArgumentError(f"{where} = {value!r} is not PID:START_TICKS; e.g. {where} {example}") from None
+    return str(value)
 
 
 Check = Callable[[Any, str, str], Any]
@@ -292,6 +302,7 @@ _KEYS: dict[str, _Key] = {
     "ready_file": _Key("--ready-file", _path, '"/run/user/1000/joaderd.ready"'),
     "metrics_listen": _Key("--metrics-listen", _string, '"127.0.0.1:9400"'),
     "idle_exit_s": _Key("--idle-exit-s", _non_negative_seconds, "600"),
+    "exit_with": _Key("--exit-with", _process_ref, '"4242:183456"'),
 }
 _KEYS["decoder"] = _Key("--decoder", lambda v, w, e: _choice(v, w, e, DECODERS), '"turbo"')
 _TOML_KEYS = (*_KEYS, "sources")
@@ -382,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--idle-exit-s", type=float, metavar="S",
         help="exit (as on SIGTERM) once no job has been attached for S seconds, counted from the "
              "start or from when the last job left (default 0: never)")
+    add("--exit-with", metavar="PID:START_TICKS",
+        help="exit (as on SIGTERM) once that process (its pid, and its start in clock ticks after boot) has "
+             "ended: `joader.serve` ties the server it starts to its driver")
     return parser
 
 
@@ -430,7 +444,8 @@ def _worker_settings(workers: int | str) -> dict[str, Any]:
 # Settings whose ServerConfig field has the same name as the key.
 _PLAIN_FIELDS = ("cache_budget_dir", "lease_s", "lookahead_batches", "seed", "log_level", "allow_remote",
                  "ready_file", "retry_failed_s", "decode_timeout_s", "rank_attach_timeout_s", "max_jobs",
-                 "pacing", "epoch_align", "plan_horizon", "max_hold_s", "metrics_listen", "idle_exit_s")
+                 "pacing", "epoch_align", "plan_horizon", "max_hold_s", "metrics_listen", "idle_exit_s",
+                 "exit_with")
 
 
 def _read_toml(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:

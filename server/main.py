@@ -34,6 +34,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -41,7 +42,8 @@ import psutil
 from joader.address import is_loopback, prepare_server_socket, resolve_address, socket_path
 from joader.cache.arena import Arena, format_size, remove_stale_arenas
 from joader.errors import CacheSpaceError, JoaderError
-from joader.launch import write_ready_file
+from joader.launch import read_ready_file, write_ready_file
+from joader.process_ref import ProcessRef
 from joader.server import cpu_meter, log_limits
 from joader.server.autoscale import AutoscaleConfig, Autoscaler, PeriodMeter
 from joader.server.cache_budget import BudgetClaim, CacheBudget
@@ -134,6 +136,7 @@ def run(config: ServerConfig) -> int:
     """Serves until SIGTERM, SIGINT or SIGHUP (or an internal failure); returns the exit code."""
     address = resolve_address(config.listen)
     sock = socket_path(address)
+    bound_socket: list[tuple[int, int]] = []  # (st_dev, st_ino) of the socket this joaderd bound
     if sock is not None:
         prepare_server_socket(sock, address, remove_dead=False)  # removed right before the bind
     elif not is_loopback(address):
@@ -182,7 +185,7 @@ def run(config: ServerConfig) -> int:
             ),
         )
         return asyncio.run(_serve(config, address, arena, pool, registry, [len(s.listing.paths) for s in sources],
-                                  checker, cache_size))
+                                  checker, cache_size, bound_socket))
     finally:
         if pool is not None:
             pool.close()
@@ -190,8 +193,8 @@ def run(config: ServerConfig) -> int:
         arena.unlink()
         if budget is not None:
             budget.release()
-        if sock is not None and sock.exists() and sock.is_socket():
-            sock.unlink()
+        if sock is not None:
+            _remove_own_socket(sock, bound_socket)
         logger.info("joaderd stopped; removed %s", arena.path)
 
 
@@ -241,6 +244,7 @@ async def _serve(
     source_sizes: list[int],
     checker: SourceChecker,
     cache_size: CacheSize,
+    bound_socket: list[tuple[int, int]],
 ) -> int:
     from joader.server.service import (  # grpc only after the fork
         JoaderServicer,
@@ -289,6 +293,8 @@ async def _serve(
                 "restart_in_s": stats.restart_in_s,
                 "suspects": stats.suspects,
                 "quarantined": stats.quarantined,
+                "quarantine_lifted": stats.quarantine_lifted,
+                "decode_timeout_s": stats.decode_timeout_s,  # in force (auto: from measured decodes)
             },
             "cache_sizing": {
                 "mode": "fixed" if config.cache_size_bytes is not None else "auto",
@@ -305,18 +311,28 @@ async def _serve(
         supervisor.spawn("joaderd-autoscale", lambda: _autoscale(pool, full_status, config, stopping))
     supervisor.spawn("joaderd-stale", lambda: _remove_stale_later(stopping))
     servicer = JoaderServicer(registry, str(arena.path), extra_status)
+    bind_address = address
     if (unix_path := socket_path(address)) is not None:
         prepare_server_socket(unix_path, address)  # checked again; a dead socket goes now
-    server, port = await start_server(servicer, address, receive_limit_bytes(source_sizes))
+        bind_address = f"unix:{_bind_path(unix_path)}"
+    server, port = await start_server(servicer, bind_address, receive_limit_bytes(source_sizes))
     registry.serving()  # --idle-exit-s counts from here
     metrics_server = None
     try:
         if config.idle_exit_s > 0:
             supervisor.spawn("joaderd-idle", lambda: _exit_when_idle(registry, config.idle_exit_s, stopping,
                                                                      lambda: loop.call_soon_threadsafe(stop.set)))
+        if config.exit_with is not None:
+            owner = ProcessRef.parse(config.exit_with)
+            supervisor.spawn("joaderd-owner", lambda: _exit_with(owner, stopping,
+                                                                 lambda: loop.call_soon_threadsafe(stop.set)))
         sock = socket_path(address)
         if sock is not None:
-            os.chmod(sock, 0o600)
+            bound = _bind_path(sock)
+            os.chmod(bound, 0o600)
+            st = os.lstat(bound)
+            bound_socket.append((st.st_dev, st.st_ino))
+            os.replace(bound, sock)  # NOTE [ An exiting joaderd removes only its own files ]
         elif address.rpartition(":")[2] == "0":
             address = f"{address.rpartition(':')[0]}:{port}"  # the port the kernel chose
         metrics_port = None
@@ -327,6 +343,7 @@ async def _serve(
             "port": port if sock is None else None,
             "arena_path": str(arena.path),
             "pid": os.getpid(),
+            "start_ticks": ProcessRef.current().start_ticks,  # with the pid: this very process
             "num_workers": pool.num_workers,
             "metrics_port": metrics_port,
             "version": 1,
@@ -348,7 +365,7 @@ async def _serve(
         await server.stop(grace=0.5)
         supervisor.join(timeout_s=5)
         if config.ready_file is not None:
-            config.ready_file.unlink(missing_ok=True)
+            _remove_own_ready_file(config.ready_file)
     if supervisor.failure is not None:
         logger.error("joaderd stopped after an internal error: %s", supervisor.failure)
         return EXIT_INTERNAL_ERROR
@@ -394,6 +411,54 @@ def _exit_when_idle(registry: Registry, idle_exit_s: float, stopping: threading.
             logger.info("joaderd: no job for %.1f s (--idle-exit-s); exiting", idle_s)
             stop_serving()
             return
+
+
+# NOTE [ An exiting joaderd removes only its own files ]
+# An auto-started joaderd that exits closes its listener first and then takes up to seconds to
+# shut down. A job starting meanwhile finds the socket refusing and starts a successor, which
+# removes the dead socket, binds the same path and writes the same ready file. Removed by path,
+# the successor's socket and ready file went with the old server's cleanup: the new server served
+# on an unlinked socket nobody could reach, and its starter waited its whole start timeout. So the
+# socket goes only if it is still the inode this joaderd bound, and the ready file only if it
+# still names this process (tests/integration/test_autostart_races.py). gRPC itself removes the
+# path it bound when it stops, so joaderd binds a name of its own (`_bind_path`) and renames the
+# socket into place once it is 0600: gRPC's removal then finds nothing, and no client ever sees
+# the socket before its mode is set.
+
+
+def _bind_path(sock: Path) -> Path:
+    """Where joaderd binds before renaming the socket to `sock`: short (a socket path holds 107
+    bytes) and this process's own."""
+    return sock.parent / f".joaderd-{os.getpid()}.sock"
+
+
+def _remove_own_socket(sock: Path, bound: list[tuple[int, int]]) -> None:
+    try:
+        st = os.lstat(sock)
+    except FileNotFoundError:
+        return
+    if bound and (st.st_dev, st.st_ino) == bound[0]:
+        sock.unlink(missing_ok=True)
+
+
+def _remove_own_ready_file(ready_file: Path) -> None:
+    info = read_ready_file(ready_file)
+    if info is not None and info.get("pid") == os.getpid():
+        ready_file.unlink(missing_ok=True)
+
+
+OWNER_CHECK_S = 0.5  # how often --exit-with looks at its process
+
+
+def _exit_with(owner: ProcessRef, stopping: threading.Event, stop_serving: Callable[[], None]) -> None:
+    """`--exit-with`: stops joaderd, as SIGTERM does, once the process it was started for (a
+    `joader.serve` driver) has ended, however it ended (NOTE [ A driver's server ends with the
+    driver ] in `joader.client.autostart`)."""
+    while owner.is_running():
+        if stopping.wait(OWNER_CHECK_S):
+            return
+    logger.info("joaderd: the process it serves for (pid %d, --exit-with) has ended; exiting", owner.pid)
+    stop_serving()
 
 
 def _autoscale(pool: DecodePool, status: Callable[[], dict[str, Any]], config: ServerConfig,

@@ -44,7 +44,8 @@ def test_server_args_serve_exactly_the_spec(tmp_path: Path) -> None:
                            cache_size="auto", idle_exit_s=30)
     assert spec.server_args() == [
         "--source", f"digits={tmp_path.resolve()}", "--cache-size", "auto", "--idle-exit-s", "30",
-        "--image-size", "32", "--mode", "L", "--stage", "resize", "--upscale", "digits"]
+        "--image-size", "32", "--mode", "L", "--stage", "resize", "--upscale", "digits",
+        "--cache-budget-dir", str(spec.socket_path().parent)]
     assert ServerSpec.from_dict(spec.to_dict()) == spec  # through the keeper's registration
 
 

@@ -24,7 +24,7 @@ def test_another_process_under_the_same_pid_is_not_signalled() -> None:
     try:
         real = ProcessRef.of(child.pid)
         assert real is not None
-        reused = ProcessRef(child.pid, real.start_time - 5.0)  # what a stale record of that pid looks like
+        reused = ProcessRef(child.pid, real.start_ticks - 500)  # what a stale record of that pid looks like
         assert not reused.is_running()
         assert reused.send_signal(signal.SIGTERM) is False
         assert reused.stop(timeout_s=1) is True  # nothing to stop: the recorded process is gone

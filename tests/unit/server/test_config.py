@@ -49,7 +49,7 @@ def test_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = load_config(["--source", f"a={tmp_path}"])
     assert config == ServerConfig(sources=(SourceConfig("a", tmp_path, 256),), num_workers=1)
     assert (config.allow_remote, config.ready_file, config.max_jobs) == (False, None, 1024)
-    assert (config.retry_failed_s, config.decode_timeout_s, config.lease_s) == (60.0, 60.0, 10.0)
+    assert (config.retry_failed_s, config.decode_timeout_s, config.lease_s) == (60.0, None, 10.0)  # None: auto
     assert ServerConfig(sources=()).num_workers == 1  # the dataclass default follows affinity too
 
 
