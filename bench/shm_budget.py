@@ -1,7 +1,7 @@
 """Do a user's auto-sized joaderds leave room for the training process's own shared memory?
 
     sudo python -m bench.shm_budget [--shm-size 1g] [--items 100] [--stages resize:512,resize:640,resize:768,resize:896]
-                                    [--batch-mib 64] [--no-budget] [--together]
+                                    [--batch-mib 64] [--no-budget] [--together] [--auto]
 
 Question (issue 36): jobs that start their own joaderd (`JoaderDataset(root=...)`) start one per
 spec, each with `--cache-size auto`. Each used to take half of what /dev/shm had free, so four
@@ -92,13 +92,18 @@ def main() -> int:
     parser.add_argument("--no-budget", action="store_true", help="start the servers without --cache-budget-dir")
     parser.add_argument("--together", action="store_true",
                         help="start the servers at the same instant (a sweep's first jobs), not one after the other")
+    parser.add_argument("--auto", action="store_true",
+                        help="start the servers as jobs with root= do (ensure_server), not as plain joaderds")
     parser.add_argument("--out", type=Path, help="the JSON (default bench/results/shm_budget[-no-budget].json)")
     args = parser.parse_args()
-    out = args.out or RESULTS / f"shm_budget{'-no-budget' if args.no_budget else ''}{'-together' if args.together else ''}.json"
+    out = args.out or RESULTS / (f"shm_budget{'-no-budget' if args.no_budget else ''}{'-together' if args.together else ''}"
+                                 f"{'-auto' if args.auto else ''}.json")
+    if args.auto and args.no_budget:
+        parser.error("--auto servers always share the budget (autostart passes --cache-budget-dir)")
     if os.environ.get(INSIDE_ENV) == "1":
         result = run_inside(args.stages.split(","), batch_bytes=args.batch_mib << 20, batches=args.batches,
                             budget=not args.no_budget, items=args.items,
-                            together=args.together)
+                            together=args.together, auto=args.auto)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
         _print(result)
@@ -135,7 +140,7 @@ def _without_out(argv: list[str]) -> list[str]:
 
 
 def run_inside(stages: list[str], *, batch_bytes: int, batches: int, budget: bool,
-               items: int = DEMO_ITEMS, together: bool = False) -> dict[str, Any]:
+               items: int = DEMO_ITEMS, together: bool = False, auto: bool = False) -> dict[str, Any]:
     """The servers, the DataLoader, the ledger: in this process's /dev/shm (the private one)."""
     from joader.client.demo_data import make_demo_data
     from joader.launch import JoaderdProcess
@@ -149,7 +154,9 @@ def run_inside(stages: list[str], *, batch_bytes: int, batches: int, budget: boo
         total, why = budget_bytes(shm_size, ram, ram_what)
         started = []
 
-        def start(stage: str) -> JoaderdProcess:
+        def start(stage: str) -> Any:
+            if auto:
+                return _start_auto(stage, work)
             args = ["--source", f"photos={work / 'photos'}", "--stage", stage, "--cache-size", "auto",
                     "--workers", "1", "--listen", f"unix:{work / stage.replace(':', '-')}.sock"]
             if budget:
@@ -168,14 +175,14 @@ def run_inside(stages: list[str], *, batch_bytes: int, batches: int, budget: boo
             for stage in stages:
                 servers.append(start(stage))
         for stage, server in zip(stages, servers, strict=True):
-            log = work / f"{stage.replace(':', '-')}.log"
+            log = server.log_path if auto else work / f"{stage.replace(':', '-')}.log"
             arena_bytes = os.stat(str(server.arena_path)).st_size
             sizing = next((line.split("--cache-size auto: ", 1)[1] for line in log.read_text().splitlines()
                            if "--cache-size auto: " in line), "")
             started.append({"stage": stage, "pid": server.pid, "arena_bytes": arena_bytes,
                             "arena": format_size(arena_bytes), "sizing": sizing})
         held = sum(s["arena_bytes"] for s in started)
-        ledger = _ledger(work) if budget else None
+        ledger = _ledger(work / "joader" if auto else work) if budget else None
         loader = _run_loader(batch_bytes, batches)
         for server in servers:
             server.stop()
@@ -188,7 +195,8 @@ def run_inside(stages: list[str], *, batch_bytes: int, batches: int, budget: boo
             "total_share_of_shm": round(held / shm_size, 4),
             "within_budget": held <= total,
             "ledger_entries_while_serving": None if ledger is None else len(ledger),
-            "ledger_entries_after_stop": None if ledger is None else len(_ledger(work)),
+            "ledger_entries_after_stop": None if ledger is None else len(_ledger(work / "joader" if auto else work)),
+            "started_as": "jobs start them (ensure_server of a root= spec)" if auto else "joaderd --cache-size auto",
             "dataloader": {"workers": 2, "batch_bytes": batch_bytes, "batches": batches, **loader},
             "ok": bool(loader.get("ok")) and (held <= total or not budget),
         }
@@ -196,6 +204,33 @@ def run_inside(stages: list[str], *, batch_bytes: int, batches: int, budget: boo
         for server in servers:
             server.stop()
         shutil.rmtree(work, ignore_errors=True)
+
+
+class _AutoServer:
+    """A joaderd started as a job with `root=` starts it (`ensure_server`), for `--auto`."""
+
+    def __init__(self, spec: Any, work: Path) -> None:
+        from joader.client.autostart import ensure_server
+        from joader.launch import read_ready_file
+
+        _address, started = ensure_server(spec)
+        assert started is not None, "a server of this spec was already running"
+        self.started = started
+        self.pid = started.pid
+        self.log_path = spec.socket_path().with_suffix(".log")
+        info = read_ready_file(spec.socket_path().with_suffix(".ready"))
+        self.arena_path = info["arena_path"] if info else None
+
+    def stop(self) -> None:
+        self.started.stop(timeout_s=30)
+
+
+def _start_auto(stage: str, work: Path) -> _AutoServer:
+    from joader.client.autostart import ServerSpec
+
+    os.environ["XDG_RUNTIME_DIR"] = str(work)  # the servers' files and the budget's ledger: work/joader
+    os.environ.pop("JOADER_CACHE_SIZE", None)
+    return _AutoServer(ServerSpec.make("photos", work / "photos", stage=stage, idle_exit_s=600), work)
 
 
 def _ledger(directory: Path) -> list[dict[str, Any]]:
