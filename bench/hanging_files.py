@@ -43,7 +43,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import IMAGE_SIZE, RESULTS, bench_env, demo_data, full_cache_bytes, quarter_cache_bytes
+from bench.common import (
+    IMAGE_SIZE,
+    RESULTS,
+    bench_env,
+    demo_data,
+    full_cache_bytes,
+    quarter_cache_bytes,
+)
 from joader.launch import JoaderdProcess
 from joader.sources.base import open_source
 from tests.support.integrity import check_records, read_records, reference

@@ -31,7 +31,13 @@ from joader.cache.arena import ArenaReader
 from joader.client.board import Board
 from joader.client.channel import PendingCall, call_async, reset_channel
 from joader.client.handoff import ArenaLocation
-from joader.errors import ERROR_CLASSES, IntegrityError, ParentDiedError, SourceChangedError, UnknownJobError
+from joader.errors import (
+    ERROR_CLASSES,
+    IntegrityError,
+    ParentDiedError,
+    SourceChangedError,
+    UnknownJobError,
+)
 from joader.proto import joader_pb2
 
 logger = logging.getLogger(__name__)

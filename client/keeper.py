@@ -34,9 +34,9 @@ from typing import Any
 import grpc
 
 from joader.address import verify_server
+from joader.client.autostart import stopped_notice
 from joader.client.board import Board
 from joader.client.channel import get_stub, reset_channel, translate
-from joader.client.autostart import stopped_notice
 from joader.errors import ERROR_CLASSES, JoaderError, ServerStoppedError
 from joader.proto import joader_pb2
 

@@ -28,7 +28,6 @@ import pytest
 from tests.support.processes import ROOT
 
 
-
 def _open_to_others(path: str) -> bool:
     """Whether an account with no rights of its own can run `path` (every directory on the way
     searchable by others)."""
