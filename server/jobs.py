@@ -147,7 +147,7 @@ class JobTable:
         )
         ranks[rank].notice = self._name_notice(job)
         if ranks[rank].notice:
-            logger.warning("job %s: %s", job_id, ranks[rank].notice)
+            logger.info("job %s: %s", job_id, ranks[rank].notice)  # the client shows it as a warning
         return job, ranks[rank]
 
     def _name_notice(self, job: Job) -> str:
