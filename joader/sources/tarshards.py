@@ -80,7 +80,10 @@ class TarSource(ListedItems):
     shard_ids: np.ndarray  # int32: the shard (index into `shards`) of each item
     offsets: np.ndarray  # int64: where the image's data starts in its shard
     sizes: np.ndarray  # int64: the image's size in bytes
-    shard_stamps: tuple[tuple[int, int], ...]  # (st_size, st_mtime_ns) of each shard when indexed
+    # (st_size, st_mtime_ns, st_ctime_ns) of each shard when indexed. NOTE: the ctime too, because
+    # a shard rewritten in place at the same size with its mtime put back (`touch -r`, rsync -t)
+    # kept its stamp and served new pixels beside cached old ones; no one can set a ctime back.
+    shard_stamps: tuple[tuple[int, int, int], ...]
     num_skipped: int = field(default=0)  # samples without an image member
 
     def read(self, item_id: int) -> bytes:
@@ -95,10 +98,10 @@ class TarSource(ListedItems):
             raise DecodeError(f"cannot read {name}: {exc}") from None
         try:
             info = os.fstat(fd)
-            if (info.st_size, info.st_mtime_ns) != self.shard_stamps[shard_id]:
+            if (info.st_size, info.st_mtime_ns, info.st_ctime_ns) != self.shard_stamps[shard_id]:
                 raise DecodeError(
                     f"cannot read {name}: shard {display_path(self.root / shard)} changed since "
-                    "joaderd indexed it (its size or modification time differs); restart joaderd "
+                    "joaderd indexed it (its size, modification or change time differs); restart joaderd "
                     "to index it again"
                 )
             size = int(self.sizes[item_id])
@@ -229,7 +232,7 @@ class _Index:
         self.shard_ids = array("i")
         self.offsets = array("q")
         self.sizes = array("q")
-        self.stamps: list[tuple[int, int]] = []
+        self.stamps: list[tuple[int, int, int]] = []
         self.num_skipped = 0
         self.first_skipped = ""
         self._first_int: str | None = None  # "shard/member" of the first integer label
@@ -243,7 +246,7 @@ class _Index:
             raise InvalidArgumentError(f"shard {where}: {exc}") from None
         try:
             info = os.fstat(fd)
-            self.stamps.append((info.st_size, info.st_mtime_ns))
+            self.stamps.append((info.st_size, info.st_mtime_ns, info.st_ctime_ns))
             with open(fd, "rb", closefd=False) as file:
                 self._members(shard_id, shard, fd, file, info)
         except OSError as exc:

@@ -270,6 +270,19 @@ def test_reads_after_the_shard_changed(tmp_path: Path) -> None:
         source.read(0)
 
 
+def test_a_shard_rewritten_at_the_same_size_with_its_mtime_put_back_is_seen(tmp_path: Path) -> None:
+    """`touch -r` or `rsync -t` after an in-place rewrite: size and mtime as indexed, other bytes."""
+    shard = _tar(tmp_path / "s.tar", _sample("a", 0) + _sample("b", 1))
+    source = index_tar_shards(tmp_path)
+    before = os.stat(shard)
+    data = shard.read_bytes()
+    shard.write_bytes(data.replace(b"image b", b"IMAGE B"))
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (os.stat(shard).st_size, os.stat(shard).st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    with pytest.raises(DecodeError, match="s.tar/b.jpg: shard .* changed since joaderd indexed"):
+        source.read(1)
+
+
 def test_many_members_index_in_linear_time(tmp_path: Path) -> None:
     members: list[Member] = []
     for k in range(20_000):
