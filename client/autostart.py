@@ -33,6 +33,7 @@ and must hold no gRPC channel when a DataLoader forks its workers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -196,6 +197,7 @@ def ensure_server(spec: ServerSpec, *, timeout_s: float = START_TIMEOUT_S,
     private_dir(path.parent, parents=True)  # before anything is opened there
     if listening(path):
         return spec.address, None
+    spec = _without_dead_owner(spec, restart)
     _refuse_if_stopped(path, restart)
     with _locked(path.with_suffix(".lock"), timeout_s, spec):
         if listening(path):
@@ -235,9 +237,37 @@ def stopped_notice(address: str) -> str | None:
         except ValueError:
             info = {}
     when = time.strftime("%H:%M:%S", time.localtime(float(info.get("at", 0) or 0)))
-    return (f"the joaderd at {address} was stopped by `joader servers --stop` (pid {info.get('by_pid', '?')}, "
-            f"at {when}), so this job cannot go on reading. Run the job again to start a new server "
-            "(from a checkpoint, if you saved one), or pass address= of a joaderd you run yourself")
+    by = info.get("by", "`joader servers --stop`")
+    return (f"the joaderd at {address} was stopped by {by} (pid {info.get('by_pid', '?')}, at {when}), so "
+            "this job cannot go on reading. Run the job again to start a new server (from a checkpoint, if "
+            "you saved one), or pass address= of a joaderd you run yourself")
+
+
+def _leave_stop_file(sock: Path, by: str, server: ProcessRef) -> None:
+    """NOTE [ Stop means stop ]: written before the server is signalled, so that a keeper that
+    sees it gone finds the file."""
+    write_private(sock.with_suffix(".stopped"),
+                  json.dumps({"by": by, "by_pid": os.getpid(), "at": time.time(), "server_pid": server.pid}).encode())
+
+
+def _without_dead_owner(spec: ServerSpec, restart: bool) -> ServerSpec:
+    """`spec`, or `spec` with no owner if its `serve` driver has ended: a keeper does not start
+    the server of a driver that ended (NOTE [ A driver's server ends with the driver ]), and a
+    job's own start (a trial that outlived its driver) starts one that does not exit with it."""
+    try:
+        owner = ProcessRef.parse(spec.owner) if spec.owner else None
+    except ValueError:
+        owner = None
+    if owner is None:  # none, or not PID:START_TICKS
+        return spec if spec.owner is None else dataclasses.replace(spec, owner=None)
+    if owner.is_running():
+        return spec
+    if restart:
+        raise ServerStoppedError(
+            f"the joaderd at {spec.address} was started for the joader.serve block of pid {owner.pid}, "
+            "which has ended, so it is not started again. Run the job again (inside a new serve block, "
+            "or with root= alone) to start a new server")
+    return dataclasses.replace(spec, owner=None)
 
 
 def _refuse_if_stopped(path: Path, restart: bool) -> None:
@@ -417,10 +447,9 @@ def stop_servers(timeout_s: float = 30.0) -> list[dict[str, Any]]:
     Returns what was stopped."""
     servers = running_servers()
     for server in servers:
-        sock = Path(server["address"][len("unix:"):])
-        write_private(sock.with_suffix(".stopped"),
-                      json.dumps({"by_pid": os.getpid(), "at": time.time(), "server_pid": server["pid"]}).encode())
-        ProcessRef(server["pid"], server["start_ticks"]).stop(timeout_s)
+        ref = ProcessRef(server["pid"], server["start_ticks"])
+        _leave_stop_file(Path(server["address"][len("unix:"):]), "`joader servers --stop`", ref)
+        ref.stop(timeout_s)
     return servers
 
 
@@ -485,12 +514,15 @@ def serve(source: str, root: str | os.PathLike[str], *, image_size: int | None =
 
 def _stop_owned(spec: ServerSpec, started: ProcessRef, timeout_s: float) -> None:
     """Stops the server the block started, and the one serving its spec now if a keeper started
-    another (only one that exits with this driver: the block's own)."""
-    started.stop(timeout_s)
-    info = read_ready_file(spec.socket_path().with_suffix(".ready"))
-    current = _server_of(info)
-    if current is not None and current != started and _owner_of(current) == spec.owner:
-        current.stop(timeout_s)
+    another (only one that exits with this driver: the block's own). The trials' keepers do not
+    start it again (a stop file, NOTE [ Stop means stop ])."""
+    by = "the end of the joader.serve block that started it"
+    current = _server_of(read_ready_file(spec.socket_path().with_suffix(".ready")))
+    for server in (started, current):
+        if server is None or not server.is_running() or (server != started and _owner_of(server) != spec.owner):
+            continue
+        _leave_stop_file(spec.socket_path(), by, server)
+        server.stop(timeout_s)
 
 
 def _owner_of(server: ProcessRef) -> str | None:

@@ -288,30 +288,32 @@ def _confirm(address: str, first: joader_pb2.AttachResponse) -> None:
 STARTING_GRACE_S = 15.0
 
 
-def _restart_if_auto(registration: dict[str, Any]) -> None:
+def _restart_if_auto(registration: dict[str, Any]) -> str | None:
     """A job whose dataset auto-started its joaderd (`root=`) starts it again when it is gone
     (NOTE [ A server that died ] in `joader.client.autostart`); a failed start is said once and
-    retried at the next try."""
+    retried at the next try. Returns why the server must not be started again (stopped on
+    purpose, or its `serve` driver ended: NOTE [ Stop means stop ]), else None."""
     spec = registration.get("autostart")
     if not spec:
-        return
+        return None
     from joader.client.autostart import ServerSpec, ensure_server, listening
 
     server_spec = ServerSpec.from_dict(spec)
     if listening(server_spec.socket_path()):
-        return
+        return None
     try:
         _address, started = ensure_server(server_spec, restart=True)
-    except ServerStoppedError:
-        return  # `_reattach` tells the readers (NOTE [ Stop means stop ])
+    except ServerStoppedError as stopped:
+        return str(stopped)
     except JoaderError as error:
         if not registration.get("_start_failed"):
             print(f"joader lease keeper: could not start joaderd again: {error}", file=sys.stderr, flush=True)
         registration["_start_failed"] = True
-        return
+        return None
     if started is not None:
         print(f"joader: started joaderd again for {server_spec.source} (pid {started.pid})", file=sys.stderr,
               flush=True)
+    return None
 
 
 def _first_attach(address: str, registration: dict[str, Any], stop: threading.Event,
@@ -336,7 +338,8 @@ def _first_attach(address: str, registration: dict[str, Any], stop: threading.Ev
                 raise
         time.sleep(0.25)
         reset_channel(address)
-        _restart_if_auto(registration)
+        if (notice := _restart_if_auto(registration)) is not None:
+            raise ServerStoppedError(notice)
 
 
 def _with_report(registration: dict[str, Any], board: Board) -> dict[str, Any]:
@@ -361,12 +364,12 @@ def _reattach(address: str, registration: dict[str, Any], stop: threading.Event,
     while not stop.is_set() and time.monotonic() < deadline:
         stop.wait(0.25)
         reset_channel(address)
-        if (notice := stopped_notice(address)) is not None:  # NOTE [ Stop means stop ]
+        notice = stopped_notice(address) or _restart_if_auto(registration)
+        if notice is not None:  # NOTE [ Stop means stop ]
             print(f"joader lease keeper: {notice}", file=sys.stderr, flush=True)
             board.publish({"refused": notice, "error": ServerStoppedError.__name__})
             board.reconnecting = False
             return None
-        _restart_if_auto(registration)
         try:
             responses, first, server_uid = _attach(address, _with_report(registration, board), stop, interval)
         except ConnectionError:

@@ -227,6 +227,12 @@ def _driver(demo_root: Path, tmp_path: Path, env: dict[str, str]) -> subprocess.
                             env=env, stdout=subprocess.PIPE, stderr=open(tmp_path / "driver.err", "wb"), text=True)
 
 
+def _owner_of(server_pid: int) -> str:
+    """The `--exit-with` of joaderd `server_pid`: what a trial inside the block inherits."""
+    words = Path(f"/proc/{server_pid}/cmdline").read_bytes().decode().split("\0")
+    return words[words.index("--exit-with") + 1]
+
+
 def _nothing_left(socket: Path, arenas: list[str]) -> None:
     wait_for(lambda: not _joaderds_for(socket), 20, "every joaderd of the spec to exit")
     assert not listening(socket)
@@ -239,9 +245,19 @@ def test_serve_driver_killed_by_sigterm_leaves_nothing(demo_root: Path, tmp_path
     assert driver.stdout is not None and int(driver.stdout.readline())
     info = read_ready_file(socket.with_suffix(".ready"))
     assert info is not None
+    trial_env = dict(_env(runtime_dir), JOADER_SERVE_OWNER=_owner_of(int(info["pid"])),
+                     JOADER_ADDRESS=f"unix:{socket}")  # as inside the block
+    trial = _job(tmp_path, "trial", trial_env, "--root", str(demo_root), "--image-size", str(IMAGE_SIZE),
+                 "--epochs", "40", "--sleep", "0.05")
+    wait_for(lambda: any(r.get("kind") == "sample" for r in read_records(tmp_path / "trial.jsonl")), 120,
+             "the trial to read")
     driver.send_signal(signal.SIGTERM)
     assert driver.wait(timeout=30) == -signal.SIGTERM
     _nothing_left(socket, [info["arena_path"]])
+    assert finish(trial, timeout_s=60) != 0  # its keeper did not start the driver's server again
+    err = (tmp_path / "trial.err").read_text()
+    assert "ServerStoppedError" in err and "which has ended, so it is not started again" in err, err
+    assert _starts(socket) == 1, socket.with_suffix(".log").read_text()
 
 
 def test_serve_interrupted_while_its_server_starts_leaves_nothing(demo_root: Path, tmp_path: Path,
@@ -265,9 +281,7 @@ def test_serve_stops_the_server_a_keeper_started_again(demo_root: Path, tmp_path
     first_pid = int(driver.stdout.readline())
     first = read_ready_file(socket.with_suffix(".ready"))
     assert first is not None
-    owner = next(a for a in Path(f"/proc/{first_pid}/cmdline").read_bytes().decode().split("\0")[1:]
-                 if ":" in a and a.split(":")[0] == str(driver.pid))
-    trial_env = dict(env, JOADER_SERVE_OWNER=owner, JOADER_ADDRESS=f"unix:{socket}")  # as inside the block
+    trial_env = dict(env, JOADER_SERVE_OWNER=_owner_of(first_pid), JOADER_ADDRESS=f"unix:{socket}")  # as inside the block
     trial = _job(tmp_path, "trial", trial_env, "--root", str(demo_root), "--image-size", str(IMAGE_SIZE),
                  "--epochs", "40", "--sleep", "0.05")
     wait_for(lambda: any(r.get("kind") == "sample" for r in read_records(tmp_path / "trial.jsonl")), 120,
@@ -280,4 +294,7 @@ def test_serve_stops_the_server_a_keeper_started_again(demo_root: Path, tmp_path
     (tmp_path / "end").touch()
     assert driver.wait(timeout=60) == 0, (tmp_path / "driver.err").read_text()
     _nothing_left(socket, [second["arena_path"]])
-    finish(trial, timeout_s=60)  # it ends with its server (an error), or was done
+    assert finish(trial, timeout_s=60) != 0  # its server is gone for good, and it says why
+    err = (tmp_path / "trial.err").read_text()
+    assert "ServerStoppedError" in err and "the end of the joader.serve block that started it" in err, err
+    assert _starts(socket) == 2, socket.with_suffix(".log").read_text()  # the block's, and the keeper's one

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -184,14 +187,24 @@ def test_listen_on_a_regular_file_refuses_and_keeps_the_file(demo_root: Path, tm
     assert precious.read_text() == "keep me"
 
 
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A TMPDIR short enough that joader keeps its default directory there (under a long one,
+    whose socket paths would pass 107 bytes, it moves to /tmp/joader-<uid>)."""
+    path = Path(tempfile.mkdtemp(prefix="jt-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _default_socket_env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("XDG_RUNTIME_DIR", "JOADER_ADDRESS")}
     env["TMPDIR"] = str(tmp_path)
     return env
 
 
-def test_a_squatted_socket_directory_is_refused(demo_root: Path, tmp_path: Path) -> None:
+def test_a_squatted_socket_directory_is_refused(demo_root: Path, short_tmp: Path) -> None:
     """Item 10: without XDG_RUNTIME_DIR, /tmp/joader-<uid> may be made first by someone else."""
+    tmp_path = short_tmp
     squatted = tmp_path / f"joader-{os.getuid()}"
     squatted.mkdir()
     squatted.chmod(0o777)
@@ -207,8 +220,9 @@ def test_a_squatted_socket_directory_is_refused(demo_root: Path, tmp_path: Path)
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to serve a socket as another user")
-def test_the_client_refuses_a_server_run_by_another_user(tmp_path: Path) -> None:
+def test_the_client_refuses_a_server_run_by_another_user(short_tmp: Path) -> None:
     """Item 10: the client checks who serves the socket (SO_PEERCRED) before sending a byte."""
+    tmp_path = short_tmp
     squatted = tmp_path / f"joader-{os.getuid()}"
     squatted.mkdir(mode=0o777)
     squatted.chmod(0o777)

@@ -197,7 +197,13 @@ class Watcher(threading.Thread):
                 self.missing_since.setdefault(job, now)
             self._seen |= live
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = GONE_TIMEOUT_S) -> None:
+        """Stops once every job seen attached was seen gone (or after `timeout_s`): the last
+        trial's job leaves up to a lease after `fit` returned, and a watcher stopped at once
+        recorded it as never gone on a loaded host."""
+        deadline = time.monotonic() + timeout_s
+        while self._seen - set(self.missing_since) and time.monotonic() < deadline:
+            time.sleep(0.05)
         self._stop_event.set()
         self.join()
 
