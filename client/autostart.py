@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import logging
@@ -54,7 +53,14 @@ import psutil
 from joader.address import ENV_ADDRESS, SUN_PATH_MAX, runtime_dir
 from joader.errors import InvalidArgumentError, ServerStoppedError, UntrustedServerError
 from joader.launch import JoaderdStartError, read_ready_file
-from joader.private_dir import open_private, owner_name, private_dir, write_private
+from joader.private_dir import (
+    flocked,
+    lock_holder,
+    open_private,
+    owner_name,
+    private_dir,
+    write_private,
+)
 from joader.process_ref import ProcessRef
 
 __all__ = ["DEFAULT_IDLE_EXIT_S", "ServerSpec", "Served", "ensure_server", "running_servers", "serve",
@@ -280,51 +286,26 @@ def _locked(path: Path, timeout_s: float, spec: ServerSpec) -> Iterator[None]:
     """An exclusive `flock` on the spec's lock file (NOTE [ One server per spec, and the lock ]).
     A holder of another account is refused at once; one of ours is waited for, and named if it
     keeps the lock past `timeout_s`."""
-    fd = open_private(path, os.O_RDWR | os.O_CREAT)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                holder = _lock_holder(fd)
-                if holder is not None and holder[1] != os.getuid():
-                    raise UntrustedServerError(
-                        f"the lock {path} is held by pid {holder[0]} of {owner_name(holder[1])}, not by "
-                        f"you: another account is using your private directory {path.parent}. Ask "
-                        f"{owner_name(holder[1]).split(' (')[0]} to stop it, or set XDG_RUNTIME_DIR to a "
-                        "directory of yours (mode 0700)") from None
-                if time.monotonic() > deadline:
-                    who = f"pid {holder[0]} ({_command(holder[0])})" if holder else "another process"
-                    raise JoaderdStartError(
-                        f"{who} has been starting joaderd for {spec.source!r} for over {timeout_s:g} s "
-                        f"(lock {path}); see its log {path.with_suffix('.log')}, stop that process, or "
-                        "start joaderd by hand and pass address=") from None
-                time.sleep(_POLL_S)
+
+    def busy(fd: int) -> None:
+        holder = lock_holder(fd)
+        if holder is not None and holder[1] != os.getuid():
+            raise UntrustedServerError(
+                f"the lock {path} is held by pid {holder[0]} of {owner_name(holder[1])}, not by "
+                f"you: another account is using your private directory {path.parent}. Ask "
+                f"{owner_name(holder[1]).split(' (')[0]} to stop it, or set XDG_RUNTIME_DIR to a "
+                "directory of yours (mode 0700)")
+
+    def timed_out(fd: int) -> BaseException:
+        holder = lock_holder(fd)
+        who = f"pid {holder[0]} ({_command(holder[0])})" if holder else "another process"
+        return JoaderdStartError(
+            f"{who} has been starting joaderd for {spec.source!r} for over {timeout_s:g} s "
+            f"(lock {path}); see its log {path.with_suffix('.log')}, stop that process, or "
+            "start joaderd by hand and pass address=")
+
+    with flocked(path, timeout_s, timed_out, busy):
         yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def _lock_holder(fd: int) -> tuple[int, int] | None:
-    """(pid, uid) of a process holding a `flock` on the file `fd` is open on, from /proc/locks."""
-    inode = os.fstat(fd).st_ino
-    try:
-        with open("/proc/locks") as locks:
-            lines = locks.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        fields = line.split()
-        # "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF" ("->" marks a waiter)
-        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] == str(inode):
-            pid = int(fields[4])
-            try:
-                return pid, os.stat(f"/proc/{pid}").st_uid
-            except OSError:
-                continue
-    return None
 
 
 def _command(pid: int) -> str:

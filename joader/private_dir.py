@@ -28,15 +28,20 @@ This module imports neither grpc nor torch: the training process uses it before 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pwd
 import stat
 import tempfile
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from joader.errors import UntrustedServerError
 
-__all__ = ["open_private", "owner_name", "private_dir", "write_private"]
+__all__ = ["flocked", "lock_holder", "open_private", "owner_name", "private_dir", "write_private"]
+
+_POLL_S = 0.05
 
 _FIX = ("joader wrote nothing in it. Ask {owner} (or root) to remove it, or set XDG_RUNTIME_DIR to a "
         "directory of yours that only you can enter (mode 0700), and run the job again")
@@ -132,3 +137,46 @@ def write_private(path: Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def flocked(path: Path, timeout_s: float, timed_out: Callable[[int], BaseException],
+            busy: Callable[[int], None] = lambda fd: None) -> Iterator[int]:
+    """An exclusive `flock` on the private file `path` (created 0600, `open_private`), held for
+    the block; the kernel drops it if the holder dies. While another process holds it, `busy(fd)`
+    is called at each poll (it may raise), and `timed_out(fd)` is raised after `timeout_s`."""
+    fd = open_private(path, os.O_RDWR | os.O_CREAT)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                busy(fd)
+                if time.monotonic() > deadline:
+                    raise timed_out(fd) from None
+                time.sleep(_POLL_S)
+        yield fd
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def lock_holder(fd: int) -> tuple[int, int] | None:
+    """(pid, uid) of a process holding a `flock` on the file `fd` is open on, from /proc/locks."""
+    inode = os.fstat(fd).st_ino
+    try:
+        with open("/proc/locks") as locks:
+            lines = locks.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF" ("->" marks a waiter)
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] == str(inode):
+            pid = int(fields[4])
+            try:
+                return pid, os.stat(f"/proc/{pid}").st_uid
+            except OSError:
+                continue
+    return None

@@ -24,11 +24,9 @@ symlink or someone else can write in it); its files are opened with O_NOFOLLOW a
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,7 +34,7 @@ from pathlib import Path
 import psutil
 
 from joader.errors import CacheSpaceError, JoaderError
-from joader.private_dir import open_private, private_dir, write_private
+from joader.private_dir import flocked, open_private, private_dir, write_private
 
 __all__ = ["BudgetClaim", "CacheBudget", "Holder", "LEDGER_NAME", "LOCK_NAME", "live_holders"]
 
@@ -45,7 +43,6 @@ logger = logging.getLogger(__name__)
 LEDGER_NAME = "budget.json"
 LOCK_NAME = "budget.lock"
 LOCK_TIMEOUT_S = 120.0  # another server allocating a large arena holds the lock for seconds
-_POLL_S = 0.05
 _START_TIME_SLACK_S = 0.05  # create_time is in clock ticks (10 ms); the same process reads the same
 ACCESS_DENIED = -1.0  # process_start_time of a process that runs but may not be looked at
 
@@ -139,23 +136,14 @@ class CacheBudget:
     def _locked(self) -> Iterator[None]:
         private_dir(self.directory)  # NOTE [ Check the directory before anything is written in it ]
         path = self.directory / LOCK_NAME
-        fd = open_private(path, os.O_RDWR | os.O_CREAT)
-        try:
-            deadline = time.monotonic() + self.lock_timeout_s
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise CacheSpaceError(
-                            f"another joaderd has held the cache budget's lock {path} for over "
-                            f"{self.lock_timeout_s:g} s; see `joader servers`, or give --cache-size a "
-                            "size") from None
-                    time.sleep(_POLL_S)
+
+        def timed_out(_fd: int) -> BaseException:
+            return CacheSpaceError(
+                f"another joaderd has held the cache budget's lock {path} for over {self.lock_timeout_s:g} s; "
+                "see `joader servers`, or give --cache-size a size")
+
+        with flocked(path, self.lock_timeout_s, timed_out):
             yield
-        finally:
-            os.close(fd)  # releases the lock
 
     def _read(self) -> list[Holder]:
         path = self.directory / LEDGER_NAME
