@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 from pyroaring import BitMap
 
 from joader.cache.allocator import ByteAllocator
@@ -264,11 +265,12 @@ class ItemCache:
             self.policy.unpin(key)
 
     def add_refcount(self, source: Source, ids: BitMap, delta: int) -> None:
-        """Every cached item of `ids` gains (or loses) `delta` references."""
-        base = source.key_base
-        policy = self.policy
-        for item_id in source.cached_ids & ids:
-            policy.add_refcount(base + item_id, delta)
+        """Every cached item of `ids` gains (or loses) `delta` references: a few bitmap and
+        numpy operations however many items (`RefCntPolicy.add_refcounts`)."""
+        cached = source.cached_ids & ids
+        if cached:
+            keys = np.frombuffer(cached.to_array(), dtype=np.uint32).astype(np.int64)
+            self.policy.add_refcounts(keys + source.key_base, delta)
 
     # ----------------------------------------------------------------------------- decoding
 

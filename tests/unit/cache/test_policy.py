@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from joader.cache.policy import PolicyStats, RefCntPolicy
@@ -11,18 +12,23 @@ from joader.errors import InvalidArgumentError, InvariantError
 
 pytestmark = pytest.mark.timeout(60)
 
+# keys are item keys (ints >= 0); named for reading
+A, B, C = 0, 1, 2
+OLD, YOUNG = 10, 11
+FAST, SLOW_TWO, SLOW, UNNEEDED = 20, 21, 22, 23
+
 
 def test_lowest_refcount_is_the_victim() -> None:
     policy = RefCntPolicy()
-    policy.insert("a", 2)
-    policy.insert("b", 0)
-    policy.insert("c", 1)
-    assert policy.victim() == "b"
-    policy.remove("b")
-    assert policy.victim() == "c"
-    policy.add_refcount("c", 5)
-    assert policy.victim() == "a"
-    assert len(policy) == 2 and "a" in policy and "b" not in policy
+    policy.insert(A, 2)
+    policy.insert(B, 0)
+    policy.insert(C, 1)
+    assert policy.victim() == B
+    policy.remove(B)
+    assert policy.victim() == C
+    policy.add_refcount(C, 5)
+    assert policy.victim() == A
+    assert len(policy) == 2 and A in policy and B not in policy
 
 
 def test_ties_go_to_least_recently_inserted_or_unpinned() -> None:
@@ -41,23 +47,23 @@ def test_ties_go_to_least_recently_inserted_or_unpinned() -> None:
 
 def test_refcount_change_keeps_age_among_equals() -> None:
     policy = RefCntPolicy()
-    policy.insert("old", 1)
-    policy.insert("young", 0)
-    policy.add_refcount("old", -1)  # now both at 0; "old" was inserted first
-    assert policy.victim() == "old"
+    policy.insert(OLD, 1)
+    policy.insert(YOUNG, 0)
+    policy.add_refcount(OLD, -1)  # now both at 0; OLD was inserted first
+    assert policy.victim() == OLD
 
 
 def test_pinned_items_are_never_victims_and_pins_nest() -> None:
     policy = RefCntPolicy()
-    policy.insert("a", 0, pinned=1)
+    policy.insert(A, 0, pinned=1)
     assert policy.victim() is None
-    policy.pin("a")
-    policy.unpin("a")
-    assert policy.is_pinned("a") and policy.victim() is None
-    policy.unpin("a")
-    assert not policy.is_pinned("a") and policy.victim() == "a"
+    policy.pin(A)
+    policy.unpin(A)
+    assert policy.is_pinned(A) and policy.victim() is None
+    policy.unpin(A)
+    assert not policy.is_pinned(A) and policy.victim() == A
     with pytest.raises(InvariantError, match="not pinned"):
-        policy.unpin("a")
+        policy.unpin(A)
 
 
 def test_errors_name_the_problem() -> None:
@@ -89,19 +95,19 @@ def test_statistics_snapshot() -> None:
 
 def test_weighted_victim_prefers_what_only_slow_jobs_need() -> None:
     policy = RefCntPolicy()
-    policy.insert("fast", 1)  # oldest, one job needs it, a fast one: read soon
-    policy.insert("slow-two", 2)  # two slow jobs need it: read late
-    policy.insert("slow", 1)
-    hazard = {"fast": 0.5, "slow-two": 0.02, "slow": 0.01}.__getitem__
-    assert policy.victim() == "fast"  # plain RefCnt: lowest refcount, oldest
-    assert policy.victim(hazard) == "slow"
-    policy.remove("slow")
-    assert policy.victim(hazard) == "slow-two"  # speed outweighs the count
-    policy.insert("unneeded", 0)
-    assert policy.victim(hazard) == "unneeded"  # nobody needs it this epoch: always first
-    policy.pin("unneeded")
-    policy.pin("slow-two")
-    assert policy.victim(hazard) == "fast"  # pinned items never go
+    policy.insert(FAST, 1)  # oldest, one job needs it, a fast one: read soon
+    policy.insert(SLOW_TWO, 2)  # two slow jobs need it: read late
+    policy.insert(SLOW, 1)
+    hazard = {FAST: 0.5, SLOW_TWO: 0.02, SLOW: 0.01}.__getitem__
+    assert policy.victim() == FAST  # plain RefCnt: lowest refcount, oldest
+    assert policy.victim(hazard) == SLOW
+    policy.remove(SLOW)
+    assert policy.victim(hazard) == SLOW_TWO  # speed outweighs the count
+    policy.insert(UNNEEDED, 0)
+    assert policy.victim(hazard) == UNNEEDED  # nobody needs it this epoch: always first
+    policy.pin(UNNEEDED)
+    policy.pin(SLOW_TWO)
+    assert policy.victim(hazard) == FAST  # pinned items never go
 
 
 class _Model:
@@ -132,6 +138,23 @@ class _Model:
         return min(candidates, key=lambda k: (hazard[k], self.refcount[k], self.stamp[k]))
 
 
+def _bulk_step(policy: RefCntPolicy, model: _Model, rng: random.Random, keys: list[int]) -> None:
+    """`add_refcounts` over a random subset (an epoch start, a close): all or nothing."""
+    subset = rng.sample(keys, rng.randrange(1, len(keys) + 1))
+    delta = rng.choice([-1, -1, 1, 1, 2])
+    if rng.random() < 0.05:  # an untracked key among them: nothing changes
+        with pytest.raises(KeyError, match="not tracked"):
+            policy.add_refcounts(np.array([*subset, 200 + rng.randrange(50)]), delta)
+    elif any(model.refcount[key] + delta < 0 for key in subset):
+        with pytest.raises(InvariantError, match="would drop to -1"):
+            policy.add_refcounts(np.array(subset), delta)
+    else:
+        policy.add_refcounts(np.array(subset), delta)
+        for key in subset:
+            model.refcount[key] += delta
+    assert {key: policy.refcount(key) for key in model.refcount} == model.refcount
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_randomized_against_brute_force(seed: int) -> None:
     rng = random.Random(seed)
@@ -152,6 +175,8 @@ def test_randomized_against_brute_force(seed: int) -> None:
             key = rng.choice(keys)
             policy.remove(key)
             del model.refcount[key], model.pins[key], model.stamp[key]
+        elif op < 0.36:
+            _bulk_step(policy, model, rng, keys)
         elif op < 0.55:
             key, delta = rng.choice(keys), rng.choice([-1, 1, 2])
             if model.refcount[key] + delta < 0:
@@ -187,3 +212,63 @@ def test_randomized_against_brute_force(seed: int) -> None:
     stats = policy.statistics()
     assert stats.num_pinned == sum(1 for p in model.pins.values() if p)
     assert stats.num_pins == sum(model.pins.values())
+    assert stats.num_unneeded == sum(1 for k, p in model.pins.items() if not p and model.refcount[k] == 0)
+
+
+def test_bulk_change_keeps_age_among_equals() -> None:
+    """An epoch start adds 1 to many items at once; each keeps its age in its new bucket."""
+    policy = RefCntPolicy()
+    for key in range(10):
+        policy.insert(key, 0)
+    assert policy.victim() == 0
+    policy.add_refcounts(np.arange(0, 10, 2), 1)  # the evens are needed again
+    assert policy.victim() == 1 and policy.statistics().num_unneeded == 5
+    policy.pin(1)
+    policy.unpin(1)  # used just now: the youngest of the unneeded
+    assert policy.victim() == 3
+    policy.add_refcounts(np.arange(0, 10, 2), -1)  # a job that needed them ended
+    assert policy.victim() == 0
+    policy.add_refcounts(np.array([0, 4]), 1)
+    policy.set_refcount(2, 1)  # one at a time, behind the bucket's oldest: same order
+    hazard = {0: 0.5, 2: 0.1, 4: 0.3}.get
+    assert policy.victim() == 3
+    for key in (1, 3, 5, 6, 7, 8, 9):
+        policy.remove(key)
+    assert policy.victim() == 0 and policy.victim(lambda key: hazard(key, 1.0)) == 2
+
+
+def test_bulk_change_is_all_or_nothing() -> None:
+    policy = RefCntPolicy()
+    policy.insert(3, 1)
+    policy.insert(5, 0, pinned=1)
+    with pytest.raises(InvariantError, match="refcount of 5 would drop to -1"):
+        policy.add_refcounts(np.array([3, 5]), -1)
+    with pytest.raises(KeyError, match="item 4 is not tracked"):
+        policy.add_refcounts(np.array([3, 4]), 1)
+    assert (policy.refcount(3), policy.refcount(5)) == (1, 0)
+    policy.insert(1 << 20, 0)  # the arrays grow after a failed bulk change (no view left behind)
+    policy.add_refcounts(np.array([3, 5]), 2)
+    assert (policy.refcount(3), policy.refcount(5)) == (3, 2)
+    policy.unpin(5)
+    assert policy.victim() == 1 << 20
+    policy.add_refcounts(np.array([], dtype=np.int64), 1)
+    with pytest.raises(InvalidArgumentError, match="ints >= 0"):
+        policy.insert(-1, 0)
+
+
+def test_stale_entries_are_compacted() -> None:
+    """Every unpin logs the item anew and every change behind a cursor pushes a heap entry:
+    both stay O(live items) however long the cache runs."""
+    policy = RefCntPolicy()
+    for key in range(50):
+        policy.insert(key, 1)
+    for round_ in range(2000):
+        key = round_ % 50
+        policy.pin(key)
+        policy.unpin(key)
+        assert policy.victim() is not None
+        policy.add_refcount(key, 1)
+        policy.add_refcount(key, -1)
+    assert len(policy._log_keys) <= 2 * 50 + 1024 + 1
+    assert all(len(heap) <= 2 * 50 + 32 + 1 for heap in policy._heaps.values())
+    assert policy.victim() == 0
