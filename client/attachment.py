@@ -108,7 +108,9 @@ class Description:
     item_dtype: str
     num_job_items: int
     num_source_items: int
-    targets: list[int]
+    # the labels of the job's items in index order: an int64 array (8 bytes an item; a list of
+    # Python ints took about 380 bytes an item, 488 MiB for a job over ImageNet's 1.28M)
+    targets: np.ndarray
 
     @classmethod
     def from_keeper(cls, info: dict[str, Any]) -> Description:
@@ -121,7 +123,7 @@ class Description:
             image_size=int(info["image_size"]), stage=info.get("stage", ""),
             item_shape=tuple(info.get("item_shape") or ()) or None, item_dtype=info.get("item_dtype") or "",
             num_job_items=int(info["num_items"]), num_source_items=int(info["num_source_items"]),
-            targets=np.frombuffer(base64.b64decode(info["targets"]), dtype="<i4").tolist(),
+            targets=np.frombuffer(base64.b64decode(info["targets"]), dtype="<i4").astype(np.int64),
         )
 
 

@@ -26,7 +26,7 @@ CLIENT = r"""
 import json, sys
 from joader import JoaderDataset
 ds = JoaderDataset("listed", address=sys.argv[1], batch_size=4)
-print(json.dumps({"classes": ds.classes, "class_to_idx": ds.class_to_idx, "targets": ds.targets,
+print(json.dumps({"classes": ds.classes, "class_to_idx": ds.class_to_idx, "targets": ds.targets.tolist(),
                   "labels": sorted(int(label) for _, label in ds)}))
 """
 
