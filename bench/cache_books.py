@@ -71,7 +71,8 @@ def _fill(num_items: int) -> tuple[ItemCache, Source]:
             cache.want(source, item_id, item_id, consumed=False, due_s=float(item_id))
         cache.dispatch(pool, 1 << 30, lambda s: 0)
         for key, _ in pool.tasks:
-            cache.file_result(key, True, None, 0.0, lambda item: 0, shape=(16, 16, 3), dtype="uint8",
+            # a shape and a dtype of their own per result, as a decode result's message gives them
+            cache.file_result(key, True, None, 0.0, lambda item: 0, shape=tuple([16, 16, 3]), dtype="".join("uint8"),
                               nbytes=nbytes, checksum=key * 2654435761 % (1 << 32))
             cache.release(key)
         pool.tasks.clear()
@@ -90,7 +91,7 @@ def _deliver(cache: ItemCache, job_id: str, keys: range) -> None:
     for key in keys:
         item = items[key]
         if deliver is not None:
-            deliver(job_id, item)
+            deliver(job_id, key)
         else:  # the code before issue 37: a set per item
             if job_id not in item.served:
                 item.served.add(job_id)

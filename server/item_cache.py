@@ -43,7 +43,7 @@ import heapq
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 from pyroaring import BitMap
@@ -53,9 +53,21 @@ from joader.cache.policy import RefCntPolicy
 from joader.errors import InvariantError
 from joader.server.item_sizes import ItemSizes, bound_is_nominal, range_kind
 from joader.server.pacing import RateMeter
-from joader.server.records import Item, ItemState, Source
+from joader.server.records import NEVER_DUE, Item, ItemState, Source
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+_MAX_SHARED = 1 << 16  # distinct shapes and dtypes shared between items (beyond: each its own)
+
+# NOTE [ Who received a copy ]
+# A delivery counts as *reused* when the job received this very copy before (an earlier epoch
+# read it from the cache, or a padding copy), and as *shared* when another job received it first
+# (one decode served both): status's sharing figures. Each `Item` used to keep the set of the
+# jobs it went to, which grew with every job that ever read it and never shrank (+200 MiB over
+# 31 jobs at 128k items). The cache keeps a bitmap of keys per live job instead, and one of
+# the keys some job received; an evicted key leaves them all (its next decode is a new copy),
+# and a job's bitmap goes with the job (`forget_job`).
 
 
 class DecodeSubmitter(Protocol):
@@ -136,6 +148,13 @@ class ItemCache:
         self.decodes_sized_first = 0  # sent with no range: prepared, kept, placed once its size came
         self.decodes_at_bound = 0  # given their stage's bound, shrunk when they land
         self.decodes_refitted = 0  # outgrew an exact size (the file changed): placed again
+        # NOTE [ Who received a copy ]: keys whose current copy some job received, and per job
+        # the keys whose current copy it received (until the copy is evicted or the job ends).
+        self._served_any = BitMap()
+        self._served_to: dict[str, BitMap] = {}
+        # Shapes and dtypes of cached items, one object per distinct value (NOTE [ An item's
+        # footprint ] in records.py); at most _MAX_SHARED of them.
+        self._shared_values: dict[Any, Any] = {}
 
     # ----------------------------------------------------------------------------- wanting
 
@@ -153,7 +172,7 @@ class ItemCache:
         key = source.key_base + item_id
         item = self.items.get(key)
         if item is None:
-            item = self.items[key] = Item(source, item_id)
+            item = self.items[key] = Item(source, item_id, key)
             item.due_s = due_s
             heapq.heappush(self._demand, (due_s, round_seq, key))
             self.sizes.want(item)
@@ -264,6 +283,34 @@ class ItemCache:
         if item.state is ItemState.READY:
             self.policy.unpin(key)
 
+    def deliver(self, job_id: str, key: int) -> tuple[bool, bool]:
+        """A READY item's copy goes to a job: returns (reused, shared). Reused: the job received
+        this copy before (an earlier epoch, or a padding copy); shared: another job received it
+        first (one decode served both). NOTE [ Who received a copy ]."""
+        served = self._served_to.get(job_id)
+        if served is None:
+            served = self._served_to[job_id] = BitMap()
+        if key in served:
+            return True, False
+        served.add(key)
+        if key in self._served_any:
+            return False, True
+        self._served_any.add(key)
+        return False, False
+
+    def forget_job(self, job_id: str) -> None:
+        """A job ended: its record of the copies it received goes (nothing grows with jobs)."""
+        self._served_to.pop(job_id, None)
+
+    def _shared(self, value: _T) -> _T:
+        """One object per distinct shape or dtype (a tuple and a str per item were 118 bytes)."""
+        shared = self._shared_values.get(value)
+        if shared is None:
+            shared = value
+            if len(self._shared_values) < _MAX_SHARED:
+                self._shared_values[value] = value
+        return shared
+
     def add_refcount(self, source: Source, ids: BitMap, delta: int) -> None:
         """Every cached item of `ids` gains (or loses) `delta` references: a few bitmap and
         numpy operations however many items (`RefCntPolicy.add_refcounts`)."""
@@ -345,6 +392,10 @@ class ItemCache:
     def _evict(self, key: int) -> None:
         self.policy.remove(key)
         item = self.items.pop(key)
+        if key in self._served_any:  # the copy is gone: a new decode is a new copy
+            self._served_any.discard(key)
+            for served in self._served_to.values():
+                served.discard(key)
         item.source.cached_ids.discard(item.item_id)
         self.allocator.free(item.offset)
         self.evictions += 1
@@ -394,8 +445,8 @@ class ItemCache:
             ok, error = False, f"the decode of item {item.item_id} reported bytes written without a range"
         if ok:
             item.move(ItemState.READY)
-            item.shape, item.dtype, item.nbytes = tuple(shape), dtype, nbytes
-            item.checksum = checksum
+            item.shape, item.dtype = self._shared(tuple(shape)), self._shared(dtype)
+            item.nbytes, item.checksum, item.due_s = nbytes, checksum, NEVER_DUE
             self.allocator.shrink(item.offset, max(nbytes, 1))
             self.sizes.remember(source, item.item_id, nbytes)
             self.policy.insert(key, refcount(item), pinned=item.pins)

@@ -343,12 +343,9 @@ class NextProtocol:
                 break
             item = items[entry.key]
             if item.state is ItemState.READY:
-                if job.job_id in item.served:
-                    reused += 1
-                else:
-                    if item.served:
-                        shared += 1  # another job's decode
-                    item.served.add(job.job_id)
+                was_reused, was_shared = self.cache.deliver(job.job_id, entry.key)
+                reused += was_reused
+                shared += was_shared  # another job's decode
                 batch.item_ids.append(entry.item_id)
                 batch.labels.append(int(source_labels[entry.item_id]))
                 batch.offsets.append(item.offset)

@@ -118,15 +118,20 @@ class Source:
 
 
 class Item:
-    """One item of one source, keyed by `source.key_base + item_id` in the registry."""
+    """One item of one source, keyed by `source.key_base + item_id` in the registry.
 
-    __slots__ = ("checksum", "dtype", "due_s", "failed_s", "item_id", "key", "nbytes", "offset", "pins", "served",
-                 "shape", "source", "state", "waiters")
+    One per item joaderd holds, hundreds of thousands at once: its state is kept to a few slots
+    of shared or small values (NOTE [ An item's footprint ]).
+    """
 
-    def __init__(self, source: Source, item_id: int) -> None:
+    __slots__ = ("_waiters", "checksum", "dtype", "due_s", "failed_s", "item_id", "key", "nbytes", "offset",
+                 "pins", "shape", "source", "state")
+
+    def __init__(self, source: Source, item_id: int, key: int | None = None) -> None:
         self.source = source
         self.item_id = item_id
-        self.key = source.key_base + item_id
+        # `key`: the caller's own int (the cache's dict key), so that both share one object
+        self.key = source.key_base + item_id if key is None else key
         self.state = ItemState.WAITING
         self.offset = -1  # its bytes in the arena, while DECODING or READY
         self.nbytes = 0  # once READY: its size, shape and dtype
@@ -137,16 +142,38 @@ class Item:
         # cache policy mirrors them while it is READY, so that it never evicts a pinned item).
         self.pins = 0
         self.failed_s = 0.0  # when it last failed (clock of the registry)
-        self.waiters: list[Job] = []  # jobs with this item queued, to wake when it settles
-        self.due_s = float("inf")  # while WAITING: when the first job queueing it will read it
-        # Jobs this copy was delivered to: a second delivery to one of them is cross-epoch
-        # reuse (or a padding copy), not sharing. A new decode is a new Item.
-        self.served: set[str] = set()
+        self._waiters: list[Job] | None = None  # see `waiters`
+        self.due_s = NEVER_DUE  # while WAITING: when the first job queueing it will read it
+        # Which jobs received this copy: `ItemCache.deliver` (per job, not per item).
+
+    @property
+    def waiters(self) -> list[Job]:
+        """Jobs with this item queued, to wake when it settles. The list exists only while some
+        job waits (an empty list per cached item was 56 bytes): assigning an empty one drops it."""
+        waiters = self._waiters
+        if waiters is None:
+            waiters = self._waiters = []
+        return waiters
+
+    @waiters.setter
+    def waiters(self, waiters: list[Job]) -> None:
+        self._waiters = waiters or None
 
     def move(self, state: ItemState) -> None:
         if state not in _TRANSITIONS[self.state]:
             raise AssertionError(f"item {self.item_id}: no transition {self.state.name} -> {state.name}")
         self.state = state
+
+
+# NOTE [ An item's footprint ]
+# joaderd holds an `Item` for every cached item: 1.28M of them for ImageNet. Each used to carry
+# a set of the jobs its copy was delivered to (216 bytes empty, growing with every job that
+# ever read it, and never shrinking), an empty waiters list, its own float for `due_s`, and a
+# key int apart from the cache's dict key. Now: who received a copy is a bitmap per job in the
+# cache (`ItemCache.deliver`, dropped with the job); the waiters list exists only while someone
+# waits; `due_s` is the shared NEVER_DUE once the item settled; the key is the dict's own int;
+# shapes and dtypes are shared between items (`ItemCache` interns them).
+NEVER_DUE = float("inf")
 
 
 class Entry:

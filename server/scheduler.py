@@ -94,6 +94,7 @@ class Scheduler:
             while len(source.pair_history) > PAIR_HISTORY:
                 del source.pair_history[next(iter(source.pair_history))]
         self._cache.add_refcount(source, source.sampler.remaining(job.job_id), -1)
+        self._cache.forget_job(job.job_id)
         source.sampler.remove_job(job.job_id)
         source.job_ids.remove(job.job_id)
 

@@ -1,0 +1,116 @@
+"""The cache's books per item at scale (issue 37): refcount changes in bulk, who received a
+copy (NOTE [ Who received a copy ] in item_cache.py), and what an `Item` holds (NOTE [ An
+item's footprint ] in records.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from pyroaring import BitMap
+
+from joader.server.item_cache import ItemCache
+from joader.server.records import NEVER_DUE, Item, Source
+from joader.stages import ItemSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+NUM_ITEMS = 40
+NBYTES = 1024
+
+
+class _Pool:
+    num_workers = 2
+
+    def __init__(self) -> None:
+        self.tasks: list[int] = []
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.tasks)
+
+    def submit(self, task_id: int, source_index: int, item_id: int, offset: int, capacity: int) -> None:
+        self.tasks.append(task_id)
+
+
+def _cached(ids: range, slots: int = NUM_ITEMS) -> tuple[ItemCache, Source]:
+    """A cache of `slots` items with `ids` decoded into it and read (unpinned), refcount 0; each
+    result carries a shape and a dtype of its own, as a decode result's message does."""
+    stage = SimpleNamespace(name="fixed", spec=ItemSpec.fixed((1, 1, NBYTES), "uint8"))
+    listing = SimpleNamespace(paths=[f"{i}.jpg" for i in range(NUM_ITEMS)], labels=[0] * NUM_ITEMS)
+    source = Source("books", listing, stage, 100, seed=1)
+    cache = ItemCache(slots * NBYTES, retry_failed_s=60.0, clock=lambda: 0.0)
+    _decode(cache, source, ids)
+    return cache, source
+
+
+def _decode(cache: ItemCache, source: Source, ids: range) -> None:
+    pool = _Pool()
+    for item_id in ids:
+        cache.want(source, item_id, item_id, consumed=False, due_s=float(item_id))
+    cache.dispatch(pool, 1 << 20, lambda source: 0)
+    for key in pool.tasks:
+        cache.file_result(key, True, None, 0.0, lambda item: 0, shape=tuple([1, 1, NBYTES]),
+                          dtype="".join(["uint", "8"]), nbytes=NBYTES, checksum=key)
+        cache.release(key)
+    cache.check_invariants()
+
+
+def test_add_refcount_changes_the_cached_items_of_the_ids_only() -> None:
+    cache, source = _cached(range(0, 30))
+    keys = [source.key_base + i for i in range(30)]
+    cache.add_refcount(source, BitMap(range(10, 40)), 2)  # 30-39 are not cached: nothing to change
+    assert [cache.policy.refcount(key) for key in keys] == [0] * 10 + [2] * 20
+    cache.add_refcount(source, BitMap(range(20, 40)), -1)
+    assert [cache.policy.refcount(key) for key in keys] == [0] * 10 + [2] * 10 + [1] * 10
+    assert cache.policy.victim() == keys[0]
+    cache.add_refcount(source, BitMap(), 1)
+    cache.add_refcount(source, BitMap(range(0, 10)), 1)
+    assert cache.policy.victim() == keys[0]  # all at 1 now but 10-19: the oldest of the lowest
+    cache.check_invariants()
+
+
+def test_deliveries_count_reuse_and_sharing_per_copy() -> None:
+    cache, source = _cached(range(4), slots=4)
+    key = source.key_base
+    assert cache.deliver("a", key) == (False, False)  # its first delivery
+    assert cache.deliver("a", key) == (True, False)  # the same copy again: reused
+    assert cache.deliver("b", key) == (False, True)  # another job's decode: shared
+    assert cache.deliver("b", key + 1) == (False, False)
+    _decode(cache, source, range(4, 8))  # a full cache: 0-3 are evicted, 4-7 take their place
+    assert key not in cache.items
+    _decode(cache, source, range(0, 1))
+    assert cache.deliver("b", key) == (False, False)  # a new decode is a new copy
+    assert cache.deliver("a", key) == (False, True)
+
+
+def test_what_a_job_received_goes_with_the_job() -> None:
+    """Before, every `Item` kept the id of every job it went to, forever: memory grew with the
+    number of jobs that ever ran."""
+    cache, source = _cached(range(10))
+    for job in range(50):
+        for item_id in range(10):
+            cache.deliver(f"job-{job}", source.key_base + item_id)
+        cache.forget_job(f"job-{job}")
+    assert not cache._served_to
+    assert not any(hasattr(item, "served") or hasattr(item, "__dict__") for item in cache.items.values())
+    assert cache.deliver("later", source.key_base) == (False, True)
+
+
+def test_cached_items_share_their_shape_dtype_and_due_time() -> None:
+    cache, source = _cached(range(3))
+    first, second = (cache.items[source.key_base + i] for i in range(2))
+    assert first.shape == (1, 1, NBYTES) and first.dtype == "uint8"
+    assert first.shape is second.shape and first.dtype is second.dtype
+    assert first.due_s is NEVER_DUE and second.due_s is NEVER_DUE
+    assert first.key is next(key for key in cache.items if key == first.key)  # the dict's own int
+
+
+def test_an_items_waiters_list_exists_only_while_someone_waits() -> None:
+    item = Item(Source("s", SimpleNamespace(paths=["x"], labels=[0]), None, 7, seed=1), 0)
+    assert item.key == 7 and item._waiters is None
+    job = object()
+    item.waiters.append(job)  # type: ignore[arg-type]
+    assert item.waiters == [job]
+    item.waiters = []
+    assert item._waiters is None and item.waiters == []
