@@ -148,6 +148,12 @@ class ItemCache:
         self.decodes_sized_first = 0  # sent with no range: prepared, kept, placed once its size came
         self.decodes_at_bound = 0  # given their stage's bound, shrunk when they land
         self.decodes_refitted = 0  # outgrew an exact size (the file changed): placed again
+        # Status's figures, kept as items change (status is O(1) in the items, issue 37):
+        # bytes of the READY items, items not settled, items with a pin, and all pins.
+        self.ready_bytes = 0
+        self._unsettled = 0
+        self.num_pinned = 0
+        self.num_pins = 0
         # NOTE [ Who received a copy ]: keys whose current copy some job received, and per job
         # the keys whose current copy it received (until the copy is evicted or the job ends).
         self._served_any = BitMap()
@@ -173,6 +179,7 @@ class ItemCache:
         item = self.items.get(key)
         if item is None:
             item = self.items[key] = Item(source, item_id, key)
+            self._unsettled += 1
             item.due_s = due_s
             heapq.heappush(self._demand, (due_s, round_seq, key))
             self.sizes.want(item)
@@ -185,7 +192,7 @@ class ItemCache:
             if self._retry_allowed(item):
                 # Failures are not forever: the file may have been fixed (or its storage come
                 # back) since. Jobs that queued it meanwhile wait for this decode.
-                item.move(ItemState.WAITING)
+                self._move(item, ItemState.WAITING)
                 item.due_s = due_s
                 heapq.heappush(self._demand, (due_s, round_seq, key))
                 self.sizes.want(item)
@@ -213,7 +220,7 @@ class ItemCache:
         """
         if item.state is not ItemState.FAILED or not self._retry_allowed(item):
             return False
-        item.move(ItemState.WAITING)
+        self._move(item, ItemState.WAITING)
         item.due_s = due_s
         heapq.heappush(self._demand, (due_s, 0, item.key))
         self.sizes.want(item)
@@ -267,8 +274,17 @@ class ItemCache:
         if item is not None and item.state is ItemState.READY:
             self.policy.add_refcount(key, -1)
 
+    def _move(self, item: Item, state: ItemState) -> None:
+        """`item.move`, keeping the count of items not settled."""
+        settled = item.state.settled
+        item.move(state)
+        self._unsettled += settled - state.settled
+
     def pin(self, item: Item) -> None:
+        if not item.pins:
+            self.num_pinned += 1
         item.pins += 1
+        self.num_pins += 1
         if item.state is ItemState.READY:
             self.policy.pin(item.key)
 
@@ -280,6 +296,9 @@ class ItemCache:
         if item.pins <= 0:
             raise InvariantError(f"item {item.item_id}: released more often than pinned")
         item.pins -= 1
+        self.num_pins -= 1
+        if not item.pins:
+            self.num_pinned -= 1
         if item.state is ItemState.READY:
             self.policy.unpin(key)
 
@@ -337,6 +356,7 @@ class ItemCache:
             if item.pins == 0:  # every job that wanted it left before it was decoded
                 heapq.heappop(demand)
                 del self.items[key]
+                self._unsettled -= 1
                 self.sizes.fitted(key)
                 self.decodes_cancelled += 1
                 continue
@@ -359,7 +379,7 @@ class ItemCache:
             if offset is None:
                 return  # everything cached is pinned: decoding waits for acknowledgements
             heapq.heappop(demand)
-            item.move(ItemState.DECODING)
+            self._move(item, ItemState.DECODING)
             item.offset = offset
             self._capacity[key] = nbytes
             if how == "exact":
@@ -392,6 +412,7 @@ class ItemCache:
     def _evict(self, key: int) -> None:
         self.policy.remove(key)
         item = self.items.pop(key)
+        self.ready_bytes -= item.nbytes
         if key in self._served_any:  # the copy is gone: a new decode is a new copy
             self._served_any.discard(key)
             for served in self._served_to.values():
@@ -428,8 +449,8 @@ class ItemCache:
                             source.name, item.item_id, error)
             item.offset = -1
             self.sizes.remember(source, item.item_id, nbytes)
-            item.move(ItemState.FAILED)  # its decode failed, and is tried again at once:
-            item.move(ItemState.WAITING)  # the usual transitions, no failure counted or reported
+            self._move(item, ItemState.FAILED)  # its decode failed, and is tried again at once:
+            self._move(item, ItemState.WAITING)  # the usual transitions, no failure counted or reported
             heapq.heappush(self._demand, (item.due_s, 0, key))
             if self._dispatcher is not None:
                 self.dispatch(*self._dispatcher)  # the registry dispatches only after settled items
@@ -444,9 +465,10 @@ class ItemCache:
         if ok and not capacity:  # cannot happen: a worker writes nothing without a range
             ok, error = False, f"the decode of item {item.item_id} reported bytes written without a range"
         if ok:
-            item.move(ItemState.READY)
+            self._move(item, ItemState.READY)
             item.shape, item.dtype = self._shared(tuple(shape)), self._shared(dtype)
             item.nbytes, item.checksum, item.due_s = nbytes, checksum, NEVER_DUE
+            self.ready_bytes += nbytes
             self.allocator.shrink(item.offset, max(nbytes, 1))
             self.sizes.remember(source, item.item_id, nbytes)
             self.policy.insert(key, refcount(item), pinned=item.pins)
@@ -457,7 +479,7 @@ class ItemCache:
             self.decode_rate.add(self._clock(), 1)
         else:
             self.decode_failures += 1
-            item.move(ItemState.FAILED)
+            self._move(item, ItemState.FAILED)
             item.failed_s = self._clock()
             if capacity:
                 self.allocator.free(item.offset)
@@ -493,6 +515,8 @@ class ItemCache:
             elif item.pins != pins:
                 corrected += 1
             item.pins = pins
+        self.num_pins = sum(expected_pins.get(key, 0) for key in self.items)
+        self.num_pinned = sum(1 for key in self.items if expected_pins.get(key, 0))
         return corrected
 
     # ----------------------------------------------------------------------------- sources
@@ -503,8 +527,8 @@ class ItemCache:
         if capacity:
             self.allocator.free(item.offset)
         item.offset = -1
-        item.move(ItemState.FAILED)  # its decode failed, and waits for its source's verdict:
-        item.move(ItemState.WAITING)  # the usual transitions, as a misfit's
+        self._move(item, ItemState.FAILED)  # its decode failed, and waits for its source's verdict:
+        self._move(item, ItemState.WAITING)  # the usual transitions, as a misfit's
         if self._dispatcher is not None:
             self.dispatch(*self._dispatcher)  # its worker is free; the registry dispatches only after settled items
 
@@ -535,7 +559,7 @@ class ItemCache:
     def items_bytes(self) -> int:
         """Bytes of the cached items themselves (the allocator's `used_bytes` adds alignment
         and the bounds of decodes in flight)."""
-        return sum(item.nbytes for item in self.items.values() if item.state is ItemState.READY)
+        return self.ready_bytes
 
     @property
     def decodes_requested(self) -> int:
@@ -544,13 +568,13 @@ class ItemCache:
 
     def decodes_in_flight(self) -> int:
         """Items waiting for a decode worker or being decoded."""
-        return sum(1 for item in self.items.values() if not item.state.settled)
+        return self._unsettled
 
     def pinned_items(self) -> int:
-        return sum(1 for item in self.items.values() if item.pins)
+        return self.num_pinned
 
     def pins(self) -> int:
-        return sum(item.pins for item in self.items.values())
+        return self.num_pins
 
     def check_invariants(self, expected_pins: dict[int, int] | None = None,
                          needed: Callable[[Item], int] | None = None,
@@ -601,6 +625,11 @@ class ItemCache:
         if planned is not None:
             wanted_plans = {key: n for key, n in planned.items() if n}
             assert self.planned == wanted_plans, f"planned reads differ: cache {self.planned}, queues {wanted_plans}"
+        items = self.items.values()
+        assert self.ready_bytes == sum(i.nbytes for i in items if i.state is ItemState.READY), "ready bytes"
+        assert self._unsettled == sum(1 for i in items if not i.state.settled), "items not settled"
+        assert self.num_pins == sum(i.pins for i in items), "pins"
+        assert self.num_pinned == sum(1 for i in items if i.pins), "pinned items"
         if expected_pins is not None:
             actual = {key: item.pins for key, item in self.items.items() if item.pins}
             wanted = {key: n for key, n in expected_pins.items() if n}
