@@ -73,7 +73,7 @@ def _fill(num_items: int) -> tuple[ItemCache, Source]:
         for key, _ in pool.tasks:
             # a shape and a dtype of their own per result, as a decode result's message gives them
             cache.file_result(key, True, None, 0.0, lambda item: 0, shape=tuple([16, 16, 3]), dtype="".join("uint8"),
-                              nbytes=nbytes, checksum=key * 2654435761 % (1 << 32))
+                              nbytes=int(str(nbytes)), checksum=key * 2654435761 % (1 << 32))
             cache.release(key)
         pool.tasks.clear()
     return cache, source

@@ -58,7 +58,7 @@ from joader.server.records import NEVER_DUE, Item, ItemState, Source
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-_MAX_SHARED = 1 << 16  # distinct shapes and dtypes shared between items (beyond: each its own)
+_MAX_SHARED = 1 << 16  # distinct shapes, dtypes and sizes shared between items (beyond: each its own)
 
 # NOTE [ Who received a copy ]
 # A delivery counts as *reused* when the job received this very copy before (an earlier epoch
@@ -158,7 +158,7 @@ class ItemCache:
         # the keys whose current copy it received (until the copy is evicted or the job ends).
         self._served_any = BitMap()
         self._served_to: dict[str, BitMap] = {}
-        # Shapes and dtypes of cached items, one object per distinct value (NOTE [ An item's
+        # Shapes, dtypes and sizes of cached items, one object per distinct value (NOTE [ An item's
         # footprint ] in records.py); at most _MAX_SHARED of them.
         self._shared_values: dict[Any, Any] = {}
 
@@ -322,7 +322,8 @@ class ItemCache:
         self._served_to.pop(job_id, None)
 
     def _shared(self, value: _T) -> _T:
-        """One object per distinct shape or dtype (a tuple and a str per item were 118 bytes)."""
+        """One object per distinct shape, dtype or size (a tuple, a str and an int per item
+        were 146 bytes)."""
         shared = self._shared_values.get(value)
         if shared is None:
             shared = value
@@ -467,7 +468,7 @@ class ItemCache:
         if ok:
             self._move(item, ItemState.READY)
             item.shape, item.dtype = self._shared(tuple(shape)), self._shared(dtype)
-            item.nbytes, item.checksum, item.due_s = nbytes, checksum, NEVER_DUE
+            item.nbytes, item.checksum, item.due_s = self._shared(nbytes), checksum, NEVER_DUE
             self.ready_bytes += nbytes
             self.allocator.shrink(item.offset, max(nbytes, 1))
             self.sizes.remember(source, item.item_id, nbytes)

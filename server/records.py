@@ -124,13 +124,13 @@ class Item:
     of shared or small values (NOTE [ An item's footprint ]).
     """
 
-    __slots__ = ("_waiters", "checksum", "dtype", "due_s", "failed_s", "item_id", "key", "nbytes", "offset",
-                 "pins", "shape", "source", "state")
+    __slots__ = ("_waiters", "checksum", "dtype", "due_s", "failed_s", "key", "nbytes", "offset", "pins",
+                 "shape", "source", "state")
 
     def __init__(self, source: Source, item_id: int, key: int | None = None) -> None:
         self.source = source
-        self.item_id = item_id
-        # `key`: the caller's own int (the cache's dict key), so that both share one object
+        # `key`: the caller's own int (the cache's dict key), so that both share one object;
+        # `item_id` is computed from it
         self.key = source.key_base + item_id if key is None else key
         self.state = ItemState.WAITING
         self.offset = -1  # its bytes in the arena, while DECODING or READY
@@ -145,6 +145,11 @@ class Item:
         self._waiters: list[Job] | None = None  # see `waiters`
         self.due_s = NEVER_DUE  # while WAITING: when the first job queueing it will read it
         # Which jobs received this copy: `ItemCache.deliver` (per job, not per item).
+
+    @property
+    def item_id(self) -> int:
+        """Its index in its source (`key` less the source's `key_base`)."""
+        return self.key - self.source.key_base
 
     @property
     def waiters(self) -> list[Job]:
@@ -171,8 +176,9 @@ class Item:
 # ever read it, and never shrinking), an empty waiters list, its own float for `due_s`, and a
 # key int apart from the cache's dict key. Now: who received a copy is a bitmap per job in the
 # cache (`ItemCache.deliver`, dropped with the job); the waiters list exists only while someone
-# waits; `due_s` is the shared NEVER_DUE once the item settled; the key is the dict's own int;
-# shapes and dtypes are shared between items (`ItemCache` interns them).
+# waits; `due_s` is the shared NEVER_DUE once the item settled; the key is the dict's own int,
+# and the item id is computed from it; shapes, dtypes and sizes are shared between items
+# (`ItemCache` interns them).
 NEVER_DUE = float("inf")
 
 
