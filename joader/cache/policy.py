@@ -18,52 +18,43 @@ state lives in arrays indexed by key (NOTE [ Buckets without per-item work ]).
 NOTE [ Buckets without per-item work ]
 A new epoch adds 1 to the refcount of every cached item of a job's dataset, and a job that
 ends takes 1 from every item it had left: hundreds of thousands of keys at once, under the
-registry's lock. `add_refcounts` does that with a handful of numpy operations, not one Python
-call per key, and the order (refcount, then age) survives it without sorting anything:
+registry's lock. `add_refcounts` does that with a handful of numpy and bitmap operations, not
+one Python call per key, and the order (refcount, then age) survives it without sorting:
 
-- every insert and last unpin gives the key a new *stamp* (a tick of a private clock) and
-  appends (key, stamp) to one *log*, which is therefore in stamp order. The log entry is the
-  key's *current* one while the key still carries that stamp.
-- a bucket (the unpinned keys of one refcount) is found by scanning the log from the bucket's
-  *cursor*, a stamp before which the log holds no key of the bucket (a scan moves the cursor to
-  the first key it finds). A key that a bulk change moves into a bucket keeps its stamp; the
-  bucket's cursor moves back to the oldest moved key's stamp, so the next scan finds them all
-  in their place (one vectorized pass; bulk changes come once per epoch and job).
-- a key that a single change (`set_refcount`, a queue entry's read planned or done) moves into a
-  bucket behind that bucket's cursor goes into the bucket's small heap of (stamp, key) instead,
-  so single changes never send a cursor back. The bucket's oldest key is the older of the log's
-  first live key and the heap's first live entry.
-- nothing is deleted eagerly: an entry is live while its key is tracked, unpinned, has the
-  bucket's refcount and still carries the entry's stamp. Stale entries are skipped, and the log
-  and the heaps are compacted when stale entries outnumber live ones (amortized O(1)).
+- every insert and last unpin gives the key a new *stamp*, the next tick of a private clock;
+  an item's age is its stamp, and `_key_of[stamp]` says whose stamp it is;
+- a *bucket* is the set of stamps of the unpinned keys of one refcount, a roaring bitmap: its
+  oldest key is the key of its smallest stamp (`BitMap.min`, the `sample` oldest are its first
+  elements), a key moves between buckets by its stamp (a discard and an add), and a bulk change
+  moves a whole set of stamps from each bucket to the one `delta` above or below it (a bitmap
+  difference and union per bucket; a handful of buckets: refcounts are small);
+- stamps are renumbered 0..n-1 in order (`_renumber`, vectorized) when the clock has run
+  `_RENUMBER_FACTOR` times ahead of the tracked keys (plus slack), so stamps fit a bitmap's 32
+  bits and `_key_of` stays O(tracked keys): amortized O(1) per tick.
 
-Cost: insert, remove, pin, unpin and a single refcount change are O(1) (a heap push, O(log n),
-for a single change behind its bucket's cursor); `add_refcounts` is O(len(keys)) in numpy;
-`victim` is amortized O(1) plus O(number of distinct refcounts), a handful.
+Cost: insert, remove, pin, unpin and a single refcount change are O(1) bitmap operations;
+`add_refcounts` is O(len(keys)) in numpy plus O(buckets) bitmap operations; `victim` is
+O(buckets x sample).
 """
 
 from __future__ import annotations
 
-import bisect
-import heapq
+import itertools
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from pyroaring import BitMap
 
 from joader.errors import InvalidArgumentError, InvariantError
 
 __all__ = ["PolicyStats", "RefCntPolicy"]
 
-# Compact the log (or a bucket's heap) when it holds more than this factor times its size after
-# the last compaction (plus slack): memory stays O(live keys), compactions amortized O(1).
-_COMPACT_FACTOR = 2
-_COMPACT_SLACK = 1024
-_HEAP_SLACK = 32
-_PYTHON_SCAN = 8  # log entries a scan looks at one by one before numpy's chunks
-_FIRST_CHUNK = 64  # log entries a scan looks at first; each further chunk is larger
-_LAST_CHUNK = 1 << 16
+# Renumber the stamps when the clock has run this factor times ahead of the tracked keys
+# (plus slack): `_key_of` stays O(tracked keys), stamps below 2**32, renumbering amortized O(1).
+_RENUMBER_FACTOR = 2
+_RENUMBER_SLACK = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -81,6 +72,11 @@ def _view(values: array) -> np.ndarray:
     return np.frombuffer(values, dtype=np.int64) if len(values) else np.empty(0, np.int64)
 
 
+def _bitmap(stamps: np.ndarray) -> BitMap:
+    """A bitmap of non-negative stamps < 2**32, built in C from their bytes."""
+    return BitMap(array("I", stamps.astype(np.uint32).tobytes()))
+
+
 class RefCntPolicy:
     """RefCnt eviction order over int keys >= 0 (the server's item keys)."""
 
@@ -91,14 +87,8 @@ class RefCntPolicy:
         self._pins = array("q")
         self._stamp = array("q")
         self._size = 0  # tracked keys
-        self._clock = 0
-        self._log_keys = array("q")  # (key, stamp) of every insert and last unpin, stamp order
-        self._log_stamps = array("q")
-        self._log_floor = 0  # the log's length after its last compaction
-        self._cursor: dict[int, int] = {}  # refcount -> stamp to scan the log from (absent: 0)
-        self._heaps: dict[int, list[tuple[int, int]]] = {}  # refcount -> (stamp, key) moved in behind its cursor
-        self._heap_floor: dict[int, int] = {}
-        self._live: dict[int, int] = {}  # refcount -> number of unpinned keys, only if > 0
+        self._key_of = array("q")  # stamp -> key (stale for stamps no bucket holds)
+        self._buckets: dict[int, BitMap] = {}  # refcount -> stamps of its unpinned keys, only if any
         self._num_pinned = 0
         self._num_pins = 0
 
@@ -132,14 +122,17 @@ class RefCntPolicy:
         if the slow one is needed by more jobs: RefCnt weighted by speed (Lobster's reuse
         distance). Sampling keeps a victim O(buckets x sample).
         """
-        if not self._live:
+        buckets = self._buckets
+        if not buckets:
             return None
-        lowest = min(self._live)
+        lowest = min(buckets)
+        key_of = self._key_of
         if hazard is None or lowest == 0:
-            return self._oldest(lowest, 1)[0]
+            return key_of[buckets[lowest].min()]
         best: tuple[float, int] | None = None
-        for refcount in sorted(self._live):
-            for key in self._oldest(refcount, sample):
+        for refcount in sorted(buckets):
+            for stamp in itertools.islice(buckets[refcount], sample):
+                key = key_of[stamp]
                 score = hazard(key)
                 if best is None or score < best[0]:
                     best = (score, key)
@@ -147,11 +140,12 @@ class RefCntPolicy:
         return best[1]
 
     def statistics(self) -> PolicyStats:
+        unneeded = self._buckets.get(0)
         return PolicyStats(
             num_items=self._size,
             num_pinned=self._num_pinned,
             num_pins=self._num_pins,
-            num_unneeded=self._live.get(0, 0),
+            num_unneeded=len(unneeded) if unneeded is not None else 0,
         )
 
     # -- updates -----------------------------------------------------------------------------
@@ -168,14 +162,12 @@ class RefCntPolicy:
         self._size += 1
         self._refcount[key] = refcount
         self._pins[key] = pinned
-        self._stamp[key] = -1
+        self._stamp[key] = 0  # tracked; a pinned key's stamp means nothing until its last unpin
         if pinned:
             self._num_pinned += 1
             self._num_pins += pinned
-            self._stamp[key] = self._tick()  # tracked; its log entry comes with its last unpin
         else:
-            self._log(key)
-            self._live[refcount] = self._live.get(refcount, 0) + 1
+            self._enter(key, refcount)
 
     def remove(self, key: int) -> None:
         """Stop tracking `key` (it was evicted or dropped). Pinned items may be removed too."""
@@ -186,7 +178,7 @@ class RefCntPolicy:
             self._num_pins -= pins
             self._pins[key] = 0
         else:
-            self._leave(self._refcount[key])
+            self._leave(self._refcount[key], self._stamp[key])
         self._stamp[key] = -1
         self._refcount[key] = 0
         self._size -= 1
@@ -198,16 +190,10 @@ class RefCntPolicy:
         if refcount == old:
             return
         self._refcount[key] = refcount
-        if self._pins[key]:
-            return
-        self._leave(old)
-        self._live[refcount] = self._live.get(refcount, 0) + 1
-        stamp = self._stamp[key]
-        if stamp < self._cursor.get(refcount, 0):  # behind the bucket's log scan: its heap
-            heap = self._heaps.setdefault(refcount, [])
-            heapq.heappush(heap, (stamp, key))
-            if len(heap) > _COMPACT_FACTOR * self._heap_floor.get(refcount, 0) + _HEAP_SLACK:
-                self._compact_heap(refcount)
+        if not self._pins[key]:  # it keeps its stamp: its age among its new equals
+            stamp = self._stamp[key]
+            self._leave(old, stamp)
+            self._bucket(refcount).add(stamp)
 
     def add_refcount(self, key: int, delta: int) -> None:
         """Add `delta` to the refcount; going below 0 is a caller bug and raises."""
@@ -222,33 +208,32 @@ class RefCntPolicy:
 
     def add_refcounts(self, keys: np.ndarray, delta: int) -> None:
         """Add `delta` to the refcount of every key of `keys` (distinct, tracked), in a few numpy
-        operations (NOTE [ Buckets without per-item work ]). All or nothing: an untracked key
-        (KeyError) or a refcount that would drop below 0 (InvariantError) changes none."""
+        and bitmap operations (NOTE [ Buckets without per-item work ]). All or nothing: an
+        untracked key (KeyError) or a refcount that would drop below 0 (InvariantError) changes
+        none."""
         keys = np.asarray(keys, dtype=np.int64)
         error = self._bulk_error(keys, delta)
         if error is not None:  # raised here, with no view of the arrays alive in a traceback
             raise error
         if not len(keys) or delta == 0:
             return
-        stamps, refcounts = _view(self._stamp), _view(self._refcount)
+        refcounts = _view(self._refcount)
         old = refcounts[keys]
-        new = old + delta
-        refcounts[keys] = new
+        refcounts[keys] = old + delta
         free = _view(self._pins)[keys] == 0
-        if not free.all():
-            old, new, keys = old[free], new[free], keys[free]
-        if not len(keys):
-            return
+        stamps = _view(self._stamp)[keys[free]]
+        old = old[free]
+        moving: list[tuple[int, BitMap]] = []
         for refcount, count in enumerate(np.bincount(old).tolist()):
-            if count:
-                self._leave(refcount, count)
-        moved = stamps[keys]
-        for refcount, count in enumerate(np.bincount(new).tolist()):
-            if count:
-                self._live[refcount] = self._live.get(refcount, 0) + count
-                oldest = int(moved[new == refcount].min())
-                if oldest < self._cursor.get(refcount, 0):
-                    self._cursor[refcount] = oldest
+            if count:  # every stamp leaves its bucket before any arrives: buckets may chain
+                moved = _bitmap(stamps[old == refcount])
+                bucket = self._buckets[refcount]
+                bucket.difference_update(moved)
+                if not bucket:
+                    del self._buckets[refcount]
+                moving.append((refcount + delta, moved))
+        for refcount, moved in moving:
+            self._bucket(refcount).update(moved)
 
     def _bulk_error(self, keys: np.ndarray, delta: int) -> Exception | None:
         """Why `add_refcounts(keys, delta)` may not run: an untracked key, or a refcount that
@@ -272,7 +257,7 @@ class RefCntPolicy:
         self._require(key)
         pins = self._pins[key]
         if not pins:
-            self._leave(self._refcount[key])
+            self._leave(self._refcount[key], self._stamp[key])
             self._num_pinned += 1
         self._pins[key] = pins + 1
         self._num_pins += 1
@@ -287,12 +272,9 @@ class RefCntPolicy:
             )
         self._num_pins -= 1
         self._pins[key] = pins - 1
-        if pins > 1:
-            return
-        self._num_pinned -= 1
-        self._log(key)
-        refcount = self._refcount[key]
-        self._live[refcount] = self._live.get(refcount, 0) + 1
+        if pins == 1:
+            self._num_pinned -= 1
+            self._enter(key, self._refcount[key])
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -300,10 +282,6 @@ class RefCntPolicy:
         if key not in self:
             raise KeyError(f"cache policy: item {key!r} is not tracked")
         return key
-
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
 
     def _grow(self, size: int) -> None:
         have = len(self._stamp)
@@ -314,92 +292,39 @@ class RefCntPolicy:
         self._pins.extend(array("q", bytes(8 * extra)))
         self._stamp.extend(array("q", [-1]) * extra)
 
-    def _leave(self, refcount: int, count: int = 1) -> None:
-        live = self._live[refcount] - count
-        if live:
-            self._live[refcount] = live
-        else:
-            del self._live[refcount]
+    def _bucket(self, refcount: int) -> BitMap:
+        bucket = self._buckets.get(refcount)
+        if bucket is None:
+            bucket = self._buckets[refcount] = BitMap()
+        return bucket
 
-    def _log(self, key: int) -> None:
-        """A new stamp for `key` and its entry at the log's end (compacting the log first if stale
-        entries outnumber the live ones)."""
-        stamp = self._tick()
+    def _enter(self, key: int, refcount: int) -> None:
+        """`key` becomes evictable as the youngest of its bucket: a new stamp."""
+        if len(self._key_of) >= _RENUMBER_FACTOR * self._size + _RENUMBER_SLACK:
+            self._renumber()
+        stamp = len(self._key_of)
+        self._key_of.append(key)
         self._stamp[key] = stamp
-        if len(self._log_keys) > _COMPACT_FACTOR * self._log_floor + _COMPACT_SLACK:
-            self._compact_log()
-        self._log_keys.append(key)
-        self._log_stamps.append(stamp)
+        self._bucket(refcount).add(stamp)
 
-    def _compact_log(self) -> None:
-        keys, stamps = _view(self._log_keys), _view(self._log_stamps)
-        current = _view(self._stamp)[keys] == stamps
-        keys, stamps = keys[current].tobytes(), stamps[current].tobytes()
-        self._log_keys, self._log_stamps = array("q"), array("q")
-        self._log_keys.frombytes(keys)
-        self._log_stamps.frombytes(stamps)
-        self._log_floor = len(self._log_keys)
+    def _leave(self, refcount: int, stamp: int) -> None:
+        bucket = self._buckets[refcount]
+        bucket.discard(stamp)
+        if not bucket:
+            del self._buckets[refcount]
 
-    def _is_live(self, refcount: int, stamp: int, key: int) -> bool:
-        return self._stamp[key] == stamp and self._refcount[key] == refcount and not self._pins[key]
-
-    def _oldest(self, refcount: int, count: int) -> list[int]:
-        """The `count` least recently inserted or unpinned live keys of a bucket, oldest first:
-        the log's first from the bucket's cursor, and its heap's."""
-        found = self._scan_log(refcount, count)
-        heap = self._heaps.get(refcount)
-        if heap:
-            found += self._heap_oldest(refcount, heap, count)
-            found.sort()
-        keys: list[int] = []
-        for _, key in found:
-            if key not in keys:
-                keys.append(key)
-        return keys[:count]
-
-    def _scan_log(self, refcount: int, count: int) -> list[tuple[int, int]]:
-        """Up to `count` live (stamp, key) of the bucket from its cursor on, oldest first; moves
-        the cursor to the first one (past the log's end if none)."""
-        position = bisect.bisect_left(self._log_stamps, self._cursor.get(refcount, 0))
-        found: list[tuple[int, int]] = []
-        log_keys, log_stamps = self._log_keys, self._log_stamps
-        end = min(len(log_keys), position + _PYTHON_SCAN)
-        while position < end and len(found) < count:  # the common case: a live key at the cursor
-            key, stamp = log_keys[position], log_stamps[position]
-            if self._is_live(refcount, stamp, key):
-                found.append((stamp, key))
-            position += 1
-        keys, stamps = _view(log_keys), _view(log_stamps)
-        key_stamps, refcounts, pins = _view(self._stamp), _view(self._refcount), _view(self._pins)
-        chunk = _FIRST_CHUNK
-        while position < len(keys) and len(found) < count:
-            part_keys, part_stamps = keys[position:position + chunk], stamps[position:position + chunk]
-            live = np.flatnonzero((key_stamps[part_keys] == part_stamps) & (refcounts[part_keys] == refcount)
-                                  & (pins[part_keys] == 0))[: count - len(found)]
-            found += zip(part_stamps[live].tolist(), part_keys[live].tolist(), strict=True)
-            position += chunk
-            chunk = min(4 * chunk, _LAST_CHUNK)
-        self._cursor[refcount] = found[0][0] if found else self._clock + 1
-        return found
-
-    def _heap_oldest(self, refcount: int, heap: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
-        """Up to `count` live entries of the bucket's heap, oldest first, dropping the stale ones
-        in front of them."""
-        taken: list[tuple[int, int]] = []
-        while heap and len(taken) < count:
-            stamp, key = heapq.heappop(heap)
-            if self._is_live(refcount, stamp, key) and (stamp, key) not in taken:
-                taken.append((stamp, key))
-        for entry in taken:
-            heapq.heappush(heap, entry)
-        if not heap:
-            del self._heaps[refcount]
-        return taken
-
-    def _compact_heap(self, refcount: int) -> None:
-        entries = sorted({entry for entry in self._heaps[refcount] if self._is_live(refcount, *entry)})
-        self._heaps[refcount] = entries  # sorted: a heap
-        self._heap_floor[refcount] = len(entries)
+    def _renumber(self) -> None:
+        """Stamps 0..n-1 for the n evictable keys, in their order (NOTE [ Buckets without
+        per-item work ]); pinned keys get theirs at their last unpin."""
+        refcounts = sorted(self._buckets)
+        stamps = np.frombuffer(BitMap.union(*self._buckets.values()).to_array(), dtype=np.uint32) if refcounts \
+            else np.empty(0, np.uint32)
+        keys = _view(self._key_of)[stamps.astype(np.int64)]
+        order = np.arange(len(keys), dtype=np.int64)
+        _view(self._stamp)[keys] = order
+        buckets = _view(self._refcount)[keys]
+        self._buckets = {refcount: _bitmap(order[buckets == refcount]) for refcount in refcounts}
+        self._key_of = array("q", keys.tobytes())
 
 
 def _check_non_negative(name: str, value: int) -> None:
