@@ -8,10 +8,13 @@ path (want, dispatch to a fake pool, file_result, release), then:
 - a close: `add_refcount(source, remaining, -1)` over the same ids;
 - evictions: 1,000 victims chosen and evicted one by one after the boundary (plain RefCnt);
 - memory: the main process's RSS per cached item (bytes beyond the arrays counted too), and its
-  growth after `--jobs` jobs each received every item once.
+  growth after `--jobs` jobs each received every item once;
+- `--registry`: the same cache inside a `Registry`, and an attach and a close of a job over
+  the dataset (`Registry.attach`, `Registry.remove_job`): a first job, a second beside it.
 
     .venv/bin/python -m bench.cache_books --items 128000
     .venv/bin/python -m bench.cache_books --items 1281167 --half
+    .venv/bin/python -m bench.cache_books --items 1281167 --half --registry
 
 CPU times (time.process_time) are what count: the machine is shared.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -29,6 +33,8 @@ from pyroaring import BitMap
 
 from joader.server.item_cache import ItemCache
 from joader.server.records import Source
+from joader.server.registry import Registry, RegistryConfig
+from joader.sources.imagefolder import SourceListing
 from joader.stages import ItemSpec
 
 
@@ -58,11 +64,14 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def _fill(num_items: int) -> tuple[ItemCache, Source]:
-    listing = SimpleNamespace(paths=range(num_items), labels=np.zeros(num_items, np.int64))
-    source = Source("scale", listing, _Stage(), 0, seed=1)
+def _fill(num_items: int, registry: Registry | None = None) -> tuple[ItemCache, Source]:
+    if registry is None:
+        listing = SimpleNamespace(paths=range(num_items), labels=np.zeros(num_items, np.int64))
+        source = Source("scale", listing, _Stage(), 0, seed=1)
+        cache = ItemCache(num_items * 1024, retry_failed_s=60.0, clock=lambda: 0.0)
+    else:
+        source, cache = registry.source("scale"), registry.cache
     nbytes = _Stage.spec.max_nbytes
-    cache = ItemCache(num_items * 1024, retry_failed_s=60.0, clock=lambda: 0.0)
     pool = _Pool()
     chunk = 10_000
     for start in range(0, num_items, chunk):
@@ -97,21 +106,46 @@ def _deliver(cache: ItemCache, job_id: str, keys: range) -> None:
                 item.served.add(job_id)
 
 
+def _registry(num_items: int) -> Registry:
+    listing = SourceListing(root=Path("/nonexistent"), classes=("a",), class_to_idx={"a": 0},
+                            paths=tuple(f"a/{i:07d}.jpg" for i in range(num_items)),
+                            labels=np.zeros(num_items, np.int32))
+    source = Source("scale", listing, _Stage(), 0, seed=1)
+    return Registry([source], num_items * 1024, _Pool(), RegistryConfig(start_grace_s=0.0), time.monotonic)
+
+
+def _attach_close(registry: Registry, dataset: BitMap) -> None:
+    registry.source("scale").fingerprint  # noqa: B018 (computed once, at the first attach ever)
+    for name in ("first", "second"):
+        start = time.process_time()
+        registry.attach("scale", dataset, name, 64, seed=1)
+        attach_s = time.process_time() - start
+        print(f"attach of job {name} ({len(dataset)} ids) {attach_s * 1000:9.1f} ms CPU")
+    for job_id in list(registry.jobs.jobs):
+        start = time.process_time()
+        registry.remove_job(job_id, "bench")
+        print(f"close of a job ({len(dataset)} ids)      {(time.process_time() - start) * 1000:9.1f} ms CPU")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--items", type=int, default=128_000)
     parser.add_argument("--half", action="store_true", help="the job's dataset is every second item")
     parser.add_argument("--jobs", type=int, default=8, help="jobs that each receive every item once")
+    parser.add_argument("--registry", action="store_true", help="time an attach and a close in a Registry")
     args = parser.parse_args()
+    registry = _registry(args.items) if args.registry else None
     base = _rss()
-    fill_s = _timed(lambda: None)
     start = time.process_time()
-    cache, source = _fill(args.items)
+    cache, source = _fill(args.items, registry)
     fill_s = time.process_time() - start
     rss_filled = _rss()
     n = len(cache.policy)
     print(f"{n} items cached in {fill_s:.1f} s CPU; RSS {(rss_filled - base) / n:.0f} bytes per cached item")
     dataset = BitMap(range(0, args.items, 2)) if args.half else BitMap(range(args.items))
+    if registry is not None:
+        _attach_close(registry, dataset)
+        return
     figures = {
         "epoch boundary (+1)": _timed(lambda: cache.add_refcount(source, dataset, 1)),
         "first victim after it": _timed(lambda: cache.policy.victim()),
