@@ -24,6 +24,7 @@ from joader.errors import InvalidArgumentError, UnknownJobError
 from joader.server import dealing
 from joader.server.containment import contained
 from joader.server.dealing import Turn
+from joader.server.queue_heads import heads
 from joader.server.records import Batch, ItemState, Job, NextArgs, NextCall, PassBook, Rank
 from joader.server.source_watch import stopped_error
 
@@ -286,20 +287,20 @@ class NextProtocol:
         file had failed, are decoded again if `retry_failed_s` has passed by now (once per
         entry): queued as lookahead, maybe an epoch before, they carry an old decision, and a
         file fixed meanwhile was skipped in the epoch after its fix. Runs when a pass starts
-        (the decodes start early) and when a `Next` is about to hand them out."""
-        items = self.cache.items
+        (the decodes start early) and when a `Next` is about to hand them out. Looks only at
+        the rank's failed entries (`HeadBook.retry_candidates`), not the whole queue."""
+        cache = self.cache
+        candidates = heads(rank).retry_candidates(rank, cache.items, cache.decode_failures)
+        if not candidates:
+            return
         now = self._clock()
-        seen = 0
-        for position, entry in enumerate(rank.queue):
-            if position >= rank.pinned or seen >= limit:
-                break
-            if entry.epoch != epoch:
-                if entry.epoch > epoch:
-                    break
-                continue
-            seen += 1
-            item = items[entry.key]
-            if item.state is ItemState.FAILED and not entry.rechecked and self.cache.retry_due(item, now):
+        for position, entry in candidates:
+            item = cache.items[entry.key]
+            if (entry.epoch != epoch or item.state is not ItemState.FAILED
+                    or now - item.failed_s < cache.retry_failed_s or cache.quarantined(item)
+                    or not _within(rank, epoch, position, limit)):
+                continue  # (not due: `retry_due` would refuse it, so the walk is spared)
+            if cache.retry_due(item, now):
                 entry.rechecked = True
                 item.waiters.append(job)
                 logger.info("source %s: item %d failed %.1f s ago; decoding it again for job %s",
@@ -307,18 +308,9 @@ class NextProtocol:
 
     def _count_ready(self, rank: Rank, epoch: int, limit: int) -> int:
         """How many items at the head of the queue (of `epoch`, up to `limit`) can be taken:
-        settled and pinned (entries beyond the rank's share are not decoded yet)."""
-        items = self.cache.items
-        count = 0
-        for position, entry in enumerate(rank.queue):
-            if count >= limit or position >= rank.pinned:
-                break
-            if entry.epoch < epoch:
-                continue  # leftovers of an abandoned epoch, dropped when taking
-            if entry.epoch != epoch or not items[entry.key].state.settled:
-                break
-            count += 1
-        return count
+        settled and pinned (entries beyond the rank's share are not decoded yet). From the
+        rank's `HeadBook`: each entry is looked at about once while it waits."""
+        return heads(rank).ready(rank, self.cache.items, epoch, limit, self.cache.items_retried)
 
     def _take_ready(self, job: Job, rank: Rank, pass_: PassBook, max_items: int, worker_id: int = 0,
                     batch_items: int = 0) -> Batch | None:
@@ -326,8 +318,11 @@ class NextProtocol:
         `worker_id`, which collates batches of `batch_items` (0: unknown)."""
         queue = rank.queue
         epoch = pass_.epoch
+        book = heads(rank)
+        book.check(rank)
         while queue and queue[0].epoch < epoch:  # leftovers of an abandoned epoch
             entry = queue.popleft()
+            book.popped_head(entry)
             self.cache.unplan(entry.key)
             if rank.pinned:
                 rank.pinned -= 1
@@ -361,8 +356,10 @@ class NextProtocol:
             else:
                 break
             queue.popleft()
+            book.popped_head(entry)
             self.cache.unplan(entry.key)
             rank.pinned -= 1
+        book.after_pops(rank)
         item_ids, failed = batch.item_ids, batch.failed
         if not item_ids and not failed:
             return None
@@ -385,6 +382,24 @@ class NextProtocol:
                                     budget=_copies_budget(job),
                                     served=pass_.served[worker_id], batch_items=batch_items)
         return dataclasses.replace(batch, end_of_epoch=self._left(job, rank, epoch) == 0, copy_now=copy_now)
+
+
+def _within(rank: Rank, epoch: int, position: int, limit: int) -> bool:
+    """Whether the entry at `position` is among the first `limit` entries of `epoch` (older
+    entries before it passed over, a newer one before it ends the span): the span
+    `_recheck_failures` looks at. Walks the head; asked only for a failed entry due a retry."""
+    if limit <= 0:
+        return False
+    queue = rank.queue
+    seen = 0
+    for index in range(position):
+        entry_epoch = queue[index].epoch
+        if entry_epoch > epoch:
+            return False
+        seen += entry_epoch == epoch
+        if seen >= limit:
+            return False
+    return True
 
 
 def _copies_budget(job: Job) -> int:

@@ -263,6 +263,27 @@ class Rank:
     # What joaderd told it when it attached (`AttachResponse.notice`): another live job has its
     # name (NOTE [ Two live jobs of one name ] in jobs.py); "" when nothing.
     notice: str = ""
+    # What its `Next` needs of the queue's head, kept as items settle (server/queue_heads.py).
+    heads: Any = None
+    # The lowest `pinned` has been since `heads` last looked (see `Rank.pinned` below): an entry
+    # unpinned meanwhile may have lost its item (evicted, decoded again).
+    pinned_low: int = field(default=1 << 62, repr=False)
+
+
+def _get_pinned(rank: Rank) -> int:
+    return rank._pinned  # type: ignore[attr-defined, no-any-return]
+
+
+def _set_pinned(rank: Rank, value: int) -> None:
+    rank._pinned = value  # type: ignore[attr-defined]
+    if value < rank.pinned_low:
+        rank.pinned_low = value
+
+
+# `Rank.pinned` keeps its low-water mark (`pinned_low`) whoever changes it (the scheduler pins
+# and unpins, the Next protocol hands out): NOTE [ A rank's ready head, kept as items settle ]
+# in queue_heads.py. Set after the class, so that the dataclass keeps `pinned` as a field.
+Rank.pinned = property(_get_pinned, _set_pinned)  # type: ignore[assignment, method-assign]
 
 
 @dataclass
