@@ -16,11 +16,15 @@ Each figure is named for what it counts, so that it reads right without the docs
 - a job's `epoch` is the one its readers are in (0 before its first read), with
   `epoch_delivered` of `epoch_items` so far; `epochs_completed` counts whole ones.
 
-Pure: reads the registry's records under its lock (the caller holds it).
+Pure: reads the registry's records under its lock (the caller holds it). O(jobs, sources and
+pairs of jobs): the cache's figures are counters it keeps as items change (item_cache.py), never
+a walk of the cached items (0.58 s at 128k items, issue 37); tests/unit/server/
+test_status_counters.py recounts them from scratch.
 """
 
 from __future__ import annotations
 
+import heapq
 from typing import TYPE_CHECKING, Any
 
 from joader.server.records import Job, stall_fraction
@@ -30,6 +34,7 @@ if TYPE_CHECKING:
     from joader.server.registry import Registry
 
 SCHEMA = 2
+_FAILED_SHOWN = 50  # failures listed by name (`items_failed` counts them all)
 
 
 def snapshot(registry: Registry, now: float) -> dict[str, Any]:
@@ -37,11 +42,14 @@ def snapshot(registry: Registry, now: float) -> dict[str, Any]:
     cache = registry.cache
     allocation = cache.allocator.stats()
     sources = registry._sources.values()
+    # The first failures by source and item id, described; the count from the sources' books
+    # (a dict each: no walk of the cache's items, and no description of every failure).
     failed = [
-        {"source": s.name, "item_id": i, "path": display_path(s.listing.paths[i]), "reason": display_path(r)}
+        {"source": s.name, "item_id": i, "path": display_path(s.listing.paths[i]), "reason": display_path(s.failed[i])}
         for s in sources
-        for i, r in sorted(s.failed.items())
-    ]
+        for i in heapq.nsmallest(_FAILED_SHOWN, s.failed)
+    ][:_FAILED_SHOWN]
+    items_failed = sum(len(s.failed) for s in sources)
     decoded = cache.items_decoded
     delivered = registry.items_delivered
     reused = registry.items_reused
@@ -110,8 +118,8 @@ def snapshot(registry: Registry, now: float) -> dict[str, Any]:
         },
         "items_decoded": decoded,
         "items_delivered": delivered,
-        "items_failed": len(failed),  # distinct items failing now
-        "failed": failed[:50],
+        "items_failed": items_failed,  # distinct items failing now
+        "failed": failed,
         "sharing": {
             "within_epoch": round((delivered - reused) / decoded, 4) if decoded else None,
             "cross_epoch_reuse": round(reused / decoded, 4) if decoded else None,
