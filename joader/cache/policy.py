@@ -186,25 +186,19 @@ class RefCntPolicy:
     def set_refcount(self, key: int, refcount: int) -> None:
         self._require(key)
         _check_non_negative("refcount", refcount)
-        old = self._refcount[key]
-        if refcount == old:
-            return
-        self._refcount[key] = refcount
-        if not self._pins[key]:  # it keeps its stamp: its age among its new equals
-            stamp = self._stamp[key]
-            self._leave(old, stamp)
-            self._bucket(refcount).add(stamp)
+        self._move(key, self._refcount[key], refcount)
 
     def add_refcount(self, key: int, delta: int) -> None:
         """Add `delta` to the refcount; going below 0 is a caller bug and raises."""
         self._require(key)
-        new = self._refcount[key] + delta
+        old = self._refcount[key]
+        new = old + delta
         if new < 0:
             raise InvariantError(
                 f"cache policy: refcount of {key!r} would drop to {new}; every decrement must "
                 "match an earlier increment"
             )
-        self.set_refcount(key, new)
+        self._move(key, old, new)
 
     def add_refcounts(self, keys: np.ndarray, delta: int) -> None:
         """Add `delta` to the refcount of every key of `keys` (distinct, tracked), in a few numpy
@@ -279,9 +273,23 @@ class RefCntPolicy:
     # -- internals ---------------------------------------------------------------------------
 
     def _require(self, key: int) -> int:
-        if key not in self:
-            raise KeyError(f"cache policy: item {key!r} is not tracked")
-        return key
+        try:
+            if key >= 0 and self._stamp[key] >= 0:  # (a negative index would wrap around)
+                return key
+        except (IndexError, TypeError):
+            pass
+        raise KeyError(f"cache policy: item {key!r} is not tracked")
+
+    def _move(self, key: int, old: int, refcount: int) -> None:
+        """A tracked key's refcount goes from `old` to `refcount`; unpinned, it keeps its stamp
+        (its age among its new equals)."""
+        if refcount == old:
+            return
+        self._refcount[key] = refcount
+        if not self._pins[key]:
+            stamp = self._stamp[key]
+            self._leave(old, stamp)
+            self._bucket(refcount).add(stamp)
 
     def _grow(self, size: int) -> None:
         have = len(self._stamp)
