@@ -68,8 +68,9 @@ class PolicyStats:
 
 
 def _view(values: array) -> np.ndarray:
-    """A numpy view of an int64 array (dropped before the array grows)."""
-    return np.frombuffer(values, dtype=np.int64) if len(values) else np.empty(0, np.int64)
+    """A numpy view of an int array (dropped before the array grows)."""
+    dtype = np.dtype(values.typecode)
+    return np.frombuffer(values, dtype=dtype) if len(values) else np.empty(0, dtype)
 
 
 def _bitmap(stamps: np.ndarray) -> BitMap:
@@ -83,8 +84,8 @@ class RefCntPolicy:
     def __init__(self) -> None:
         # Per key (index): refcount, pins, stamp (-1: not tracked). array.array: fast single
         # access from Python; numpy views of them for the bulk operations.
-        self._refcount = array("q")
-        self._pins = array("q")
+        self._refcount = array("i")  # (refcounts and pins: at most jobs and queue entries)
+        self._pins = array("i")
         self._stamp = array("q")
         self._size = 0  # tracked keys
         self._key_of = array("q")  # stamp -> key (stale for stamps no bucket holds)
@@ -296,8 +297,8 @@ class RefCntPolicy:
         if size <= have:
             return
         extra = max(size, 2 * have, 1024) - have
-        self._refcount.extend(array("q", bytes(8 * extra)))
-        self._pins.extend(array("q", bytes(8 * extra)))
+        self._refcount.extend(array("i", bytes(4 * extra)))
+        self._pins.extend(array("i", bytes(4 * extra)))
         self._stamp.extend(array("q", [-1]) * extra)
 
     def _bucket(self, refcount: int) -> BitMap:

@@ -70,6 +70,29 @@ def test_add_refcount_changes_the_cached_items_of_the_ids_only() -> None:
     cache.check_invariants()
 
 
+def test_an_epoch_start_is_not_a_call_per_item(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each job's new epoch added 1 to every cached item of its dataset one Python call at a
+    time (67% of the main process's GIL in a warm 4-job window at 128k items, 1.1-1.85 s of
+    waiting at every epoch boundary): now one bulk change, whatever the number of items."""
+    cache, source = _cached(range(30))
+    calls: list[int] = []
+    bulk = getattr(cache.policy, "add_refcounts", None)
+
+    def counted(keys: object, delta: int) -> None:
+        calls.append(delta)
+        bulk(keys, delta)  # type: ignore[misc]
+
+    def refused(*args: object) -> None:
+        raise AssertionError("a refcount changed one item at a time")
+
+    monkeypatch.setattr(cache.policy, "add_refcounts", counted, raising=False)
+    monkeypatch.setattr(cache.policy, "add_refcount", refused)
+    monkeypatch.setattr(cache.policy, "set_refcount", refused)
+    cache.add_refcount(source, BitMap(range(NUM_ITEMS)), 1)
+    cache.add_refcount(source, BitMap(range(NUM_ITEMS)), -1)
+    assert calls == [1, -1]
+
+
 def test_deliveries_count_reuse_and_sharing_per_copy() -> None:
     cache, source = _cached(range(4), slots=4)
     key = source.key_base
