@@ -18,7 +18,10 @@ Measured (each a function, all written to bench/results/scale-<items>[-quick].js
   joaderd's main-process CPU (psutil cpu_times user+system of joaderd's pid only, without its
   decode workers), sampled right before and after the epoch, per decode and per delivery; the
   workers' CPU share and the main process's cores; each job's wait for its epoch's first batch
-  and its longest wait for any batch; main RssAnon per cached item (delta from start-up);
+  and its longest wait for any batch (and at which batch: the epoch-boundary stall of the issue
+  comes a few batches in, once the lookahead queued before the boundary is used up, so the
+  longest wait of epochs 2-3 is the figure to compare); main RssAnon per cached item (delta
+  from start-up); a Status call's latency with the jobs still attached;
 - status: latency of a Status call (in-process gRPC) with every item cached, median of 5;
 - attach: a job over half the items: attach (construction), first batch, close, and until
   joaderd's status no longer lists it; with the main CPU each cost;
@@ -26,7 +29,16 @@ Measured (each a function, all written to bench/results/scale-<items>[-quick].js
   items, warm, each for a window of `--window-s`;
 - halves: a second joaderd with a 20% cache, 16 jobs each over its own random half, for a
   window: deliveries/s, decodes, main CPU per delivery, and joaderd's counted round sharing per
-  pair against its bound (|D1 n D2| / max(|D1|, |D2|), Theorem 1), deliveries per decode.
+  pair beside two bounds: the pair's Theorem 1 bound (|D1 n D2| / max(|D1|, |D2|) = 0.5) and
+  what joader's DependentSampler itself gives these 16 datasets with every job in every round
+  (`sampler_lockstep`: per-pair shared rounds and deliveries per distinct item, no cache, no
+  pacing; with 16 random halves DSA shares almost nothing round by round, so that, not 0.5 nor
+  the epoch ideal of 16 x n/2 / |union| = 8 deliveries per decode, is what joaderd can match);
+- decoding (not in the default phases): J jobs from a cold cache for a window, for the 1.28M
+  tree whose whole decoding epoch takes tens of minutes today: main CPU per decode and per
+  delivery, the workers' and the main process's cores.
+The client process's own CPU per delivery is recorded beside joaderd's (`client_us_per_delivery`):
+when the main process is not busy, the clients or the machine were the limit of a wall rate.
 
 Jobs are `JoaderDataset(..., batched=True, return_index=True)` in threads of ONE client process
 (`python -m bench.scale --phase ...`, one torch import for all jobs); this driver process never
@@ -34,7 +46,9 @@ holds a gRPC channel (it starts joaderd, then the client process). The machine h
 is shared: CPU per item is the figure, wall rates only say how this machine did.
 
 Usage: python -m bench.scale [--items 128000] [--quick] [--reps 3] [--data DIR]
-                             [--phases startup,epochs,status,attach,rates,halves]
+                             [--phases startup,epochs,status,attach,rates,halves] [--window-s 20]
+The 1.28M tree (start-up, a 3-minute cold window of 4 jobs, status, attach):
+       python -m bench.scale --reps 1 --phases decoding,status,attach --window-s 180
 Writes bench/results/scale-<items>[-quick].json and prints a table per phase.
 """
 
@@ -61,7 +75,7 @@ SOURCE = "imagenet"
 IMAGE_SIZE = 16
 ITEM_NBYTES = 3 * IMAGE_SIZE * IMAGE_SIZE
 BATCH = 64
-PHASES = ("startup", "epochs", "status", "attach", "rates", "halves")
+PHASES = ("startup", "epochs", "decoding", "status", "attach", "rates", "halves")
 RATE_JOBS = (1, 4, 8, 16)
 
 
@@ -158,13 +172,14 @@ class Job:
         counts = np.zeros(self.layout.n, dtype=np.uint8)
         started = last = time.perf_counter()
         first_wait = max_wait = 0.0
-        batches = bad = 0
+        batches = bad = max_wait_batch = 0
         stopped = False
         for ids, images, labels in self.ds:
             now = time.perf_counter()
             wait, last = now - last, now
             first_wait = wait if batches == 0 else first_wait
-            max_wait = max(max_wait, wait)
+            if wait > max_wait:
+                max_wait, max_wait_batch = wait, batches
             ids_np = ids.numpy()
             bad += len(check_batch(self.layout, ids_np, labels.numpy(), images.numpy()))
             np.add.at(counts, ids_np, 1)
@@ -182,7 +197,7 @@ class Job:
             exact = bool((counts[mine] == 1).all() and not counts[~mine].any())
         result = {"delivered": delivered, "batches": batches, "oracle_failures": bad, "exactly_once": exact,
                   "partial": stopped, "first_wait_s": round(first_wait, 4), "max_wait_s": round(max_wait, 4),
-                  "wall_s": round(time.perf_counter() - started, 3)}
+                  "max_wait_batch": max_wait_batch, "wall_s": round(time.perf_counter() - started, 3)}
         self.epochs.append(result)
         return result
 
@@ -217,11 +232,13 @@ def phase_epochs(probe: Probe, layout: Layout, jobs_n: int, epochs: int) -> dict
         run_threads(jobs, lambda job: job.epoch())
         after = probe.sample(before=False)
         per_epoch.append(_epoch_figures(epoch, before, after, jobs, start_mem))
+    status = phase_status(probe)  # the jobs still attached
     for job in jobs:
         job.ds.close()
     closed = probe.sample(before=False)
     anon_per_item = (closed["RssAnon"] - start_mem["RssAnon"]) / max(1, closed["cached"])
     return {"jobs": jobs_n, "epochs": per_epoch, "attach_s": [round(j.attach_s, 4) for j in jobs],
+            "status_with_jobs": status,
             "rss_anon_per_cached_item_after_close": round(anon_per_item, 1)}
 
 
@@ -243,6 +260,7 @@ def _epoch_figures(epoch: int, before: dict[str, Any], after: dict[str, Any], jo
         "deliveries_per_s": round(delivered / wall, 1),
         "first_batch_wait_s": [job.epochs[-1]["first_wait_s"] for job in jobs],
         "max_batch_wait_s": [job.epochs[-1]["max_wait_s"] for job in jobs],
+        "max_wait_at_batch": [job.epochs[-1]["max_wait_batch"] for job in jobs],
         "oracle_failures": sum(job.epochs[-1]["oracle_failures"] for job in jobs),
         "exactly_once": all(job.epochs[-1]["exactly_once"] for job in jobs),
         "cached_items": after["cached"],
@@ -334,6 +352,18 @@ def windowed(probe: Probe, jobs: Sequence[Job], window_s: float) -> dict[str, An
             "epochs_whole": sum(not e["partial"] for job in jobs for e in job.epochs)}
 
 
+def phase_decoding(probe: Probe, layout: Layout, jobs_n: int, window_s: float) -> dict[str, Any]:
+    """jobs_n jobs over all items from a cold cache for a window (an epoch of the 1.28M tree
+    takes tens of minutes today): main CPU per decode and per delivery while decoding."""
+    jobs = [Job(f"scale-dec-{k}", probe.address, layout, None) for k in range(jobs_n)]
+    row = windowed(probe, jobs, window_s)
+    row["status_with_jobs"] = phase_status(probe)
+    for job in jobs:
+        job.ds.close()
+    row["main_us_per_decode"] = round(row["main_cpu_s"] / row["decodes"] * 1e6, 1) if row["decodes"] else None
+    return row
+
+
 def phase_rates(probe: Probe, layout: Layout, window_s: float) -> dict[str, Any]:
     """Warm deliveries/s and main CPU per delivery for 1, 4, 8 and 16 jobs over all items."""
     rows = []
@@ -402,6 +432,8 @@ def client_main(args: argparse.Namespace) -> None:
     probe = Probe(args.address, args.pid)
     if args.phase == "epochs":
         out = phase_epochs(probe, layout, args.jobs, args.epochs)
+    elif args.phase == "decoding":
+        out = phase_decoding(probe, layout, args.jobs, args.window_s)
     elif args.phase == "status":
         out = phase_status(probe)
     elif args.phase == "attach":
@@ -514,7 +546,7 @@ def run_server(root: Path, cache_bytes: int, args: argparse.Namespace, phases: S
 
 def one_rep(root: Path, layout: Layout, args: argparse.Namespace, phases: Sequence[str], rep: int) -> dict[str, Any]:
     log_dir = Path(tempfile.mkdtemp(prefix="jscl-", dir="/tmp"))
-    full = [p for p in phases if p in ("epochs", "status", "attach", "rates")]
+    full = [p for p in phases if p in ("epochs", "decoding", "status", "attach", "rates")]
     out = run_server(root, layout.n * ITEM_NBYTES + 4096 * ITEM_NBYTES, args, full, log_dir / f"full-{rep}.log")
     if "halves" in phases:
         small = run_server(root, layout.n * ITEM_NBYTES // 5, args, ["halves"], log_dir / f"halves-{rep}.log")
@@ -532,20 +564,30 @@ def summarize(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"reps": len(reps), "ready_s": med(lambda r: r["startup"]["ready_s"]),
                            "ready_rss_mib": med(lambda r: r["startup"]["VmRSS"] / 2**20)}
     if "epochs" in reps[0]:
-        warm = lambda r: [e for e in r["epochs"]["epochs"][1:]]  # noqa: E731
         out.update(
             epoch1_main_us_per_decode=med(lambda r: r["epochs"]["epochs"][0]["main_us_per_decode"]),
             epoch1_main_us_per_delivery=med(lambda r: r["epochs"]["epochs"][0]["main_us_per_delivery"]),
             epoch1_workers_cores=med(lambda r: r["epochs"]["epochs"][0]["workers_cores"]),
             epoch1_main_cores=med(lambda r: r["epochs"]["epochs"][0]["main_cores"]),
+            bytes_per_cached_item=med(lambda r: r["epochs"]["epochs"][0]["rss_anon_per_cached_item"]),
+            oracle_failures=sum(e["oracle_failures"] for r in reps for e in r["epochs"]["epochs"]),
+            exactly_once=all(e["exactly_once"] for r in reps for e in r["epochs"]["epochs"]))
+    if "epochs" in reps[0] and len(reps[0]["epochs"]["epochs"]) > 1:
+        warm = lambda r: r["epochs"]["epochs"][1:]  # noqa: E731
+        out.update(
             warm_main_us_per_delivery=med(lambda r: median([e["main_us_per_delivery"] for e in warm(r)])),
             warm_deliveries_per_main_cpu_s=med(lambda r: 1e6 / median([e["main_us_per_delivery"] for e in warm(r)])),
             boundary_wait_max_s=med(lambda r: max(max(e["first_batch_wait_s"]) for e in warm(r))),
             warm_batch_wait_max_s=med(lambda r: max(max(e["max_batch_wait_s"]) for e in warm(r))),
-            bytes_per_cached_item=med(lambda r: r["epochs"]["epochs"][0]["rss_anon_per_cached_item"]),
-            bytes_per_cached_item_after_epochs=med(lambda r: r["epochs"]["epochs"][-1]["rss_anon_per_cached_item"]),
-            oracle_failures=sum(e["oracle_failures"] for r in reps for e in r["epochs"]["epochs"]),
-            exactly_once=all(e["exactly_once"] for r in reps for e in r["epochs"]["epochs"]))
+            bytes_per_cached_item_after_epochs=med(lambda r: r["epochs"]["epochs"][-1]["rss_anon_per_cached_item"]))
+    if "decoding" in reps[0]:
+        out.update(decoding_main_us_per_decode=med(lambda r: r["decoding"]["main_us_per_decode"]),
+                   decoding_main_us_per_delivery=med(lambda r: r["decoding"]["main_us_per_delivery"]),
+                   decoding_per_s=med(lambda r: r["decoding"]["deliveries_per_s"]),
+                   decoding_workers_cores=med(lambda r: r["decoding"]["workers_cores"]),
+                   decoding_main_cores=med(lambda r: r["decoding"]["main_cores"]))
+    if "epochs" in reps[0]:
+        out["status_with_jobs_s"] = med(lambda r: r["epochs"]["status_with_jobs"]["median_s"])
     if "status" in reps[0]:
         out["status_s"] = med(lambda r: r["status"]["median_s"])
     if "attach" in reps[0]:
@@ -629,7 +671,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--window-s", type=float, default=20.0, help="seconds of each rates/halves case")
     parser.add_argument("--workers", default="auto", help="joaderd --workers")
-    parser.add_argument("--phases", default=",".join(PHASES))
+    parser.add_argument("--phases", default=",".join(p for p in PHASES if p != "decoding"),
+                        help="startup is always measured; decoding (a windowed cold run of --jobs jobs) is for "
+                             "trees whose whole epoch takes too long")
     # the client process (internal)
     parser.add_argument("--phase", choices=PHASES[1:])
     parser.add_argument("--address")
