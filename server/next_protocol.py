@@ -117,6 +117,7 @@ class NextProtocol:
         with self._cond:
             self._check_alive()
             job, rank, pass_ = call.job, call.rank, call.pass_
+            job.nexts_waiting.pop(call.waker, None)
             if self.jobs.jobs.get(job.job_id) is not job:
                 raise stopped_error([job.source], job.job_id) or UnknownJobError(self.jobs.gone_message(job.job_id))
             if pass_.superseded:
@@ -153,7 +154,32 @@ class NextProtocol:
             if now >= call.deadline_s or self._stopped:
                 return self._empty(job, rank, epoch, now)
             wake_s = linger if want.partial_ok and linger is not None else call.deadline_s
+            job.nexts_waiting[call.waker] = (call, _need(ready, want.wanted, resumed=job.resume is not None))
             return max(0.0, min(call.deadline_s, wake_s) - now)
+
+    def item_settled(self, job: Job) -> None:
+        """An item `job` queued settled (ready or failed): wakes the job's waiting `Next`s
+        whose answer it may change, not every one of them for every item.
+
+        NOTE [ Waking a Next when its batch is ready ]
+        A waiting `Next` was woken, and polled through the event loop, each time one of its
+        items settled: 64 polls for a batch of 64 decodes, per job (the wake, the loop's
+        round and the poll cost more than the decode's books). Its answer changes with the
+        ready items at its rank's head only when they reach what it waits for: the first one
+        (its linger starts) or its whole want (`dealing.ready_to_reply`); a partial reply
+        after lingering comes from its timer, and a call held for another reason (its turn,
+        acknowledgements, a resume) waits for other wakes, which still reach it
+        (`Job.wake`). So a settle wakes a call only once its rank's ready count
+        (`HeadBook.ready`, O(1) per item) reaches the need its last poll recorded
+        (`_need`); a call not yet polled, or held for another reason (need 0), is woken as
+        before. Called under the lock by the results thread (filing a decode)."""
+        waiting = job.nexts_waiting
+        if len(waiting) != len(job.wakers):
+            job.wake()  # a call between its begin and its first wait: as before
+            return
+        for waker, (call, need) in list(waiting.items()):
+            if need <= 0 or self._count_ready(call.rank, call.pass_.epoch, need) >= need:
+                waker()
 
     def _empty(self, job: Job, rank: Rank, epoch: int, now: float) -> Batch:
         """An empty reply, saying what holds the job up when it is another rank: one not
@@ -239,6 +265,7 @@ class NextProtocol:
     def end_next(self, call: NextCall) -> None:
         with self._cond:
             call.job.wakers.discard(call.waker)
+            call.job.nexts_waiting.pop(call.waker, None)
             asking = call.pass_.asking
             asking[call.worker_id] -= 1
             if asking[call.worker_id] <= 0:
@@ -382,6 +409,17 @@ class NextProtocol:
                                     budget=_copies_budget(job),
                                     served=pass_.served[worker_id], batch_items=batch_items)
         return dataclasses.replace(batch, end_of_epoch=self._left(job, rank, epoch) == 0, copy_now=copy_now)
+
+
+def _need(ready: int, wanted: int, *, resumed: bool) -> int:
+    """The ready items at which a waiting call's answer may change (NOTE [ Waking a Next when
+    its batch is ready ]): the first (its linger starts), else its whole want; 0 (any settle
+    wakes it) when it waits for something else: ready enough already, or a resume."""
+    if resumed:
+        return 0
+    if ready == 0:
+        return 1
+    return wanted if ready < wanted else 0
 
 
 def _within(rank: Rank, epoch: int, position: int, limit: int) -> bool:

@@ -390,6 +390,9 @@ class Job:
     # Called (under the registry's lock) when items of this job may have become ready; each
     # waiting `Next` registers one. They must not block.
     wakers: set[Callable[[], None]] = field(default_factory=set)
+    # Its `Next`s waiting after a poll, by waker: the call and how many ready items at its
+    # rank's head would change its answer (0: any change may); `NextProtocol.item_settled`.
+    nexts_waiting: dict[Callable[[], None], tuple[Any, int]] = field(default_factory=dict)
     on_removed: list[Callable[[str], None]] = field(default_factory=list)
     reading: bool = False  # rounds include a job once all its ranks asked for items
     reading_since_s: float = 0.0  # when it started reading (registry clock)

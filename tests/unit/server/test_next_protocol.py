@@ -3,10 +3,14 @@ turn (server/next_protocol.py, with the rules of server/dealing.py), through the
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from pyroaring import BitMap
 
+from joader.server.records import Batch
 from tests.support.registry_driver import (
+    ITEM_BYTES,
     NUM_ITEMS,
     attach,
     make_registry,
@@ -286,3 +290,42 @@ def test_a_handoff_batch_larger_than_the_copies_budget_is_dealt_with_copy_now() 
     assert all(done.values()), f"the epoch hung after {len(order)} items"
     assert sorted(order) == list(range(NUM_ITEMS))
     assert [worker for worker, _ in batches] == [0, 1, 0]  # the loop's turn
+
+
+def test_a_settling_item_wakes_a_waiting_next_only_when_its_batch_may_be_ready() -> None:
+    """Issue 37: a waiting Next was woken, and polled, each time one of its items settled (a
+    batch of 8 decodes: 8 polls). `Registry.item_settled` wakes it at its first ready item
+    (its linger starts) and when its batch is ready; the batch is then the first 8 items
+    dealt, in order."""
+    from joader.server.records import Job, NextArgs
+    from tests.support.registry_driver import SECRETS
+
+    registry, pool, _ = make_registry(num_slots=40)
+    job = attach(registry, "demo", BitMap(range(32)), "a", 8)
+    assert nxt(registry, job.job_id, 1, 8, []).item_ids == []  # starts the reading
+    registry.config = dataclasses.replace(registry.config, next_wait_s=1.0, linger_s=10.0)
+    registry.schedule_once()
+    wakes: list[int] = []
+    call = registry.begin_next(NextArgs(job.job_id, SECRETS[job.job_id], 1, 8), lambda: wakes.append(1))
+    assert not isinstance(call, Batch)
+    assert isinstance(registry.poll_next(call), float)  # nothing ready: it waits
+    dealt = [entry.item_id for entry in job.ranks[0].queue][:8]
+    original_wake = Job.wake
+    Job.wake = lambda self: None  # the results thread's wake, replaced by the hook below
+    try:
+        woken_after = []
+        for settled in range(1, 9):
+            task_id, _, item_id, _ = pool.submitted.pop(0)
+            registry.file_result(task_id, True, None, 0.001, shape=(3, 8, 8), dtype="uint8", nbytes=ITEM_BYTES)
+            before = len(wakes)
+            with registry._cond:
+                registry.item_settled(job)
+            if len(wakes) > before:
+                woken_after.append(settled)
+                result = registry.poll_next(call)
+        registry.check_invariants()
+    finally:
+        Job.wake = original_wake  # type: ignore[method-assign]
+        registry.end_next(call)
+    assert woken_after == [1, 8]
+    assert isinstance(result, Batch) and result.item_ids == dealt
