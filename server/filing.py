@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from joader.server.containment import contained
-from joader.server.records import Item, Source
+from joader.server.records import Item, Job, Source
 
 if TYPE_CHECKING:
     from joader.server.item_cache import ItemCache
@@ -38,6 +38,7 @@ class ResultFiling:
     _needed: Callable[[Item], int]
     _remove: Callable[[str, str], bool]
     _dispatch: Callable[[], None]
+    item_settled: Callable[[Job], None]  # NextProtocol's (NOTE [ Waking a Next when its batch is ready ])
 
     @contained("filing a decode", lambda registry, key, *_, **__: registry.waiting_for(key), reraise=False)
     def file_result(self, key: int, ok: bool, error: str | None, decode_s: float, *,
@@ -52,7 +53,7 @@ class ResultFiling:
             if ok:
                 self._note_size(item)
             for job in item.waiters:
-                job.wake()
+                self.item_settled(job)  # wakes its Next only when its batch may be ready (next_protocol.py)
             item.waiters = []
             self._dispatch()
 
