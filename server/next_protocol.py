@@ -358,34 +358,49 @@ class NextProtocol:
         reused = shared = 0
         source = job.source
         source_labels = source.listing.labels
-        items = self.cache.items
-        while queue and rank.pinned and len(batch.item_ids) + len(batch.failed) < max_items:
-            entry = queue[0]
-            if entry.epoch != epoch:
-                break
-            item = items[entry.key]
-            if item.state is ItemState.READY:
-                was_reused, was_shared = self.cache.deliver(job.job_id, entry.key)
-                reused += was_reused
-                shared += was_shared  # another job's decode
-                batch.item_ids.append(entry.item_id)
-                batch.labels.append(int(source_labels[entry.item_id]))
-                batch.offsets.append(item.offset)
-                batch.lengths.append(item.nbytes)
-                batch.shapes.append(item.shape)
-                batch.dtypes.append(item.dtype)
-                batch.checksums.append(item.checksum)
-                pass_.outstanding[entry.key] += 1  # the queue's pin now covers the handed-out copy
-                rank.handed_out += 1
-            elif item.state is ItemState.FAILED:
-                batch.failed.append((entry.item_id, source.listing.paths[entry.item_id], source.failed[entry.item_id]))
-                self.cache.release(entry.key)
-            else:
-                break
-            queue.popleft()
-            book.popped_head(entry)
-            self.cache.unplan(entry.key)
-            rank.pinned -= 1
+        # The per-item loop, with its lookups hoisted (issue 37: it runs once per delivery).
+        cache = self.cache
+        items, deliver, unplan = cache.items, cache.deliver, cache.unplan
+        ready, failed_state = ItemState.READY, ItemState.FAILED
+        job_id, outstanding, popped = job.job_id, pass_.outstanding, book.popped_head
+        item_ids, labels, offsets = batch.item_ids, batch.labels, batch.offsets
+        lengths, shapes, dtypes, checksums = batch.lengths, batch.shapes, batch.dtypes, batch.checksums
+        taken = 0  # items and failures in the batch
+        pinned = rank.pinned  # a property (it keeps a low-water mark): set once, after the loop
+        try:
+            while queue and pinned and taken < max_items:
+                entry = queue[0]
+                if entry.epoch != epoch:
+                    break
+                key = entry.key
+                item = items[key]
+                state = item.state
+                if state is ready:
+                    was_reused, was_shared = deliver(job_id, key)
+                    reused += was_reused
+                    shared += was_shared  # another job's decode
+                    item_id = entry.item_id
+                    item_ids.append(item_id)
+                    labels.append(int(source_labels[item_id]))
+                    offsets.append(item.offset)
+                    lengths.append(item.nbytes)
+                    shapes.append(item.shape)
+                    dtypes.append(item.dtype)
+                    checksums.append(item.checksum)
+                    outstanding[key] = outstanding.get(key, 0) + 1  # the queue's pin now covers the handed-out copy
+                    rank.handed_out += 1
+                elif state is failed_state:
+                    batch.failed.append((entry.item_id, source.listing.paths[entry.item_id], source.failed[entry.item_id]))
+                    cache.release(key)
+                else:
+                    break
+                taken += 1
+                queue.popleft()
+                popped(entry)
+                unplan(key)
+                pinned -= 1
+        finally:
+            rank.pinned = pinned
         book.after_pops(rank)
         item_ids, failed = batch.item_ids, batch.failed
         if not item_ids and not failed:

@@ -304,10 +304,13 @@ class EpochShare:
 
     def receiver(self) -> int | None:
         """The rank the next pick goes to, or None when every rank has its share (drop_last)."""
+        target, assigned = self.target, self.assigned
+        if len(target) == 1:  # world size 1, the common case: no walk (it runs twice a round)
+            return 0 if target[0] > assigned[0] else None
         best, best_need = None, 0
-        for rank, (want, have) in enumerate(zip(self.target, self.assigned, strict=True)):
-            if want - have > best_need:
-                best, best_need = rank, want - have
+        for rank, want in enumerate(target):
+            if want - assigned[rank] > best_need:
+                best, best_need = rank, want - assigned[rank]
         return best
 
 
