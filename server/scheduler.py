@@ -233,18 +233,27 @@ class Scheduler:
             return False
         if now is None:
             now = self._clock()
-        rate = job.rate.rate(now) if self._deadlines else None
+        deadlines = self._deadlines
+        rate = job.rate.rate(now) if deadlines else None
+        # Rank.pinned is a property (it keeps a low-water mark): read once, set after the loop
+        # (cache.want never looks at the rank).
+        pinned, end = rank.pinned, min(allowance, len(queue))
+        claimed = rank.claimed_epoch
+        source, round_seq, want = job.source, self._round_seq, cache.want
         settled = False
-        while rank.pinned < allowance and rank.pinned < len(queue):
-            entry = queue[rank.pinned]
-            due_s = due_time(now, rank.pinned, rate) if self._deadlines else 0.0
-            item = cache.want(job.source, entry.item_id, self._round_seq, consumed=False, due_s=due_s,
-                              ahead=entry.epoch > rank.claimed_epoch)
-            rank.pinned += 1
-            if item.state.settled:
-                settled = True
-            else:
-                item.waiters.append(job)  # woken when it settles
+        try:
+            while pinned < end:
+                entry = queue[pinned]
+                due_s = due_time(now, pinned, rate) if deadlines else 0.0
+                item = want(source, entry.item_id, round_seq, consumed=False, due_s=due_s,
+                            ahead=entry.epoch > claimed)
+                pinned += 1
+                if item.state.settled:
+                    settled = True
+                else:
+                    item.waiters.append(job)  # woken when it settles
+        finally:
+            rank.pinned = pinned
         return settled
 
     # ----------------------------------------------------------------------------- rounds
@@ -258,6 +267,8 @@ class Scheduler:
         # whole epoch (fewer shared rounds). So a job that just started reading waits briefly
         # for the source's other attached jobs to start too.
         others_idle = any(not jobs[j].reading for j in source.job_ids)
+        sampler = source.sampler
+        num_remaining = sampler.num_remaining
         queued = []
         for job_id in source.job_ids:
             job = jobs[job_id]
@@ -265,7 +276,7 @@ class Scheduler:
                 continue
             if others_idle and now - job.reading_since_s < self._start_grace_s:
                 continue
-            if source.sampler.num_remaining(job_id) == 0 and job.sampler_epoch > job.claimed_epoch:
+            if num_remaining(job_id) == 0 and job.sampler_epoch > job.claimed_epoch:
                 continue  # prepared a whole epoch ahead of its readers: enough lookahead
             share = job.shares[job.sampler_epoch]
             receiver = share.receiver()
@@ -279,8 +290,7 @@ class Scheduler:
             return False
         participants = list(plan.participants)
         self.acting = tuple(participants)
-        sampler = source.sampler
-        starting = [j for j in participants if sampler.num_remaining(j) == 0]
+        starting = [j for j in participants if num_remaining(j) == 0]
         picks = sampler.sample(participants)
         if len(picks) != len(participants) or not all(job_id in picks for job_id in participants):
             # A pick for a job sitting out refills it silently: then a refcount below zero or
@@ -341,7 +351,7 @@ class Scheduler:
         the chain; joader.sampling.dependent, "Independent jobs"), so it took part in no round
         with anyone, even when its pick happens to equal another job's (it then shares that
         decode, which the cache counts, not a round)."""
-        if any(_alone(jobs[job_id]) for job_id in picks):
+        if any(jobs[job_id].order == "independent" for job_id in picks):  # _alone, inline
             picks = {job_id: item for job_id, item in picks.items() if not _alone(jobs[job_id])}
         if 2 <= len(picks) <= MAX_PAIR_COUNTED_JOBS:
             _count_pairs(source.pair_rounds, picks)
