@@ -16,6 +16,7 @@ from joader.server.containment import is_bookkeeping_error
 if TYPE_CHECKING:
     from joader.server.item_cache import DecodeSubmitter, ItemCache
     from joader.server.jobs import JobTable
+    from joader.server.records import Job
     from joader.server.registry import RegistryConfig
     from joader.server.scheduler import Scheduler
 
@@ -36,6 +37,17 @@ class SchedulerThread:
     _source_index: dict[str, int]
     _contain: Callable[[Exception, Sequence[str], str], str]
     _remove: Callable[[str, str], bool]
+    item_settled: Callable[[Job], None]  # NextProtocol's
+
+    # NOTE [ A turn wakes a Next as a settled item does ]
+    # A round's pick of a cached item is ready at once, so a turn that ran rounds may change a
+    # waiting `Next`'s answer. Waking every job's calls after every such turn (up to
+    # `rounds_per_lock` rounds) polled each of them through the event loop once a turn, most
+    # to find their batch still short (issue 37: the event loop was half of joaderd's main CPU
+    # per warm delivery). The answer changes only as the ready count at the rank's head
+    # reaches what the call waits for, the rule a settling decode already follows
+    # (`NextProtocol.item_settled`, NOTE [ Waking a Next when its batch is ready ]); a call
+    # held for another reason, or not yet polled, is still woken at every turn.
 
     def run_scheduler(self) -> None:
         """The scheduler thread: `schedule_once` until `stop`, sleeping when there is no work."""
@@ -80,7 +92,7 @@ class SchedulerThread:
             self._remove(job.job_id, reason)
         if progressed:
             for job in jobs.values():  # cached picks are ready at once
-                job.wake()
+                self.item_settled(job)  # NOTE [ A turn wakes a Next as a settled item does ]
         return progressed
 
     def _dispatch(self) -> None:

@@ -329,3 +329,38 @@ def test_a_settling_item_wakes_a_waiting_next_only_when_its_batch_may_be_ready()
         registry.end_next(call)
     assert woken_after == [1, 8]
     assert isinstance(result, Batch) and result.item_ids == dealt
+
+
+def test_a_scheduler_turn_wakes_a_waiting_next_only_when_its_batch_may_be_ready() -> None:
+    """Issue 37: after every turn that ran a round, the scheduler woke every job's waiting
+    Nexts (cached picks are ready at once): with a warm cache, a poll through the event loop
+    per turn and job. Now a turn wakes a call as a settling item does (`item_settled`): at its
+    first ready item and when its batch is ready; the batch is then the first 8 items dealt."""
+    from joader.server.records import NextArgs
+    from tests.support.registry_driver import SECRETS
+
+    registry, pool, _ = make_registry(num_slots=40)
+    warm = attach(registry, "demo", BitMap(range(32)), "warm", 8)
+    assert sorted(read_epoch(registry, pool, warm.job_id, 1, 8)) == list(range(32))  # all cached now
+    job = attach(registry, "demo", BitMap(range(32)), "a", 8)
+    assert nxt(registry, job.job_id, 1, 8, []).item_ids == []  # starts the reading
+    registry.config = dataclasses.replace(registry.config, next_wait_s=1.0, linger_s=10.0, rounds_per_lock=1)
+    wakes: list[int] = []
+    call = registry.begin_next(NextArgs(job.job_id, SECRETS[job.job_id], 1, 8), lambda: wakes.append(1))
+    assert not isinstance(call, Batch)
+    try:
+        assert isinstance(registry.poll_next(call), float)  # nothing queued: it waits
+        woken_after, result, dealt = [], None, []
+        for turn in range(1, 9):
+            before = len(wakes)
+            assert registry.schedule_once()  # one round: one cached item dealt to `job`
+            assert not pool.submitted, "the items are cached: nothing to decode"
+            if len(wakes) > before:
+                woken_after.append(turn)
+                dealt = [entry.item_id for entry in job.ranks[0].queue][:8]
+                result = registry.poll_next(call)
+        registry.check_invariants()
+    finally:
+        registry.end_next(call)
+    assert woken_after == [1, 8]
+    assert isinstance(result, Batch) and result.item_ids == dealt
