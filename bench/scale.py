@@ -18,11 +18,14 @@ Measured (each a function, all written to bench/results/scale-<items>[-quick].js
   joaderd's main-process CPU (psutil cpu_times user+system of joaderd's pid only, without its
   decode workers), sampled right before and after the epoch, per decode and per delivery; the
   workers' CPU share and the main process's cores; each job's wait for its epoch's first batch
-  and its longest wait for any batch (and at which batch: the epoch-boundary stall of the issue
-  comes a few batches in, once the lookahead queued before the boundary is used up, so the
-  longest wait of epochs 2-3 is the figure to compare); main RssAnon per cached item (delta
-  from start-up); a Status call's latency with the jobs still attached;
-- status: latency of a Status call (in-process gRPC) with every item cached, median of 5;
+  and its longest wait for any batch, and at which batch. The epoch-boundary stall of the issue
+  comes in the LAST batches of an epoch (batch 1,995 or 1,996 of 2,000 at 128k, every job at
+  once), when joaderd starts the job's next epoch ahead of it, not at the next epoch's first
+  batch (queued before the boundary): the longest wait of epochs 2-3 is the figure to compare;
+  main RssAnon per cached item (delta from start-up); a Status call's latency with the jobs
+  still attached;
+- status: latency of a Status call (in-process gRPC) with every item cached, median of 5; and
+  `joader status --json` as a user runs it (a new process), at start-up and after the phases;
 - attach: a job over half the items: attach (construction), first batch, close, and until
   joaderd's status no longer lists it; with the main CPU each cost;
 - rates: deliveries/s and main CPU per delivery for 1, 4, 8 and 16 batched jobs over all
@@ -57,6 +60,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -536,12 +540,29 @@ def run_server(root: Path, cache_bytes: int, args: argparse.Namespace, phases: S
         out: dict[str, Any] = {"startup": {"ready_s": round(ready_s, 2), **memory(joaderd.pid),
                                            "main_cpu_s": round(main_cpu_s(joaderd.pid), 2)}}
         print(f"  joaderd ready in {ready_s:.2f} s, RSS {out['startup']['VmRSS'] / 2**20:.0f} MiB", flush=True)
+        out["startup"]["cli_status_s"] = cli_status_s(joaderd.address)
         for phase in phases:
             out[phase] = run_client(phase, joaderd, args)
             print(f"  {phase}: done in {out[phase]['phase_wall_s']} s", flush=True)
+        if phases:
+            out["cli_status_s"] = cli_status_s(joaderd.address)
         return out
     finally:
         joaderd.stop(timeout_s=60)
+        shutil.rmtree(Path(joaderd.address.removeprefix("unix:")).parent, ignore_errors=True)
+
+
+def cli_status_s(address: str, calls: int = 3) -> float:
+    """Median wall time of `joader status --json` as a user runs it (a new Python process:
+    its start-up is most of it when the call itself is fast). From this driver, which holds no
+    gRPC channel."""
+    times = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "joader.client.cli", "status", "--json", "--address", address],
+                       capture_output=True, check=True, env=bench_env(), timeout=120)
+        times.append(time.perf_counter() - started)
+    return round(median(times), 3)
 
 
 def one_rep(root: Path, layout: Layout, args: argparse.Namespace, phases: Sequence[str], rep: int) -> dict[str, Any]:
@@ -559,7 +580,10 @@ def summarize(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The issue's headline figures, medians over reps."""
     def med(get: Any) -> float | None:
         values = [v for v in (get(r) for r in reps) if v is not None]
-        return round(median(values), 2) if values else None
+        if not values:
+            return None
+        value = median(values)
+        return round(value, 4) if abs(value) < 10 else round(value, 1)
 
     out: dict[str, Any] = {"reps": len(reps), "ready_s": med(lambda r: r["startup"]["ready_s"]),
                            "ready_rss_mib": med(lambda r: r["startup"]["VmRSS"] / 2**20)}
@@ -577,17 +601,22 @@ def summarize(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out.update(
             warm_main_us_per_delivery=med(lambda r: median([e["main_us_per_delivery"] for e in warm(r)])),
             warm_deliveries_per_main_cpu_s=med(lambda r: 1e6 / median([e["main_us_per_delivery"] for e in warm(r)])),
-            boundary_wait_max_s=med(lambda r: max(max(e["first_batch_wait_s"]) for e in warm(r))),
-            warm_batch_wait_max_s=med(lambda r: max(max(e["max_batch_wait_s"]) for e in warm(r))),
+            first_batch_wait_max_s=med(lambda r: max(max(e["first_batch_wait_s"]) for e in warm(r))),
+            longest_batch_wait_s=med(lambda r: max(max(e["max_batch_wait_s"]) for e in warm(r))),
+            longest_wait_at_batch=med(lambda r: max(max(e["max_wait_at_batch"]) for e in warm(r))),
             bytes_per_cached_item_after_epochs=med(lambda r: r["epochs"]["epochs"][-1]["rss_anon_per_cached_item"]))
     if "decoding" in reps[0]:
         out.update(decoding_main_us_per_decode=med(lambda r: r["decoding"]["main_us_per_decode"]),
                    decoding_main_us_per_delivery=med(lambda r: r["decoding"]["main_us_per_delivery"]),
                    decoding_per_s=med(lambda r: r["decoding"]["deliveries_per_s"]),
                    decoding_workers_cores=med(lambda r: r["decoding"]["workers_cores"]),
-                   decoding_main_cores=med(lambda r: r["decoding"]["main_cores"]))
+                   decoding_main_cores=med(lambda r: r["decoding"]["main_cores"]),
+                   decoding_status_with_jobs_s=med(lambda r: r["decoding"].get("status_with_jobs", {}).get("median_s")))
+    out["cli_status_at_start_s"] = med(lambda r: r["startup"].get("cli_status_s"))
+    if "cli_status_s" in reps[0]:
+        out["cli_status_at_end_s"] = med(lambda r: r["cli_status_s"])
     if "epochs" in reps[0]:
-        out["status_with_jobs_s"] = med(lambda r: r["epochs"]["status_with_jobs"]["median_s"])
+        out["status_with_jobs_s"] = med(lambda r: r["epochs"].get("status_with_jobs", {}).get("median_s"))
     if "status" in reps[0]:
         out["status_s"] = med(lambda r: r["status"]["median_s"])
     if "attach" in reps[0]:
