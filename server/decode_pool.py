@@ -1,5 +1,5 @@
 """The decode pool: joaderd's side of the decode workers. This module is its facade and its
-dispatch: tasks in (`submit`), results out (`get_result`), tasks sent to the least loaded worker.
+dispatch: tasks in (`submit`), results out (`get_results`, in batches), tasks sent to the least loaded worker.
 
 Three process kinds, each in a module of its own:
 
@@ -71,6 +71,7 @@ logger = logging.getLogger(__name__)
 _SLICE_S = 0.1  # how often get_result looks at timeouts while it waits
 _CLOSE_TIMEOUT_S = 5.0
 _STAGED_KEYS = 4096  # items remembered as kept by a worker (far more than workers keep)
+RESULTS_BATCH = 1024  # results `get_results` returns at most (one hold of the registry's lock)
 
 
 class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
@@ -186,6 +187,20 @@ class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
 
     def get_result(self, timeout_s: float | None) -> DecodeResult | None:
         """The next final result, or None after `timeout_s` (None: wait indefinitely)."""
+        results = self.get_results(timeout_s, limit=1)
+        return results[0] if results else None
+
+    def get_results(self, timeout_s: float | None, limit: int = RESULTS_BATCH) -> list[DecodeResult]:
+        """The final results ready now, at least one and at most `limit`, in the order they
+        came; [] after `timeout_s` (None: wait indefinitely) or once closed.
+
+        NOTE [ Results in batches ]
+        The results thread took one result per call, and filed each under the registry's lock
+        (issue 37). It now takes every result ready, and files them in one acquisition
+        (`Registry.file_results`). A worker still sends each result as it finishes (a
+        result is never held back to fill a batch); a batch is what queued while the last one
+        was filed, and every message a worker's socket holds is read at once (`_read_worker`).
+        """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             with self._lock:
@@ -196,14 +211,14 @@ class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
                 self._restamp(due)  # stats off the lock
             with self._lock:
                 if self._ready:
-                    return self._take(self._ready.popleft())
+                    return self._take_ready(limit)
                 if self._closed:
-                    return None
+                    return []
             wait = _SLICE_S if deadline is None else max(0.0, min(_SLICE_S, deadline - time.monotonic()))
             events = self._selector.select(wait)
             with self._lock:
                 if self._closed:
-                    return None
+                    return []
                 for key, _ in events:
                     worker = key.data
                     if worker is None:
@@ -211,9 +226,9 @@ class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
                     else:
                         self._read_worker(worker)
                 if self._ready and not self._quarantine.unstamped:
-                    return self._take(self._ready.popleft())
+                    return self._take_ready(limit)
             if deadline is not None and time.monotonic() >= deadline:
-                return None
+                return []
 
     def stats(self) -> PoolStats:
         with self._lock:
@@ -291,6 +306,10 @@ class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
         self._suspect_ids.discard(result.task_id)
         return result
 
+    def _take_ready(self, limit: int) -> list[DecodeResult]:
+        ready = self._ready
+        return [self._take(ready.popleft()) for _ in range(min(limit, len(ready)))]
+
     def _path(self, task: DecodeTask | Probe) -> str:
         if isinstance(task, Probe):
             return str(self._sources[task.source_index].source.paths[task.item_ids[0]])
@@ -349,15 +368,17 @@ class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
         return True
 
     def _read_worker(self, worker: Worker) -> None:
-        if self._workers.get(worker.index) is not worker:
-            return  # already handled
-        data = recv_nowait(worker.sock)
-        if data is None:
-            return
-        if not data:
-            self._worker_died(worker, "its connection closed")
-            return
-        message = pickle.loads(data)
+        """Reads every message `worker`'s socket holds (in order; its EOF after them)."""
+        while self._workers.get(worker.index) is worker:  # not yet handled, or not since
+            data = recv_nowait(worker.sock)
+            if data is None:
+                return
+            if not data:
+                self._worker_died(worker, "its connection closed")
+                return
+            self._read_message(worker, pickle.loads(data))
+
+    def _read_message(self, worker: Worker, message: tuple[Any, ...]) -> None:
         head = worker.tasks[0] if worker.tasks else None
         if message[0] == SIZES:
             _, probe_id, sizes = message

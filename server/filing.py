@@ -1,7 +1,7 @@
 """Filing what the background threads found: finished decodes and sources' verdicts.
 
-The results thread files each finished decode into the cache (`file_result`) and wakes the jobs
-waiting for it; the source checker files its verdicts on the sources on disk
+The results thread files the finished decodes it found queued into the cache, a batch under one
+acquisition of the lock (`file_results`), and wakes the jobs waiting for them; the source checker files its verdicts on the sources on disk
 (`source_checked`, server/source_watch.py).
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
-from joader.server.containment import contained
+from joader.server.containment import contained, is_bookkeeping_error
 from joader.server.records import Item, Job, Source
 
 if TYPE_CHECKING:
@@ -22,6 +22,27 @@ if TYPE_CHECKING:
     from joader.server.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+class FinishedDecode(Protocol):
+    """A finished decode as the pool reports it (`joader.server.pool_records.DecodeResult`)."""
+
+    @property
+    def task_id(self) -> int: ...
+    @property
+    def ok(self) -> bool: ...
+    @property
+    def error(self) -> str | None: ...
+    @property
+    def decode_s(self) -> float: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def checksum(self) -> int: ...
 
 
 class ResultFiling:
@@ -38,24 +59,75 @@ class ResultFiling:
     _needed: Callable[[Item], int]
     _remove: Callable[[str, str], bool]
     _dispatch: Callable[[], None]
+    _contain: Callable[[Exception, Sequence[str], str], str]
     item_settled: Callable[[Job], None]  # NextProtocol's (NOTE [ Waking a Next when its batch is ready ])
 
     @contained("filing a decode", lambda registry, key, *_, **__: registry.waiting_for(key), reraise=False)
     def file_result(self, key: int, ok: bool, error: str | None, decode_s: float, *,
                     shape: tuple[int, ...] = (), dtype: str = "uint8", nbytes: int = 0,
                     checksum: int = 0) -> None:
-        """Files one finished decode (called by the results thread)."""
+        """Files one finished decode (`file_results` files the results thread's batches)."""
         with self._cond:
-            item = self.cache.file_result(key, ok, error, decode_s, self._needed, shape=shape,
-                                          dtype=dtype, nbytes=nbytes, checksum=checksum)
-            if item is None:
-                return
-            if ok:
-                self._note_size(item)
-            for job in item.waiters:
-                self.item_settled(job)  # wakes its Next only when its batch may be ready (next_protocol.py)
-            item.waiters = []
+            if self._file_one(key, ok, error, decode_s, shape, dtype, nbytes, checksum):
+                self._dispatch()
+
+    def file_results(self, results: Iterable[FinishedDecode]) -> None:
+        """Files a batch of finished decodes (called by the results thread) under one
+        acquisition of the lock, each exactly as `file_result` files it, in order.
+
+        NOTE [ Filing a batch under one lock ]
+        The results thread took the lock once per decode: with one message per item, the
+        lock's hand-over to and from the scheduler and the RPC threads cost more than the
+        item's books (issue 37). It now takes whatever results are queued and files them in
+        one acquisition. Each item keeps its own containment (`@contained` on `file_result`):
+        a bookkeeping error in one ends the jobs waiting for it and the rest of the batch is
+        filed; an error raised on purpose goes to the caller, as from `file_result`. The cache
+        dispatches more decodes once, after the batch, not after each item: the decodes a
+        batch's items freed are handed to the pool together (and the ranges those items did
+        not use are returned before new ones are allocated). The pool's results were all taken
+        before filing began, so the first item's dispatch already saw every slot free: the
+        later ones only repeated its scan of the waiting items."""
+        with self._cond:
+            settled = False
+            for result in results:
+                try:
+                    settled = self._file_one(result.task_id, result.ok, result.error, result.decode_s,
+                                             result.shape, result.dtype, result.nbytes, result.checksum) or settled
+                except Exception as error:
+                    if not is_bookkeeping_error(error):
+                        raise
+                    try:
+                        ids = self.waiting_for(result.task_id)
+                    except Exception:  # noqa: BLE001  the ids are a best effort; nobody is ended
+                        ids = []
+                    self._contain(error, ids, "filing a decode")
+            if settled:
+                self._dispatch_contained()
+
+    def _dispatch_contained(self) -> None:
+        """The dispatch after a batch (the lock is held): a bookkeeping error in it ends no job
+        (none is known to be concerned) and the cache is recounted, as after `file_result`'s."""
+        try:
             self._dispatch()
+        except Exception as error:
+            if not is_bookkeeping_error(error):
+                raise
+            self._contain(error, [], "filing a decode")
+
+    def _file_one(self, key: int, ok: bool, error: str | None, decode_s: float, shape: tuple[int, ...],
+                  dtype: str, nbytes: int, checksum: int) -> bool:
+        """Files one finished decode (the lock is held); whether it settled (the caller then
+        dispatches: the cache may have room for more decodes)."""
+        item = self.cache.file_result(key, ok, error, decode_s, self._needed, shape=shape,
+                                      dtype=dtype, nbytes=nbytes, checksum=checksum)
+        if item is None:
+            return False
+        if ok:
+            self._note_size(item)
+        for job in item.waiters:
+            self.item_settled(job)  # wakes its Next only when its batch may be ready (next_protocol.py)
+        item.waiters = []
+        return True
 
     def source_checked(self, source: Source, verdict: Any, seen_seq: int | None = None) -> None:
         """Files a verdict of the source checker (server/source_watch.py): held items are
