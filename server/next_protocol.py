@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from pyroaring import BitMap
 
 from joader.errors import InvalidArgumentError, UnknownJobError
@@ -381,7 +382,6 @@ class NextProtocol:
                     shared += was_shared  # another job's decode
                     item_id = entry.item_id
                     item_ids.append(item_id)
-                    labels.append(int(source_labels[item_id]))
                     offsets.append(item.offset)
                     lengths.append(item.nbytes)
                     shapes.append(item.shape)
@@ -401,6 +401,10 @@ class NextProtocol:
                 pinned -= 1
         finally:
             rank.pinned = pinned
+        if isinstance(source_labels, np.ndarray):  # one gather, not an indexing and int() per item
+            labels.extend(source_labels[item_ids].tolist())
+        else:
+            labels.extend(int(source_labels[item_id]) for item_id in item_ids)
         book.after_pops(rank)
         item_ids, failed = batch.item_ids, batch.failed
         if not item_ids and not failed:

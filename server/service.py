@@ -347,9 +347,19 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
 
 
 def _response(batch: Batch, arena: str) -> joader_pb2.NextResponse:
-    dims: list[int] = []
-    for shape in batch.shapes:
-        dims.extend(shape)
+    shapes, dtypes = batch.shapes, batch.dtypes
+    # A batch's items mostly share one shape and dtype (the same objects: the cache shares
+    # them): then the repeated fields are one list repeated, not a loop per item.
+    if shapes and shapes.count(shapes[0]) == len(shapes):
+        dims = list(shapes[0]) * len(shapes)
+        ndims = [len(shapes[0])] * len(shapes)
+    else:
+        dims = [dim for shape in shapes for dim in shape]
+        ndims = [len(shape) for shape in shapes]
+    if dtypes and dtypes.count(dtypes[0]) == len(dtypes):
+        codes = [DTYPE_CODES[dtypes[0]]] * len(dtypes)
+    else:
+        codes = [DTYPE_CODES[d] for d in dtypes]
     return joader_pb2.NextResponse(
         epoch=batch.epoch,
         end_of_epoch=batch.end_of_epoch,
@@ -361,9 +371,9 @@ def _response(batch: Batch, arena: str) -> joader_pb2.NextResponse:
             for i, p, r in batch.failed
         ],
         lengths=batch.lengths,
-        ndims=[len(shape) for shape in batch.shapes],
+        ndims=ndims,
         dims=dims,
-        dtypes=[DTYPE_CODES[d] for d in batch.dtypes],
+        dtypes=codes,
         arena=arena,
         checksums=batch.checksums,
         copy_now=batch.copy_now,

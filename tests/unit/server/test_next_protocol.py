@@ -364,3 +364,22 @@ def test_a_scheduler_turn_wakes_a_waiting_next_only_when_its_batch_may_be_ready(
         registry.end_next(call)
     assert woken_after == [1, 8]
     assert isinstance(result, Batch) and result.item_ids == dealt
+
+
+def test_each_delivered_item_carries_its_own_label() -> None:
+    """Issue 37: a reply's labels are gathered from the source's label array after the
+    per-item loop; each must still be its item's (the driver's items are labelled i % 2)."""
+    registry, pool, _ = make_registry(num_slots=40)
+    job = attach(registry, "demo", BitMap(range(0, 60, 3)) | BitMap([1, 7]), "a", 4)
+    acks: list[int] = []
+    seen = []
+    while True:
+        pump(registry, pool)
+        result = nxt(registry, job.job_id, 1, 4, acks)
+        acks = result.item_ids
+        assert result.labels == [item_id % 2 for item_id in result.item_ids]
+        assert all(type(label) is int for label in result.labels)
+        seen += result.item_ids
+        if result.end_of_epoch:
+            break
+    assert sorted(seen) == sorted(BitMap(range(0, 60, 3)) | BitMap([1, 7]))
