@@ -74,6 +74,10 @@ _STAGED_KEYS = 4096  # items remembered as kept by a worker (far more than worke
 RESULTS_BATCH = 1024  # results `get_results` returns at most (one hold of the registry's lock)
 
 
+def _load(worker: Worker) -> int:
+    return len(worker.tasks)
+
+
 class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
     """Worker processes preparing items into the arena; see the module docstring.
 
@@ -331,11 +335,11 @@ class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
         to the least loaded members (never to a retiring one)."""
         self._run_suspect()
         limit = self.config.tasks_per_worker
+        members = self._members() if self._probes or self._pending else []  # once per call, unless one dies
         while self._probes or self._pending:
-            members = self._members()
             if not members:
                 break
-            worker = min(members, key=lambda w: len(w.tasks))
+            worker = members[0] if len(members) == 1 else min(members, key=_load)
             if len(worker.tasks) >= limit:
                 return
             queue: deque[Any] = self._probes if self._probes else self._pending
@@ -343,6 +347,7 @@ class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
             if not self._send(worker, task):
                 queue.appendleft(task)
                 self._worker_died(worker, "its socket closed")
+                members = self._members()
         if self._forker_gone:
             reason = ("no decode worker is left and none can be started: the decode pool's forker "
                       "process is gone (see joaderd's log); restart joaderd")
