@@ -270,14 +270,17 @@ class Scheduler:
         sampler = source.sampler
         num_remaining = sampler.num_remaining
         queued = []
+        empty: set[str] = set()  # jobs whose sampler epoch is over: a participant starts its next one
         for job_id in source.job_ids:
             job = jobs[job_id]
             if not (job.reading and job.all_attached and job.resume is None):
                 continue
             if others_idle and now - job.reading_since_s < self._start_grace_s:
                 continue
-            if num_remaining(job_id) == 0 and job.sampler_epoch > job.claimed_epoch:
-                continue  # prepared a whole epoch ahead of its readers: enough lookahead
+            if num_remaining(job_id) == 0:
+                if job.sampler_epoch > job.claimed_epoch:
+                    continue  # prepared a whole epoch ahead of its readers: enough lookahead
+                empty.add(job_id)
             share = job.shares[job.sampler_epoch]
             receiver = share.receiver()
             # A job whose picks are dropped (every rank has its share) runs at no cost.
@@ -290,7 +293,7 @@ class Scheduler:
             return False
         participants = list(plan.participants)
         self.acting = tuple(participants)
-        starting = [j for j in participants if num_remaining(j) == 0]
+        starting = [j for j in participants if j in empty] if empty else []
         picks = sampler.sample(participants)
         if len(picks) != len(participants) or not all(job_id in picks for job_id in participants):
             # A pick for a job sitting out refills it silently: then a refcount below zero or
