@@ -374,19 +374,11 @@ async def _serve(
 
 def _forward_results(pool: DecodePool, registry: Registry, stop: threading.Event) -> None:
     """The results thread: files the pool's finished decodes, whatever is queued at once
-    (NOTE [ Filing a batch under one lock ], server/filing.py). A `file_result` replaced on
-    the registry (`JOADERD_INJECT_FAULT=results`) is called for each result instead."""
+    (NOTE [ Filing a batch under one lock ], server/filing.py)."""
     while not stop.is_set():
         results = pool.get_results(timeout_s=0.2)
-        if not results:
-            continue
-        if "file_result" not in vars(registry):
+        if results:
             registry.file_results(results)
-            continue
-        for result in results:
-            registry.file_result(result.task_id, result.ok, result.error, result.decode_s,
-                                 shape=result.shape, dtype=result.dtype, nbytes=result.nbytes,
-                                 checksum=result.checksum)
 
 
 STALE_SWEEPS_S = (2.0, 10.0, 30.0)  # after start: when the dead server's arena is looked at again
@@ -499,10 +491,10 @@ def _inject_fault(registry: Registry, where: str) -> None:
 
         registry._schedule = schedule  # type: ignore[method-assign]
     elif where == "results":
-        def file_result(*_args: Any) -> None:
+        def file_results(*_args: Any) -> None:
             raise RuntimeError(f"fault injected by {FAULT_ENV}=results")
 
-        registry.file_result = file_result  # type: ignore[method-assign]
+        registry.file_results = file_results  # type: ignore[method-assign]
     elif where:
         logger.warning("%s=%r is not a known fault; ignored", FAULT_ENV, where)
 
