@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:  # at DEBUG, every line
         log_limits.install(logging.getLogger())  # a client cannot flood the log (server/log_limits.py)
+        logging.getLogger("grpc._cython.cygrpc").addFilter(log_limits.PeerGoneFilter())
     try:
         return run(config)
     except JoaderError as error:

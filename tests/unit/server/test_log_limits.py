@@ -9,7 +9,13 @@ import logging
 
 import pytest
 
-from joader.server.log_limits import RepeatFilter, RepeatLimiter, Summary, summary_text
+from joader.server.log_limits import (
+    PeerGoneFilter,
+    RepeatFilter,
+    RepeatLimiter,
+    Summary,
+    summary_text,
+)
 
 
 def test_the_first_lines_of_a_kind_pass_and_the_rest_are_counted() -> None:
@@ -130,3 +136,22 @@ def test_a_line_can_name_its_kind_and_burst() -> None:
         ]
     finally:
         logger.handlers.clear()
+
+
+def test_a_client_gone_before_its_status_is_one_info_line_without_a_traceback() -> None:
+    """grpc.aio's ERROR and core traceback when the status of a call whose client went away
+    cannot be sent (seen under attach/cancel loops, NOTE [ A client gone before its status ])."""
+    try:
+        raise RuntimeError('Failed "execute_batch"')
+    except RuntimeError:
+        import sys
+        exc_info = sys.exc_info()
+    record = logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, __file__, 1,
+                               "ExecuteBatchError raised in core by servicer method [/joader.Joader/Attach]",
+                               None, exc_info)
+    assert PeerGoneFilter().filter(record)
+    assert record.levelno == logging.INFO and record.levelname == "INFO" and record.exc_info is None
+    assert record.getMessage() == ("a client went away before joaderd's reply to /joader.Joader/Attach could be "
+                                   "sent (nothing lost)")
+    other = logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, __file__, 1, "Unexpected error", None, None)
+    assert PeerGoneFilter().filter(other) and other.levelno == logging.ERROR
