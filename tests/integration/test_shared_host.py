@@ -42,8 +42,16 @@ def _interpreter() -> str | None:
     return next((p for p in (sys.executable, f"/usr/bin/python{version}") if _open_to_others(p)), None)
 
 
+def _dir_open_to_others(path: str) -> bool:
+    """Whether an account with no rights of its own can read the directory `path`."""
+    real = Path(os.path.realpath(path))
+    return real.is_dir() and bool(real.stat().st_mode & stat.S_IROTH) and all(
+        p.stat().st_mode & stat.S_IXOTH for p in (real, *real.parents))
+
+
 PYTHON = _interpreter()
 SITE = next(p for p in sys.path if p.endswith("site-packages"))
+READABLE = _dir_open_to_others(str(ROOT)) and _dir_open_to_others(SITE)
 PRELUDE = f"import site, sys; site.addsitedir({SITE!r}); sys.path.insert(0, {str(ROOT)!r})\n"
 
 pytestmark = [
@@ -52,6 +60,8 @@ pytestmark = [
                        reason="needs root and useradd: the test acts as two real local users"),
     pytest.mark.skipif(PYTHON is None, reason=f"no Python {sys.version_info.major}.{sys.version_info.minor} "
                                               "that another account may run"),
+    pytest.mark.skipif(not READABLE, reason="the checkout or its venv is in a directory other accounts cannot "
+                                            "enter"),
 ]
 
 VICTIM, ATTACKER = "joader-victim", "joader-attacker"
