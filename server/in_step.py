@@ -93,6 +93,9 @@ class Plan:
     participants: tuple[str, ...]
     hold: bool = False
     behind: tuple[str, ...] = ()  # the jobs a hold waits for
+    # The default rule alone (every job within twice its capacity takes part, nothing measured):
+    # the scheduler may then run the next rounds as one batch (NOTE [ Rounds in batches ]).
+    simple: bool = False
 
 
 def plan_round(candidates: Sequence[Candidate], *, decode_rate: float | None, host_busy: bool,

@@ -66,7 +66,9 @@ class Scheduler:
         self._max_hold_s = max_hold_s  # 0: a round never waits for a job behind
         # Every core of the host was busy lately (set by joaderd's CPU meter, server/cpu_meter.py).
         self.host_busy = False
-        self._round_seq = 0
+        self._want_seq = 0  # counts wanted queue entries (the decode order's tie-break)
+        # Set while a batch of rounds deals its picks: the ranks to pin ahead once it is over.
+        self._deferred_pins: dict[int, tuple[Job, Rank]] | None = None
         self._now = 0.0  # the clock at the current round's start
         # The jobs the current round is working for (its participants): the ones to end when
         # the round breaks before its picks are dealt. `broken`: the jobs whose own pick could
@@ -239,13 +241,15 @@ class Scheduler:
         # (cache.want never looks at the rank).
         pinned, end = rank.pinned, min(allowance, len(queue))
         claimed = rank.claimed_epoch
-        source, round_seq, want = job.source, self._round_seq, cache.want
+        source, want_seq, want = job.source, self._want_seq, cache.want
         settled = False
         try:
             while pinned < end:
                 entry = queue[pinned]
                 due_s = due_time(now, pinned, rate) if deadlines else 0.0
-                item = want(source, entry.item_id, round_seq, consumed=False, due_s=due_s,
+                # The sequence breaks ties among equal due times: decodes in the order wanted.
+                want_seq += 1
+                item = want(source, entry.item_id, want_seq, consumed=False, due_s=due_s,
                             ahead=entry.epoch > claimed)
                 pinned += 1
                 if item.state.settled:
@@ -254,12 +258,15 @@ class Scheduler:
                     item.waiters.append(job)  # woken when it settles
         finally:
             rank.pinned = pinned
+            self._want_seq = want_seq
         return settled
 
     # ----------------------------------------------------------------------------- rounds
 
-    def run_round(self, source: Source, jobs: dict[str, Job]) -> bool:
-        """One DSA round over the jobs of `source`, if some job's receiving rank runs low."""
+    def run_round(self, source: Source, jobs: dict[str, Job], max_rounds: int = 1) -> int:
+        """DSA rounds over the jobs of `source`, if some job's receiving rank runs low: up to
+        `max_rounds` of them with the same participants (NOTE [ Rounds in batches ]).
+        Returns how many ran (0: none was due)."""
         self.acting = ()
         now = self._now = self._clock()
         # Jobs of a sweep start reading a few milliseconds apart; the first one's rounds would
@@ -287,12 +294,58 @@ class Scheduler:
             length = len(job.ranks[receiver].queue) if receiver is not None else 0
             queued.append((job, length))
         if not any(length < job.queue_capacity for job, length in queued):
-            return False
+            return 0
         plan = self._plan(source, queued, now)
         if plan.hold:
-            return False
+            return 0
         participants = list(plan.participants)
         self.acting = tuple(participants)
+        batch = max_rounds > 1 and plan.simple
+        if batch:
+            taking = [job for job, _ in queued if job.job_id in plan.participants]
+            # A job sitting out below its capacity keeps single rounds going (its queue does
+            # not change during the batch).
+            others_short = any(length < job.queue_capacity for job, length in queued
+                               if job.job_id not in plan.participants)
+        self._deferred_pins = {} if batch else None
+        done = 0
+        try:
+            while True:
+                done += 1
+                if self._one_round(source, jobs, participants, empty if done == 1 else ()):
+                    break  # an epoch ended, or a job's books broke: the next batch decides anew
+                if not batch or done >= max_rounds or not _goes_on(taking, others_short):
+                    break
+        finally:
+            deferred, self._deferred_pins = self._deferred_pins, None
+            for job, rank in (deferred or {}).values():
+                self.pin_ahead(job, rank, now)
+        self.acting = ()
+        return done
+
+    # NOTE [ Rounds in batches ]
+    # A round is one pick per participant, and its fixed costs (who takes part, the plan, the
+    # sampler's call, pinning each receiving rank's head) were most of the scheduler's main-
+    # process CPU per item (issue 37). A turn holds the lock for up to `rounds_per_lock`
+    # rounds, and no queue changes between them but by the rounds themselves. So, with the
+    # default plan (in_step's plans are made round by round), the rounds single ones would run
+    # in a row run as one batch with the first round's participants: `_goes_on` checks the
+    # rule after each (some job below its capacity, no participant at twice its capacity) at
+    # the cost of a length per participant; each rank that received picks pins its head once,
+    # after the batch, in pick order. A batch stops after a round that ends a participant's
+    # sampler epoch, so the next one starts the new epoch as a single round does. Nothing
+    # here looks at which items were drawn, so the participant lists still come from the past
+    # (the condition DSA's uniformity needs: joader/sampling/dependent.py); a unit test checks
+    # that batches leave every queue, pin and remaining set as single rounds do. Filling
+    # queues further (to twice their capacity, for fewer calls per item) was tried: in a tight
+    # cache, a job that stops reading with its copies out then leaves the other jobs' fuller
+    # queues no slots for their next batch (test_next_protocol's `stops_reading` hung).
+
+    def _one_round(self, source: Source, jobs: dict[str, Job], participants: list[str],
+                   empty: set[str] | tuple[()]) -> bool:
+        """One round: sample, count, start the participants' new epochs, deal. Returns whether
+        a batch of rounds must stop after it (a sampler epoch ended, or a job broke)."""
+        sampler = source.sampler
         starting = [j for j in participants if j in empty] if empty else []
         picks = sampler.sample(participants)
         if len(picks) != len(participants) or not all(job_id in picks for job_id in participants):
@@ -305,27 +358,28 @@ class Scheduler:
             job.sampler_epoch += 1
             self._cache.add_refcount(source, job.dataset, 1)
             self._open(job, job.sampler_epoch, [0] * job.world_size)
-        self._round_seq += 1
+        stop = False
         for job_id, item_id in picks.items():
             # Each pick is dealt on its own: a job whose books break here is reported
             # (`broken`) and the round goes on for the others, whose picks already left their
             # remaining sets (a round stopped half way loses them: an item short, a padding
             # copy twice). See NOTE [ One job's books, one job's loss ] in containment.py.
             try:
-                self._deal(jobs[job_id], item_id)
+                stop |= self._deal(jobs[job_id], item_id)
             except Exception as error:
                 if not is_bookkeeping_error(error):
                     raise
                 self.broken.append((job_id, error))
-        self.acting = ()
-        return True
+                stop = True
+        return stop
 
     def _plan(self, source: Source, queued: list[tuple[Job, int]], now: float) -> in_step.Plan:
         """Who takes part in this round, or whether it waits (server/in_step.py)."""
         if not self._max_hold_s and all(job.plan_horizon <= 2 * job.queue_capacity for job, _ in queued):
             # The defaults: the rule within two lookaheads alone, without measuring anything
             # (this runs once per round).
-            return in_step.Plan(tuple(job.job_id for job, length in queued if length < 2 * job.queue_capacity))
+            return in_step.Plan(tuple(job.job_id for job, length in queued if length < 2 * job.queue_capacity),
+                                simple=True)
         decode_rate = self._cache.decode_rate.rate(now)
         candidates = [
             in_step.Candidate(
@@ -359,8 +413,9 @@ class Scheduler:
         if 2 <= len(picks) <= MAX_PAIR_COUNTED_JOBS:
             _count_pairs(source.pair_rounds, picks)
 
-    def _deal(self, job: Job, item_id: int) -> None:
-        """Deals this round's pick of `job` to its receiving rank (or drops it: drop_last)."""
+    def _deal(self, job: Job, item_id: int) -> bool:
+        """Deals this round's pick of `job` to its receiving rank (or drops it: drop_last).
+        Returns whether that ended the job's sampler epoch."""
         source = job.source
         share = job.shares[job.sampler_epoch]
         receiver = share.receiver()
@@ -372,6 +427,8 @@ class Scheduler:
                 share.head.append(item_id)
         if source.sampler.num_remaining(job.job_id) == 0:
             self._complete(job, share)
+            return True
+        return False
 
     def _complete(self, job: Job, share: EpochShare) -> None:
         """The sampler's epoch is over: ranks short of their share get padding copies."""
@@ -392,7 +449,26 @@ class Scheduler:
         # A pick that left the remaining set for the queue keeps its reference (NOTE [ Planned
         # reads ]); a padding copy adds one.
         self._cache.plan(key, moved=consumed)
-        self.pin_ahead(job, rank, self._now)
+        deferred = self._deferred_pins
+        if deferred is None:
+            self.pin_ahead(job, rank, self._now)
+        else:
+            deferred[id(rank)] = (job, rank)  # pinned once the batch of rounds is over
+
+
+def _goes_on(taking: list[Job], others_short: bool) -> bool:
+    """Whether the next single round would run with the same participants (NOTE [ Rounds in
+    batches ]): some job's receiving rank is below its capacity (`others_short`: one sitting
+    out), and none of the participants' has reached twice its capacity (it would sit out)."""
+    short = others_short
+    for job in taking:
+        receiver = job.shares[job.sampler_epoch].receiver()
+        length = len(job.ranks[receiver].queue) if receiver is not None else 0
+        capacity = job.queue_capacity
+        if length >= 2 * capacity:
+            return False
+        short = short or length < capacity
+    return short
 
 
 def _alone(job: Job) -> bool:

@@ -70,14 +70,15 @@ class SchedulerThread:
         progressed = False
         jobs = self.jobs.jobs
         for source in self._sources.values():
-            for _ in range(self.config.rounds_per_lock):
+            budget = self.config.rounds_per_lock
+            while budget > 0:
                 scheduler = self._scheduler
                 try:
-                    ran = scheduler.run_round(source, jobs)
+                    ran = scheduler.run_round(source, jobs, max_rounds=budget)
                 except Exception as error:
                     if not is_bookkeeping_error(error):
                         raise
-                    ran = True
+                    ran = 1
                     self._contain(error, scheduler.acting or tuple(source.job_ids),
                                   f"a DSA round of source {source.name}")
                     scheduler.acting = ()
@@ -86,6 +87,7 @@ class SchedulerThread:
                     self._contain(error, [job_id], f"dealing a DSA round of source {source.name}")
                 if not ran:
                     break
+                budget -= ran
                 progressed = True
         self._dispatch()
         for job, reason in self.jobs.expire():

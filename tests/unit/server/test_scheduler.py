@@ -238,3 +238,69 @@ def test_a_lagging_job_sits_out_beyond_what_the_cache_keeps_or_with_rates_unknow
     before = len(rb.queue)
     assert scheduler.run_round(source, table.jobs)
     assert len(rb.queue) == before
+
+
+def _world(seed: int, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """Three jobs (two datasets overlapping by half, one job of two ranks) with ids that do
+    not depend on the run, so two worlds built alike sample alike."""
+    counter = iter(range(1000))
+    monkeypatch.setattr("joader.server.jobs.secrets.token_hex", lambda n: f"{next(counter):08x}")
+    table, scheduler, source, clock = books(num_items=90, slots=400, max_jobs=8)
+    jobs = [
+        table.attach(source, BitMap(range(0, 60)), "a", 4, seed=seed)[0],
+        table.attach(source, BitMap(range(30, 90)), "b", 4, seed=seed + 1)[0],
+        table.attach(source, BitMap(range(0, 90, 2)), "c", 4, world_size=2, seed=seed + 2)[0],
+    ]
+    for capacity, job in zip((6, 9, 4), jobs, strict=True):
+        _reading(job, capacity=capacity, share=12)
+    return table, scheduler, source, clock, jobs
+
+
+def _snapshot(jobs: list[Job], source) -> list[object]:  # type: ignore[no-untyped-def]
+    return [
+        (job.sampler_epoch, [([(e.epoch, e.item_id) for e in rank.queue], rank.pinned) for rank in job.ranks],
+         sorted(source.sampler.remaining(job.job_id)))
+        for job in jobs
+    ]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
+def test_rounds_in_batches_deal_what_single_rounds_deal(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Rounds in batches ]: a turn's batches (`max_rounds`) leave every queue, pin,
+    remaining set and epoch as the same turn of single rounds does, through epoch ends,
+    padding and reads of random sizes, for 3 jobs on overlapping datasets (one of 2 ranks)."""
+    single = _world(seed, monkeypatch)
+    batched = _world(seed, monkeypatch)
+    reads = __import__("random").Random(seed)
+    batches_larger_than_one = 0
+    for _turn in range(300):
+        for (_, scheduler, source, clock, jobs), batch in ((single, False), (batched, True)):
+            clock.now += 0.01
+            budget = 64
+            while budget > 0:
+                ran = scheduler.run_round(source, {j.job_id: j for j in jobs},
+                                          max_rounds=budget if batch else 1)
+                if not ran:
+                    break
+                batches_larger_than_one += batch and ran > 1
+                budget -= ran
+        assert _snapshot(batched[4], batched[2]) == _snapshot(single[4], single[2])
+        takes = [(j, r, reads.randrange(0, 7)) for j, job in enumerate(single[4]) for r in range(job.world_size)]
+        for _, scheduler, _, _, jobs in (single, batched):
+            for j, r, take in takes:
+                rank = jobs[j].ranks[r]
+                head = min(take, len(rank.queue))
+                if head:
+                    rank.claimed_epoch = max(rank.claimed_epoch, rank.queue[head - 1].epoch)
+                    scheduler.drop_queue(rank, _first(head))
+    assert min(job.sampler_epoch for job in single[4]) >= 3  # through several epoch ends
+    assert batches_larger_than_one > 50  # the batches did batch
+
+
+def _first(count: int):  # type: ignore[no-untyped-def]
+    seen = [0]
+
+    def drop(entry) -> bool:  # type: ignore[no-untyped-def]
+        seen[0] += 1
+        return seen[0] <= count
+    return drop
