@@ -468,7 +468,10 @@ class ItemCache:
         if ok:
             self._move(item, ItemState.READY)
             item.shape, item.dtype = self._shared(tuple(shape)), self._shared(dtype)
-            item.nbytes, item.checksum, item.due_s = self._shared(nbytes), checksum, NEVER_DUE
+            item.nbytes, item.due_s = self._shared(nbytes), NEVER_DUE
+            if source.checksums is None:
+                source.checksums = np.zeros(source.num_items, np.uint32)
+            source.checksums[item.item_id] = checksum
             self.ready_bytes += nbytes
             self.allocator.shrink(item.offset, max(nbytes, 1))
             self.sizes.remember(source, item.item_id, nbytes)

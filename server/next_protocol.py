@@ -386,7 +386,6 @@ class NextProtocol:
                     lengths.append(item.nbytes)
                     shapes.append(item.shape)
                     dtypes.append(item.dtype)
-                    checksums.append(item.checksum)
                     outstanding[key] = outstanding.get(key, 0) + 1  # the queue's pin now covers the handed-out copy
                     rank.handed_out += 1
                 elif state is failed_state:
@@ -405,6 +404,8 @@ class NextProtocol:
             labels.extend(source_labels[item_ids].tolist())
         else:
             labels.extend(int(source_labels[item_id]) for item_id in item_ids)
+        if item_ids:  # READY items: their checksums were filed (`Source.checksums`)
+            checksums.extend(source.checksums[item_ids].tolist())  # type: ignore[index]
         book.after_pops(rank)
         item_ids, failed = batch.item_ids, batch.failed
         if not item_ids and not failed:

@@ -72,6 +72,9 @@ class Source:
     seed: int
     sampler: DependentSampler = field(init=False)
     cached_ids: BitMap = field(default_factory=BitMap)
+    # zlib.crc32 of each READY item's bytes as its decode wrote them (clients may verify), by
+    # item id: one array per source from its first decode, not an int object per cached item.
+    checksums: np.ndarray | None = field(default=None, compare=False, repr=False)
     failed: dict[int, str] = field(default_factory=dict)  # item id -> reason, until it decodes
     job_ids: list[str] = field(default_factory=list)
     small_items: int = 0  # items smaller than the stage's size (served as they are, not upscaled)
@@ -124,7 +127,7 @@ class Item:
     of shared or small values (NOTE [ An item's footprint ]).
     """
 
-    __slots__ = ("_waiters", "checksum", "dtype", "due_s", "failed_s", "key", "nbytes", "offset", "pins",
+    __slots__ = ("_waiters", "dtype", "due_s", "failed_s", "key", "nbytes", "offset", "pins",
                  "shape", "source", "state")
 
     def __init__(self, source: Source, item_id: int, key: int | None = None) -> None:
@@ -137,7 +140,6 @@ class Item:
         self.nbytes = 0  # once READY: its size, shape and dtype
         self.shape: tuple[int, ...] = ()
         self.dtype = ""
-        self.checksum = 0  # zlib.crc32 of its bytes as the decode wrote them (clients may verify)
         # Queue entries and handed-out, unacknowledged copies, for the item's whole life (the
         # cache policy mirrors them while it is READY, so that it never evicts a pinned item).
         self.pins = 0
@@ -150,6 +152,12 @@ class Item:
     def item_id(self) -> int:
         """Its index in its source (`key` less the source's `key_base`)."""
         return self.key - self.source.key_base
+
+    @property
+    def checksum(self) -> int:
+        """zlib.crc32 of its bytes as the decode wrote them, once READY (`Source.checksums`)."""
+        checksums = self.source.checksums
+        return int(checksums[self.key - self.source.key_base]) if checksums is not None else 0
 
     @property
     def waiters(self) -> list[Job]:

@@ -12,6 +12,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 
 from joader.server.next_protocol import NextProtocol
@@ -64,7 +65,7 @@ class Protocol(NextProtocol):
         self.items_delivered = self.items_reused = 0
 
 
-SOURCE = types.SimpleNamespace(key_base=0, name="demo", failed=defaultdict(lambda: "bad file"),
+SOURCE = types.SimpleNamespace(key_base=0, name="demo", failed=defaultdict(lambda: "bad file"), checksums=np.zeros(64, np.uint32),
                                listing=types.SimpleNamespace(labels=[0] * 64, paths=[f"f{i}" for i in range(64)]))
 
 
