@@ -317,6 +317,41 @@ class ItemCache:
         self._served_any.add(key)
         return False, False
 
+    def deliver_ready(self, job_id: str, keys: list[int]) -> tuple[int, int]:
+        """A reply's READY copies go to a job, and their queue entries end: `deliver` and
+        `unplan` for each key, in a few bitmap and numpy operations for the whole reply.
+        Returns how many were (reused, shared)."""
+        if not keys:
+            return 0, 0
+        got = BitMap(keys)
+        if len(got) != len(keys):  # a padding copy twice in one reply: one by one, in order
+            reused = shared = 0
+            for key in keys:
+                was_reused, was_shared = self.deliver(job_id, key)
+                reused += was_reused
+                shared += was_shared
+                self.unplan(key)
+            return reused, shared
+        served = self._served_to.get(job_id)
+        if served is None:
+            served = self._served_to[job_id] = BitMap()
+        reused = got.intersection_cardinality(served)
+        new = got - served
+        served |= new
+        shared = new.intersection_cardinality(self._served_any)
+        self._served_any |= new
+        planned = self.planned
+        for key in keys:  # `unplan`'s count, inline (each key was planned: it was queued)
+            count = planned.get(key, 0)
+            if count <= 0:
+                raise InvariantError(f"item key {key}: a planned read ended that was never planned")
+            if count == 1:
+                del planned[key]
+            else:
+                planned[key] = count - 1
+        self.policy.add_refcounts(np.fromiter(keys, np.int64, len(keys)), -1)  # all READY
+        return reused, shared
+
     def forget_job(self, job_id: str) -> None:
         """A job ended: its record of the copies it received goes (nothing grows with jobs)."""
         self._served_to.pop(job_id, None)

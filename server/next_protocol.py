@@ -356,12 +356,12 @@ class NextProtocol:
                 rank.pinned -= 1
                 self.cache.release(entry.key)
         batch = Batch(epoch, False, [], [], [], [])
-        reused = shared = 0
         source = job.source
         source_labels = source.listing.labels
         # The per-item loop, with its lookups hoisted (issue 37: it runs once per delivery).
         cache = self.cache
-        items, deliver, unplan = cache.items, cache.deliver, cache.unplan
+        items, unplan = cache.items, cache.unplan
+        delivered: list[int] = []  # the READY keys handed out: delivered and unplanned together
         ready, failed_state = ItemState.READY, ItemState.FAILED
         job_id, outstanding, popped = job.job_id, pass_.outstanding, book.popped_head
         item_ids, labels, offsets = batch.item_ids, batch.labels, batch.offsets
@@ -377,9 +377,7 @@ class NextProtocol:
                 item = items[key]
                 state = item.state
                 if state is ready:
-                    was_reused, was_shared = deliver(job_id, key)
-                    reused += was_reused
-                    shared += was_shared  # another job's decode
+                    delivered.append(key)
                     item_id = entry.item_id
                     item_ids.append(item_id)
                     offsets.append(item.offset)
@@ -391,15 +389,16 @@ class NextProtocol:
                 elif state is failed_state:
                     batch.failed.append((entry.item_id, source.listing.paths[entry.item_id], source.failed[entry.item_id]))
                     cache.release(key)
+                    unplan(key)
                 else:
                     break
                 taken += 1
                 queue.popleft()
                 popped(entry)
-                unplan(key)
                 pinned -= 1
         finally:
             rank.pinned = pinned
+            reused, shared = cache.deliver_ready(job_id, delivered)  # shared: another job's decode
         if isinstance(source_labels, np.ndarray):  # one gather, not an indexing and int() per item
             labels.extend(source_labels[item_ids].tolist())
         else:

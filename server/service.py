@@ -136,6 +136,49 @@ def _threadsafe_setter(loop: asyncio.AbstractEventLoop, event: asyncio.Event) ->
     return wake
 
 
+def _set_done(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class _Waker:
+    """Wakes one waiting `Next` from any thread: a bare future per wait, one hand-over to the
+    loop per wait however many times the registry wakes it.
+
+    NOTE [ A Next waits on a bare future ]
+    A waiting `Next` used an `asyncio.Event` and `asyncio.wait_for`: a task, a timer and a
+    cancellation per wait, and a call into the loop (a write to its wake-up pipe) per wake,
+    several per wait as items settle (issue 37: the event loop was most of joaderd's main CPU
+    per warm delivery). Now a wait is one future and one timer; a wake that finds a hand-over
+    already on its way adds nothing. A wake while the call is not waiting (it is polling, on
+    the loop's thread) reaches the future made before the poll, so it is never lost."""
+
+    __slots__ = ("_future", "_loop", "_pending")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._future: asyncio.Future[None] | None = None
+        self._pending = False
+
+    def arm(self) -> asyncio.Future[None]:
+        """A fresh future for the next wait (made before the poll that may decide to wait)."""
+        self._future = self._loop.create_future()
+        return self._future
+
+    def __call__(self) -> None:
+        if self._pending:
+            return
+        self._pending = True
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            self._loop.call_soon_threadsafe(self._fire)
+
+    def _fire(self) -> None:
+        self._pending = False
+        future = self._future
+        if future is not None and not future.done():
+            future.set_result(None)
+
+
 class JoaderServicer(joader_pb2_grpc.JoaderServicer):
     """Serves `Attach`, `Next` and `Status` from a `Registry`."""
 
@@ -314,7 +357,8 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
     @_translating
     async def Next(self, request: joader_pb2.NextRequest, context: grpc.aio.ServicerContext) -> joader_pb2.NextResponse:
         registry = self._registry
-        event = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        waker = _Waker(loop)
         consumed = None
         if request.resume_epoch:
             job_source = registry.job_source(request.job_id)
@@ -326,17 +370,22 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
             (request.stall_epoch, request.stall_wait_s, request.stall_step_s, request.stall_items)
             if request.stall_epoch else None, request.num_workers, request.continue_epoch,
         )  # fmt: skip
-        call = registry.begin_next(args, _threadsafe_setter(asyncio.get_running_loop(), event))
+        future = waker.arm()
+        call = registry.begin_next(args, waker)
         if isinstance(call, Batch):
             return _response(call, self._arena_name)
         try:
             while True:
-                event.clear()
                 result = registry.poll_next(call)
                 if isinstance(result, Batch):
                     return _response(result, self._arena_name)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(event.wait(), result)
+                if not future.done():  # else woken during the poll: poll again at once
+                    timer = loop.call_later(result, _set_done, future)
+                    try:
+                        await future
+                    finally:
+                        timer.cancel()
+                future = waker.arm()
         finally:
             registry.end_next(call)
 

@@ -168,3 +168,33 @@ def test_status_figures_are_kept_not_counted() -> None:
     cache.release(source.key_base + 3)
     cache.check_invariants()
     assert (cache.decodes_in_flight(), cache.pinned_items(), cache.pins()) == (2, 4, 4)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_replys_deliveries_in_bulk_count_and_unplan_as_one_by_one(seed: int) -> None:
+    """`deliver_ready` (a whole reply, in bitmap and numpy operations) against `deliver` and
+    `unplan` per key: the same (reused, shared) counts, planned reads and refcounts, for
+    replies with a key twice (padding copies) too, over several jobs."""
+    import random
+
+    rng = random.Random(seed)
+    bulk, source = _cached(range(30))
+    single, _ = _cached(range(30))
+    for _ in range(40):
+        job = f"job-{rng.randrange(3)}"
+        keys = [source.key_base + rng.randrange(30) for _ in range(rng.randrange(1, 9))]
+        if rng.random() < 0.7:
+            keys = list(dict.fromkeys(keys))  # mostly distinct, as replies are
+        for cache in (bulk, single):
+            for key in keys:  # queued: planned, with a reference each (a padding copy's)
+                cache.plan(key)
+        want = [0, 0]
+        for key in keys:
+            reused, shared = single.deliver(job, key)
+            want[0] += reused
+            want[1] += shared
+            single.unplan(key)
+        assert list(bulk.deliver_ready(job, keys)) == want
+        assert bulk.planned == single.planned
+        assert {k: bulk.policy.refcount(k) for k in bulk.items} == {k: single.policy.refcount(k) for k in single.items}
+    bulk.check_invariants()

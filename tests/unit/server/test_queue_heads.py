@@ -46,8 +46,8 @@ class FakeCache:
         self.items_retried += 1
         return True
 
-    def deliver(self, job_id: str, key: int) -> tuple[bool, bool]:
-        return False, False
+    def deliver_ready(self, job_id: str, keys: list[int]) -> tuple[int, int]:
+        return 0, 0
 
     def unplan(self, key: int) -> None:
         pass
