@@ -302,6 +302,28 @@ class ItemCache:
         if item.state is ItemState.READY:
             self.policy.unpin(key)
 
+    def release_many(self, keys: list[int]) -> None:
+        """`release` for each key, in order: the items' pins one by one, the policy's in bulk
+        (`RefCntPolicy.unpin_many`: the keys whose last pin goes become evictable, youngest
+        last, as one by one)."""
+        items, ready = self.items, ItemState.READY
+        unpinned: list[int] = []
+        try:
+            for key in keys:
+                item = items.get(key)
+                if item is None:
+                    continue
+                if item.pins <= 0:
+                    raise InvariantError(f"item {item.item_id}: released more often than pinned")
+                item.pins -= 1
+                self.num_pins -= 1
+                if not item.pins:
+                    self.num_pinned -= 1
+                if item.state is ready:
+                    unpinned.append(key)
+        finally:
+            self.policy.unpin_many(unpinned)
+
     def deliver(self, job_id: str, key: int) -> tuple[bool, bool]:
         """A READY item's copy goes to a job: returns (reused, shared). Reused: the job received
         this copy before (an earlier epoch, or a padding copy); shared: another job received it

@@ -144,23 +144,26 @@ class PassTable:
         base = job.source.key_base
         outstanding = pass_.outstanding
         held = pass_.held
-        release = self._cache.release
-        for item_id in acks:
-            key = base + item_id
-            count = outstanding.get(key, 0)  # dict methods: a Counter's own are Python code
-            if count <= 0:
-                logger.debug("job %s: ignoring ack of item %d it does not hold", job.job_id, item_id)
-                continue
-            if count == 1:
-                outstanding.pop(key)
-            else:
-                outstanding[key] = count - 1
-            # A reader acknowledges what it was handed; should another acknowledge it, some
-            # reader's count still goes down, so the counts keep summing to the copies out.
-            reader = worker_id if held[worker_id] > 0 else next(w for w, n in held.items() if n > 0)
-            held[reader] -= 1
-            rank.handed_out -= 1
-            release(key)
+        released: list[int] = []  # released together, after the loop (`ItemCache.release_many`)
+        try:
+            for item_id in acks:
+                key = base + item_id
+                count = outstanding.get(key, 0)  # dict methods: a Counter's own are Python code
+                if count <= 0:
+                    logger.debug("job %s: ignoring ack of item %d it does not hold", job.job_id, item_id)
+                    continue
+                if count == 1:
+                    outstanding.pop(key)
+                else:
+                    outstanding[key] = count - 1
+                # A reader acknowledges what it was handed; should another acknowledge it, some
+                # reader's count still goes down, so the counts keep summing to the copies out.
+                reader = worker_id if held[worker_id] > 0 else next(w for w, n in held.items() if n > 0)
+                held[reader] -= 1
+                rank.handed_out -= 1
+                released.append(key)
+        finally:
+            self._cache.release_many(released)
 
     def _superseded(self, job: Job, pass_: PassBook | None) -> str:
         return superseded_message(job.job_id, pass_.epoch if pass_ is not None else None)

@@ -271,6 +271,47 @@ class RefCntPolicy:
             self._num_pinned -= 1
             self._enter(key, self._refcount[key])
 
+    def unpin_many(self, keys: list[int]) -> None:
+        """`unpin` for each key, in order, in a few numpy and bitmap operations when the keys
+        are distinct (a reply's acknowledgements); the keys whose last pin goes become
+        evictable as the youngest, in the order given. All or nothing: an untracked or
+        unpinned key changes none."""
+        if len(set(keys)) != len(keys):
+            for key in keys:
+                self.unpin(key)
+            return
+        if not keys:
+            return
+        ids = np.fromiter(keys, np.int64, len(keys))
+        stamps = _view(self._stamp)
+        bad = ids[(ids < 0) | (ids >= len(stamps))]
+        if not len(bad):
+            bad = ids[stamps[ids] < 0]
+        if len(bad):
+            raise KeyError(f"cache policy: item {int(bad[0])} is not tracked")
+        pins = _view(self._pins)
+        before = pins[ids]
+        if not before.all():
+            raise InvariantError(
+                f"cache policy: unpin of {int(ids[np.argmin(before)])}, which is not pinned; "
+                "every unpin must match a pin")
+        pins[ids] = before - 1
+        self._num_pins -= len(ids)
+        last = ids[before == 1]
+        del stamps, pins
+        if not len(last):
+            return
+        self._num_pinned -= len(last)
+        if len(self._key_of) + len(last) >= _RENUMBER_FACTOR * self._size + _RENUMBER_SLACK:
+            self._renumber()
+        first = len(self._key_of)
+        self._key_of.extend(array("q", last.tobytes()))
+        new = np.arange(first, first + len(last), dtype=np.int64)
+        _view(self._stamp)[last] = new
+        refcounts = _view(self._refcount)[last]
+        for refcount in np.unique(refcounts).tolist():
+            self._bucket(refcount).update(_bitmap(new[refcounts == refcount]))
+
     # -- internals ---------------------------------------------------------------------------
 
     def _require(self, key: int) -> int:

@@ -156,6 +156,29 @@ def _bulk_step(policy: RefCntPolicy, model: _Model, rng: random.Random, keys: li
     assert {key: policy.refcount(key) for key in model.refcount} == model.refcount
 
 
+def _unpin_many_step(policy: RefCntPolicy, model: _Model, rng: random.Random, keys: list[int]) -> None:
+    """`unpin_many` (a reply's acknowledgements): each key's unpin in order, the last ones
+    evictable in that order; a key twice (padding copies) or an unpinned key among them."""
+    pinned = [key for key in keys if model.pins[key]]
+    if not pinned:
+        return
+    batch = rng.sample(pinned, rng.randrange(1, len(pinned) + 1))
+    if rng.random() < 0.2:
+        batch.append(rng.choice(batch))  # twice: allowed while its pins last
+    if rng.random() < 0.05 and len(pinned) < len(keys):  # an unpinned key: nothing changes
+        batch.insert(rng.randrange(len(batch) + 1), next(key for key in keys if not model.pins[key]))
+    if any(batch.count(key) > model.pins[key] for key in batch):
+        if len(set(batch)) == len(batch):  # all or nothing (one by one, the ones before go)
+            with pytest.raises(InvariantError):
+                policy.unpin_many(batch)
+        return
+    policy.unpin_many(batch)
+    for key in batch:
+        model.pins[key] -= 1
+        if model.pins[key] == 0:
+            model.touch(key)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_randomized_against_brute_force(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     rng = random.Random(seed)
@@ -192,6 +215,8 @@ def test_randomized_against_brute_force(seed: int, monkeypatch: pytest.MonkeyPat
             key = rng.choice(keys)
             policy.pin(key)
             model.pins[key] += 1
+        elif op < 0.8:
+            _unpin_many_step(policy, model, rng, keys)
         elif op < 0.85:
             key = rng.choice(keys)
             if model.pins[key] == 0:
