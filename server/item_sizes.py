@@ -43,6 +43,7 @@ Plain logic, no lock: the `ItemCache` calls it, under the registry's lock.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -180,8 +181,14 @@ def bound_is_nominal(source: Source) -> bool:
     if not nominal:
         return False
     spec = source.stage.spec
+    return _fills_bound(tuple(nominal), spec.dtype, spec.max_nbytes)
+
+
+@functools.lru_cache(maxsize=64)
+def _fills_bound(nominal: tuple[int, ...], dtype: str, max_nbytes: int) -> bool:
+    """`bound_is_nominal`'s arithmetic, once per stage (it runs per dispatched decode)."""
     try:
-        itemsize = np.dtype(spec.dtype).itemsize
+        itemsize = np.dtype(dtype).itemsize
     except TypeError:
         return False
-    return math.prod(nominal) * itemsize == spec.max_nbytes
+    return math.prod(nominal) * itemsize == max_nbytes
