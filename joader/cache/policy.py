@@ -55,6 +55,7 @@ __all__ = ["PolicyStats", "RefCntPolicy"]
 # (plus slack): `_key_of` stays O(tracked keys), stamps below 2**32, renumbering amortized O(1).
 _RENUMBER_FACTOR = 2
 _RENUMBER_SLACK = 1 << 16
+_MAX_KEY = 1 << 31  # keys and stamps are int32 (the items of all sources: 2 billion)
 
 
 @dataclass(frozen=True)
@@ -86,9 +87,11 @@ class RefCntPolicy:
         # access from Python; numpy views of them for the bulk operations.
         self._refcount = array("i")  # (refcounts and pins: at most jobs and queue entries)
         self._pins = array("i")
-        self._stamp = array("q")
+        # int32 (4 bytes per key, issue 37's memory per cached item): keys are below 2**31
+        # (`insert` checks), stamps below 2 x tracked keys + slack (`_renumber`).
+        self._stamp = array("i")
         self._size = 0  # tracked keys
-        self._key_of = array("q")  # stamp -> key (stale for stamps no bucket holds)
+        self._key_of = array("i")  # stamp -> key (stale for stamps no bucket holds)
         self._buckets: dict[int, BitMap] = {}  # refcount -> stamps of its unpinned keys, only if any
         self._num_pinned = 0
         self._num_pins = 0
@@ -155,8 +158,9 @@ class RefCntPolicy:
         """Track a newly cached item with `refcount` and `pinned` pins."""
         if key in self:
             raise InvariantError(f"cache policy: item {key!r} is already tracked")
-        if not isinstance(key, int) or key < 0:
-            raise InvalidArgumentError(f"cache policy: keys are ints >= 0, got {key!r}; pass the item's key")
+        if not isinstance(key, int) or not 0 <= key < _MAX_KEY:
+            raise InvalidArgumentError(
+                f"cache policy: keys are ints in 0..{_MAX_KEY - 1}, got {key!r}; pass the item's key")
         _check_non_negative("refcount", refcount)
         _check_non_negative("pinned", pinned)
         self._grow(key + 1)
@@ -305,7 +309,7 @@ class RefCntPolicy:
         if len(self._key_of) + len(last) >= _RENUMBER_FACTOR * self._size + _RENUMBER_SLACK:
             self._renumber()
         first = len(self._key_of)
-        self._key_of.extend(array("q", last.tobytes()))
+        self._key_of.extend(array("i", last.astype(np.int32).tobytes()))
         new = np.arange(first, first + len(last), dtype=np.int64)
         _view(self._stamp)[last] = new
         refcounts = _view(self._refcount)[last]
@@ -340,7 +344,7 @@ class RefCntPolicy:
         extra = max(size, 2 * have, 1024) - have
         self._refcount.extend(array("i", bytes(4 * extra)))
         self._pins.extend(array("i", bytes(4 * extra)))
-        self._stamp.extend(array("q", [-1]) * extra)
+        self._stamp.extend(array("i", [-1]) * extra)
 
     def _bucket(self, refcount: int) -> BitMap:
         bucket = self._buckets.get(refcount)
@@ -374,7 +378,7 @@ class RefCntPolicy:
         _view(self._stamp)[keys] = order
         buckets = _view(self._refcount)[keys]
         self._buckets = {refcount: _bitmap(order[buckets == refcount]) for refcount in refcounts}
-        self._key_of = array("q", keys.tobytes())
+        self._key_of = array("i", keys.astype(np.int32).tobytes())
 
 
 def _check_non_negative(name: str, value: int) -> None:

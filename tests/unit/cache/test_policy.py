@@ -280,7 +280,7 @@ def test_bulk_change_is_all_or_nothing() -> None:
     policy.unpin(5)
     assert policy.victim() == 1 << 20
     policy.add_refcounts(np.array([], dtype=np.int64), 1)
-    with pytest.raises(InvalidArgumentError, match="ints >= 0"):
+    with pytest.raises(InvalidArgumentError, match="keys are ints in 0.."):
         policy.insert(-1, 0)
 
 
