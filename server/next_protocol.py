@@ -100,10 +100,11 @@ class NextProtocol:
             pass_.asking[args.worker_id] += 1
             max_items, max_batches = dealing.request_limits(args.max_items, args.max_batches,
                                                             self.config.max_items_per_request)
-            if max_items > job.batch_size:
+            if max_items > job.batch_size or max_batches > job.reply_batches:
                 # A reader asks in its DataLoader's batch size, which the dataset learns only
                 # when the loader first fetches: the lookahead follows, in whole batches.
-                job.batch_size = max_items
+                job.batch_size = max(job.batch_size, max_items)
+                job.reply_batches = max(job.reply_batches, max_batches)
                 self._resize_queues()
             return NextCall(job, rank, pass_, max_items, now, now + self.config.next_wait_s, waker,
                             max_batches=max_batches, worker_id=args.worker_id)

@@ -374,6 +374,11 @@ class Job:
     # a round may wait for a job behind it (server/in_step.py).
     cpu_bound: bool = False
     queue_capacity: int = 1  # per rank
+    # Rounds fill a rank's queue up to this many entries (0: its capacity), beyond its capacity
+    # where the cache has room, so that a reply can take several batches and the queue still
+    # keep its capacity (NOTE [ Filling for replies of several batches ] in registry.py).
+    queue_fill: int = 0
+    reply_batches: int = 1  # the most batches its readers asked for in one reply
     partial_warned: bool = False  # logged once: the cache is too small for its whole batches
     # Items (of its source's largest size) of the cache each of its ranks may hold: queued
     # entries pinned ahead plus copies handed out and not yet acknowledged (Registry._resize_queues).

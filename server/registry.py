@@ -309,6 +309,7 @@ class Registry(NextProtocol, SchedulerThread, ResultFiling):
                     job.batch_size, 2 * num_queues * job.batch_size)
             job.plan_horizon = max(2 * job.queue_capacity, int(num_items * self.config.plan_horizon))
             job.cache_share = max(1, num_items // num_queues)
+            job.queue_fill = _queue_fill(job)
             job.copies_share = max(1, num_items // (num_queues + 1))  # NOTE [ Room for a job that joins ]
             for rank in job.ranks:
                 if self._scheduler.pin_ahead(job, rank):
@@ -434,3 +435,27 @@ def _describe_ids(ids: BitMap) -> str:
     if len(ids) <= 3:
         return ", ".join(str(i) for i in ids)
     return f"{ids.min()}..{ids.max()} ({len(ids)} ids)"
+
+
+def _queue_fill(job: Job) -> int:
+    """How far rounds fill each of the job's queues (`Job.queue_fill`; 0: its capacity).
+
+    NOTE [ Filling for replies of several batches ]
+    A reply beside other jobs takes extra batches only from what its queue holds beyond its
+    capacity (NOTE [ Extra batches ] in dealing.py: a queue drained below it loses rounds it
+    should share), and rounds filled a queue only up to its capacity: so a warm job got one
+    batch per reply, and paid one gRPC call per batch (about 300 us of the main process's CPU,
+    bench/grpc_floor.py: 5 us per item of 64, issue 37). Where the cache has room, rounds now
+    fill a queue further, by the extra batches its readers ask for (`reply_batches` - 1, the
+    client asks for 4), never to twice its capacity less a batch (beyond twice it sits out
+    rounds). Room: the rank's share of the cache holds four times its capacity plus twice the
+    extra, so the queues at their fill and the copies a reply hands out stay well within the
+    cache however the jobs read. A tight cache keeps the old rule: a job that stops reading with
+    its copies out then still leaves the others' queues the slots for their next batch
+    (test_next_protocol's `stops_reading`)."""
+    capacity, batch = job.queue_capacity, job.batch_size
+    extra = (job.reply_batches - 1) * batch
+    if extra <= 0 or job.cache_share < 4 * capacity + 2 * extra:
+        return 0
+    return max(capacity, min(capacity + extra, 2 * capacity - batch))
+

@@ -293,7 +293,7 @@ class Scheduler:
             # A job whose picks are dropped (every rank has its share) runs at no cost.
             length = len(job.ranks[receiver].queue) if receiver is not None else 0
             queued.append((job, length))
-        if not any(length < job.queue_capacity for job, length in queued):
+        if not any(length < (job.queue_fill or job.queue_capacity) for job, length in queued):
             return 0
         plan = self._plan(source, queued, now)
         if plan.hold:
@@ -305,7 +305,7 @@ class Scheduler:
             taking = [job for job, _ in queued if job.job_id in plan.participants]
             # A job sitting out below its capacity keeps single rounds going (its queue does
             # not change during the batch).
-            others_short = any(length < job.queue_capacity for job, length in queued
+            others_short = any(length < (job.queue_fill or job.queue_capacity) for job, length in queued
                                if job.job_id not in plan.participants)
         self._deferred_pins = {} if batch else None
         done = 0
@@ -467,7 +467,7 @@ def _goes_on(taking: list[Job], others_short: bool) -> bool:
         capacity = job.queue_capacity
         if length >= 2 * capacity:
             return False
-        short = short or length < capacity
+        short = short or length < (job.queue_fill or capacity)
     return short
 
 

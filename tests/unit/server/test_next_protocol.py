@@ -46,7 +46,11 @@ def test_a_warm_queue_gives_several_whole_batches_per_reply_and_keeps_its_capaci
     assert job.queue_capacity == 8
     assert nxt(registry, job.job_id, 1, 4, [], max_batches=4).item_ids == []  # starts the reading
     pump(registry, pool)
-    assert len(nxt(registry, job.job_id, 1, 4, [], max_batches=4).item_ids) == 8  # alone: all ready
+    # Alone: all ready, and the cache has room, so its queue was filled beyond its capacity for
+    # replies of several batches, up to twice its capacity less a batch (NOTE [ Filling for
+    # replies of several batches ] in registry.py).
+    assert job.queue_fill == 12
+    assert len(nxt(registry, job.job_id, 1, 4, [], max_batches=4).item_ids) == 12
 
     registry, pool, _ = make_registry(num_slots=60, lookahead_batches=2)
     a = attach(registry, "demo", BitMap(range(60)), "a", 4)
@@ -70,6 +74,7 @@ def test_a_warm_queue_gives_several_whole_batches_per_reply_and_keeps_its_capaci
             break
     nxt(registry, a.job_id, 1, 0, acks)
     assert sorted(order) == list(range(60))
+    assert a.reply_batches == 4 and a.queue_fill == 0  # two jobs: no room to fill beyond the capacity
     # Refilled by shared rounds, a's queue never holds a whole batch beyond its capacity here.
     assert set(sizes) == {4}
     # Without max_batches, one batch per reply as before.
