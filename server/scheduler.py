@@ -1,7 +1,9 @@
 """The scheduler: DSA rounds that fill the ranks' queues, epoch by epoch.
 
 A round runs, per source, whenever some job's next receiving rank has fewer queued items than
-its capacity; every job whose receiving rank is below twice its capacity takes part, and, with
+its capacity (or its fill, beyond it where the cache has room: NOTE [ Filling for replies of
+several batches ] in registry.py); a turn runs such rounds in batches (NOTE [ Rounds in
+batches ]); every job whose receiving rank is below twice its capacity takes part, and, with
 `--plan-horizon`, so does a job that lags the others by no more than the cache can bridge (NOTE
 [ Planning a lagging job ahead ]), so jobs reading at about the same speed share nearly every round, and a slow job sits
 rounds out (it loses sharing, not speed). A job takes part once all its ranks attached and one
