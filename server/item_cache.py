@@ -152,6 +152,7 @@ class ItemCache:
         # bytes of the READY items, items not settled, items with a pin, and all pins.
         self.ready_bytes = 0
         self._unsettled = 0
+        self.num_failed = 0  # items in state FAILED (a rank's failed entries are looked for only if some)
         self.num_pinned = 0
         self.num_pins = 0
         # NOTE [ Who received a copy ]: keys whose current copy some job received, and per job
@@ -277,6 +278,7 @@ class ItemCache:
     def _move(self, item: Item, state: ItemState) -> None:
         """`item.move`, keeping the count of items not settled."""
         settled = item.state.settled
+        self.num_failed += (state is ItemState.FAILED) - (item.state is ItemState.FAILED)
         item.move(state)
         self._unsettled += settled - state.settled
 
@@ -689,6 +691,7 @@ class ItemCache:
         items = self.items.values()
         assert self.ready_bytes == sum(i.nbytes for i in items if i.state is ItemState.READY), "ready bytes"
         assert self._unsettled == sum(1 for i in items if not i.state.settled), "items not settled"
+        assert self.num_failed == sum(1 for i in items if i.state is ItemState.FAILED), "failed items"
         assert self.num_pins == sum(i.pins for i in items), "pins"
         assert self.num_pinned == sum(1 for i in items if i.pins), "pinned items"
         if expected_pins is not None:

@@ -319,7 +319,7 @@ class NextProtocol:
         (the decodes start early) and when a `Next` is about to hand them out. Looks only at
         the rank's failed entries (`HeadBook.retry_candidates`), not the whole queue."""
         cache = self.cache
-        candidates = heads(rank).retry_candidates(rank, cache.items, cache.decode_failures)
+        candidates = heads(rank).retry_candidates(rank, cache.items, cache.decode_failures, cache.num_failed > 0)
         if not candidates:
             return
         now = self._clock()

@@ -121,10 +121,13 @@ class HeadBook:
 
     # ----------------------------------------------------------------------------- failures
 
-    def retry_candidates(self, rank: Rank, items: dict[int, Item], failures: int) -> list[tuple[int, Entry]]:
+    def retry_candidates(self, rank: Rank, items: dict[int, Item], failures: int,
+                         any_failed: bool = True) -> list[tuple[int, Entry]]:
         """The pinned entries, in queue order, whose item is FAILED and that were not rechecked
         (with their position now); scans only the entries pinned since the last call, unless a
-        decode failed since (`failures`: `ItemCache.decode_failures`)."""
+        decode failed since (`failures`: `ItemCache.decode_failures`). `any_failed`: whether
+        any item is FAILED at all (`ItemCache.num_failed`); if none is, the new entries are
+        passed over unread (none of them can be, and a failure later rescans them all)."""
         self.check(rank)
         if failures != self.failures:
             self.failures = failures
@@ -132,6 +135,9 @@ class HeadBook:
             self.candidates = []
         popped, pinned, queue = self.popped, rank.pinned, rank.queue
         start = self.scanned - popped
+        if not any_failed and start < pinned:
+            self.scanned = popped + pinned
+            start = pinned
         if start < pinned:
             for pos in range(start, pinned):
                 entry = queue[pos]

@@ -35,6 +35,10 @@ class FakeCache:
         self.decode_failures = 0
         self.quarantine: set[int] = set()
 
+    @property
+    def num_failed(self) -> int:
+        return sum(1 for item in self.items.values() if item.state is ItemState.FAILED)
+
     def quarantined(self, item: Item) -> bool:
         return item.key in self.quarantine
 
