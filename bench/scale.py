@@ -107,6 +107,17 @@ def children_cpu_s(pid: int) -> float:
     return total
 
 
+def private_bytes(pid: int) -> int:
+    """A process's private memory (Private_Clean + Private_Dirty of smaps_rollup; 0 if gone):
+    what a forked decode worker copied of joaderd's pages, the listing's above all."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return 0
+    return sum(int(line.split()[1]) * 1024 for line in text.splitlines()
+               if line.startswith(("Private_Clean:", "Private_Dirty:")))
+
+
 def memory(pid: int) -> dict[str, int]:
     """VmRSS and RssAnon of `pid` in bytes (RssAnon: private memory, not the shm arena)."""
     out = {}
@@ -151,7 +162,8 @@ class Probe:
                                "workers_cpu_s": children_cpu_s(self.pid), **memory(self.pid)}
         status = status or self.status()
         out.update(decoded=status["items_decoded"], delivered=status["items_delivered"],
-                   cached=status["cache"]["items"], workers=status["workers"]["alive"])
+                   cached=status["cache"]["items"], workers=status["workers"]["alive"],
+                   workers_private=[private_bytes(pid) for pid in status["workers"].get("pids", [])])
         return out
 
 
@@ -270,6 +282,7 @@ def _epoch_figures(epoch: int, before: dict[str, Any], after: dict[str, Any], jo
         "cached_items": after["cached"],
         "rss_anon_per_cached_item": round((after["RssAnon"] - start_mem["RssAnon"]) / max(1, after["cached"]), 1),
         "rss_anon_mib": round(after["RssAnon"] / 2**20, 1),
+        "workers_private_mib": [round(b / 2**20, 1) for b in after["workers_private"]],
     }
 
 
@@ -593,6 +606,7 @@ def summarize(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
             epoch1_main_us_per_delivery=med(lambda r: r["epochs"]["epochs"][0]["main_us_per_delivery"]),
             epoch1_workers_cores=med(lambda r: r["epochs"]["epochs"][0]["workers_cores"]),
             epoch1_main_cores=med(lambda r: r["epochs"]["epochs"][0]["main_cores"]),
+            epoch1_worker_private_mib=med(lambda r: max(r["epochs"]["epochs"][0].get("workers_private_mib") or [0])),
             bytes_per_cached_item=med(lambda r: r["epochs"]["epochs"][0]["rss_anon_per_cached_item"]),
             oracle_failures=sum(e["oracle_failures"] for r in reps for e in r["epochs"]["epochs"]),
             exactly_once=all(e["exactly_once"] for r in reps for e in r["epochs"]["epochs"]))

@@ -20,9 +20,11 @@ Sources hold no open descriptors: they are plain values, safe to pickle or to in
 from __future__ import annotations
 
 import glob
+import itertools
 import logging
 import os
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -166,6 +168,62 @@ def _scan_top(folder: Path) -> tuple[bool, list[str]]:
         elif entry.name.lower().endswith(TAR_SUFFIX) and not entry.name.startswith("."):
             tars.append(entry.name)
     return has_subdirs, sorted(tars)
+
+
+class PackedPaths(Sequence[str]):
+    """A listing's relative paths in one bytes object and one array of ends: a read-only
+    sequence of str, as a tuple of paths, without an object per path.
+
+    NOTE [ A listing the decode workers share ]
+    A tuple of 1,281,167 str objects took about 110 MB in joaderd, and each forked decode
+    worker copied the pages of the paths it touched: reading `paths[i]` writes the str's
+    reference count, so over an epoch a worker's private memory grew to about the whole
+    listing (322 MiB at 1.28M items, issue 37). Here a path is decoded on access from the
+    shared bytes (os.fsdecode: the surrogates of a non-UTF-8 name come back as they were), so
+    the listing's pages stay shared and untouched, and it takes about 40 bytes per item."""
+
+    __slots__ = ("_blob", "_ends")
+
+    def __init__(self, paths: Sequence[str]) -> None:
+        encoded = [os.fsencode(path) for path in paths]
+        self._blob = b"".join(encoded)
+        self._ends = array("q", itertools.accumulate(len(e) for e in encoded))
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __getitem__(self, index: int | slice) -> str | list[str]:  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self._path(i) for i in range(*index.indices(len(self._ends)))]
+        count = len(self._ends)
+        if index < 0:
+            index += count
+        if not 0 <= index < count:
+            raise IndexError(f"path index {index} out of range (0..{count - 1})")
+        return self._path(index)
+
+    def _path(self, index: int) -> str:
+        ends = self._ends
+        return os.fsdecode(self._blob[ends[index - 1] if index else 0:ends[index]])
+
+    def __iter__(self) -> Iterator[str]:
+        start = 0
+        blob = self._blob
+        for end in self._ends:
+            yield os.fsdecode(blob[start:end])
+            start = end
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedPaths):
+            return self._blob == other._blob and self._ends == other._ends
+        if isinstance(other, (tuple, list)):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"PackedPaths({len(self)} paths)"
 
 
 class ListedItems:

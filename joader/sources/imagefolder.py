@@ -21,7 +21,7 @@ from typing import ClassVar
 import numpy as np
 
 from joader.errors import InvalidArgumentError
-from joader.sources.base import ListedItems, check_item_id, read_in_root
+from joader.sources.base import ListedItems, PackedPaths, check_item_id, read_in_root
 from joader.sources.safe_open import root_identity
 
 __all__ = ["IMG_EXTENSIONS", "SourceListing", "full_path", "list_image_folder"]
@@ -58,7 +58,7 @@ class SourceListing(ListedItems):
     root: Path  # resolved
     classes: tuple[str, ...]
     class_to_idx: dict[str, int]
-    paths: tuple[str, ...]  # relative POSIX paths; item id = position
+    paths: PackedPaths  # relative POSIX paths; item id = position (NOTE [ A listing the decode workers share ])
     labels: np.ndarray  # int32, one per item
     num_skipped: int = field(default=0)  # symlinks leaving the root, broken links, loops
     # (st_dev, st_ino) of the root when listed: reads refuse another folder at its path
@@ -121,7 +121,7 @@ def list_image_folder(root: str | os.PathLike[str]) -> SourceListing:
         root=real_root,
         classes=tuple(classes),
         class_to_idx=class_to_idx,
-        paths=tuple(paths),
+        paths=PackedPaths(paths),
         labels=np.asarray(labels, dtype=np.int32),
         num_skipped=walker.num_skipped,
         root_id=root_id,

@@ -38,7 +38,7 @@ from typing import ClassVar
 import numpy as np
 
 from joader.errors import InvalidArgumentError
-from joader.sources.base import MAX_LABEL, ListedItems, check_item_id, int_label, read_in_root
+from joader.sources.base import MAX_LABEL, ListedItems, PackedPaths, check_item_id, int_label, read_in_root
 from joader.sources.safe_open import display_path, root_identity
 
 __all__ = ["ListSource", "read_list_file"]
@@ -55,7 +55,7 @@ class ListSource(ListedItems):
     folder: Path  # the folder paths are relative to (root.parent); reads never leave it
     classes: tuple[str, ...]
     class_to_idx: dict[str, int]
-    paths: tuple[str, ...]  # as written in the file; item id = position
+    paths: PackedPaths  # as written in the file; item id = position
     labels: np.ndarray  # int32, one per item
     num_skipped: int = field(default=0)  # always 0: a bad line is an error, not skipped
     # (st_dev, st_ino) of `folder` when listed: reads refuse another folder at its path
@@ -109,7 +109,7 @@ def read_list_file(path: str | os.PathLike[str]) -> ListSource:
         folder=real.parent,
         classes=classes,
         class_to_idx=class_to_idx,
-        paths=tuple(paths),
+        paths=PackedPaths(paths),
         labels=labels,
         root_id=root_id,
     )

@@ -49,7 +49,7 @@ from typing import ClassVar
 import numpy as np
 
 from joader.errors import DecodeError, InvalidArgumentError
-from joader.sources.base import MAX_LABEL, ListedItems, check_item_id, int_label
+from joader.sources.base import MAX_LABEL, ListedItems, PackedPaths, check_item_id, int_label
 from joader.sources.imagefolder import IMG_EXTENSIONS
 from joader.sources.safe_open import display_path, open_in_root
 
@@ -75,7 +75,7 @@ class TarSource(ListedItems):
     shards: tuple[str, ...]  # shard file names inside root, sorted
     classes: tuple[str, ...]
     class_to_idx: dict[str, int]
-    paths: tuple[str, ...]  # "<shard>/<image member>"; item id = position
+    paths: PackedPaths  # "<shard>/<image member>"; item id = position
     labels: np.ndarray  # int32, one per item
     shard_ids: np.ndarray  # int32: the shard (index into `shards`) of each item
     offsets: np.ndarray  # int64: where the image's data starts in its shard
@@ -152,7 +152,7 @@ def index_tar_shards(path: str | os.PathLike[str]) -> TarSource:
         shards=tuple(names),
         classes=classes,
         class_to_idx=class_to_idx,
-        paths=tuple(index.paths),
+        paths=PackedPaths(index.paths),
         labels=labels,
         shard_ids=np.frombuffer(index.shard_ids, dtype=np.int32).copy(),
         offsets=np.frombuffer(index.offsets, dtype=np.int64).copy(),

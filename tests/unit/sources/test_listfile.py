@@ -11,6 +11,7 @@ import pytest
 
 from joader.errors import DecodeError, InvalidArgumentError
 from joader.sources import ItemSource, ListSource, read_list_file
+from joader.sources.base import PackedPaths
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -192,7 +193,7 @@ def test_a_large_list_is_read_in_linear_time(tmp_path: Path) -> None:
     elapsed = time.perf_counter() - start
     assert len(source) == count and len(source.classes) == 1000
     assert source.labels[1234] == 234 and source.paths[-1] == f"n00000999/img_{count - 1}.JPEG"
-    assert isinstance(source.paths, tuple) and source.labels.dtype == np.int32
+    assert isinstance(source.paths, PackedPaths) and source.labels.dtype == np.int32
     assert elapsed < 10, f"{count} lines took {elapsed:.1f} s"
 
 
