@@ -43,12 +43,13 @@ import heapq
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 from pyroaring import BitMap
 
 from joader.cache.allocator import ByteAllocator
+from joader.cache.interning import Interner
 from joader.cache.policy import RefCntPolicy
 from joader.errors import InvariantError
 from joader.server.item_sizes import ItemSizes, bound_is_nominal, range_kind
@@ -161,7 +162,7 @@ class ItemCache:
         self._served_to: dict[str, BitMap] = {}
         # Shapes, dtypes and sizes of cached items, one object per distinct value (NOTE [ An item's
         # footprint ] in records.py); at most _MAX_SHARED of them.
-        self._shared_values: dict[Any, Any] = {}
+        self._shared_values = Interner(_MAX_SHARED)
 
     # ----------------------------------------------------------------------------- wanting
 
@@ -295,32 +296,30 @@ class ItemCache:
         item = self.items.get(key)
         if item is None:
             return
+        self._drop_pin(item)
+        if item.state is ItemState.READY:
+            self.policy.unpin(key)
+
+    def _drop_pin(self, item: Item) -> None:
         if item.pins <= 0:
             raise InvariantError(f"item {item.item_id}: released more often than pinned")
         item.pins -= 1
         self.num_pins -= 1
         if not item.pins:
             self.num_pinned -= 1
-        if item.state is ItemState.READY:
-            self.policy.unpin(key)
 
     def release_many(self, keys: list[int]) -> None:
         """`release` for each key, in order: the items' pins one by one, the policy's in bulk
         (`RefCntPolicy.unpin_many`: the keys whose last pin goes become evictable, youngest
         last, as one by one)."""
-        items, ready = self.items, ItemState.READY
+        items, ready, drop_pin = self.items, ItemState.READY, self._drop_pin
         unpinned: list[int] = []
         try:
             for key in keys:
                 item = items.get(key)
                 if item is None:
                     continue
-                if item.pins <= 0:
-                    raise InvariantError(f"item {item.item_id}: released more often than pinned")
-                item.pins -= 1
-                self.num_pins -= 1
-                if not item.pins:
-                    self.num_pinned -= 1
+                drop_pin(item)
                 if item.state is ready:
                     unpinned.append(key)
         finally:
@@ -383,12 +382,7 @@ class ItemCache:
     def _shared(self, value: _T) -> _T:
         """One object per distinct shape, dtype or size (a tuple, a str and an int per item
         were 146 bytes)."""
-        shared = self._shared_values.get(value)
-        if shared is None:
-            shared = value
-            if len(self._shared_values) < _MAX_SHARED:
-                self._shared_values[value] = value
-        return shared
+        return self._shared_values.get(value)
 
     def add_refcount(self, source: Source, ids: BitMap, delta: int) -> None:
         """Every cached item of `ids` gains (or loses) `delta` references: a few bitmap and

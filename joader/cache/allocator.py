@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from joader.cache.interning import Interner
 from joader.errors import InvalidArgumentError
 
 __all__ = ["AllocatorStats", "ByteAllocator"]
@@ -60,7 +61,7 @@ class ByteAllocator:
         # NOTE: a size computed per allocation is an int object of its own (28-32 bytes per
         # cached item, issue 37); the items of a source mostly share a few sizes, so the dict's
         # values are taken from here (bounded: sizes beyond it are kept as they come).
-        self._size_objects: dict[int, int] = {}
+        self._size_objects = Interner(_MAX_SIZE_OBJECTS)
         self._by_start: dict[int, int] = {}  # hole offset -> size
         self._by_end: dict[int, int] = {}  # hole end -> offset
         self._holes: list[tuple[int, int]] = []  # sorted (size, offset)
@@ -70,14 +71,6 @@ class ByteAllocator:
 
     def rounded(self, nbytes: int) -> int:
         return max(self.align, -(-nbytes // self.align) * self.align)
-
-    def _shared_size(self, size: int) -> int:
-        shared = self._size_objects.get(size)
-        if shared is None:
-            shared = size
-            if len(self._size_objects) < _MAX_SIZE_OBJECTS:
-                self._size_objects[size] = size
-        return shared
 
     def allocate(self, nbytes: int) -> int | None:
         """The offset of a new range of at least `nbytes`, or None if no hole is large enough."""
@@ -91,7 +84,7 @@ class ByteAllocator:
         self._remove_hole(offset, hole_size)
         if hole_size > size:
             self._add_hole(offset + size, hole_size - size)
-        self._allocated[offset] = self._shared_size(size)
+        self._allocated[offset] = self._size_objects.get(size)
         self._used += size
         return offset
 
@@ -112,7 +105,7 @@ class ByteAllocator:
             raise InvalidArgumentError(f"shrink: {nbytes} bytes do not fit the {size} allocated")
         if keep == size:
             return
-        self._allocated[offset] = self._shared_size(keep)
+        self._allocated[offset] = self._size_objects.get(keep)
         self._used -= size - keep
         self._release(offset + keep, size - keep)
 

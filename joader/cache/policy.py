@@ -234,15 +234,20 @@ class RefCntPolicy:
         for refcount, moved in moving:
             self._bucket(refcount).update(moved)
 
-    def _bulk_error(self, keys: np.ndarray, delta: int) -> Exception | None:
-        """Why `add_refcounts(keys, delta)` may not run: an untracked key, or a refcount that
-        would drop below 0; None if it may."""
+    def _untracked(self, keys: np.ndarray) -> int | None:
+        """The first of `keys` (int64) the policy does not track, or None."""
         stamps = _view(self._stamp)
         bad = keys[(keys < 0) | (keys >= len(stamps))]
         if not len(bad):
             bad = keys[stamps[keys] < 0]
-        if len(bad):
-            return KeyError(f"cache policy: item {int(bad[0])} is not tracked")
+        return int(bad[0]) if len(bad) else None
+
+    def _bulk_error(self, keys: np.ndarray, delta: int) -> Exception | None:
+        """Why `add_refcounts(keys, delta)` may not run: an untracked key, or a refcount that
+        would drop below 0; None if it may."""
+        untracked = self._untracked(keys)
+        if untracked is not None:
+            return KeyError(f"cache policy: item {untracked} is not tracked")
         if delta < 0:
             new = _view(self._refcount)[keys] + delta
             below = np.flatnonzero(new < 0)
@@ -287,12 +292,9 @@ class RefCntPolicy:
         if not keys:
             return
         ids = np.fromiter(keys, np.int64, len(keys))
-        stamps = _view(self._stamp)
-        bad = ids[(ids < 0) | (ids >= len(stamps))]
-        if not len(bad):
-            bad = ids[stamps[ids] < 0]
-        if len(bad):
-            raise KeyError(f"cache policy: item {int(bad[0])} is not tracked")
+        untracked = self._untracked(ids)
+        if untracked is not None:
+            raise KeyError(f"cache policy: item {untracked} is not tracked")
         pins = _view(self._pins)
         before = pins[ids]
         if not before.all():
@@ -302,7 +304,7 @@ class RefCntPolicy:
         pins[ids] = before - 1
         self._num_pins -= len(ids)
         last = ids[before == 1]
-        del stamps, pins
+        del pins  # no view of the arrays alive when `_key_of` grows
         if not len(last):
             return
         self._num_pinned -= len(last)

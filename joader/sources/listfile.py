@@ -38,7 +38,14 @@ from typing import ClassVar
 import numpy as np
 
 from joader.errors import InvalidArgumentError
-from joader.sources.base import MAX_LABEL, ListedItems, PackedPaths, check_item_id, int_label, read_in_root
+from joader.sources.base import (
+    MAX_LABEL,
+    ListedItems,
+    PackedPaths,
+    check_item_id,
+    int_label,
+    read_in_root,
+)
 from joader.sources.safe_open import display_path, root_identity
 
 __all__ = ["ListSource", "read_list_file"]

@@ -14,7 +14,14 @@ import pytest
 from pyroaring import BitMap
 
 from joader.server.registry import Registry
-from tests.support.registry_driver import ITEM_BYTES, NUM_ITEMS, FakePool, attach, make_registry, nxt
+from tests.support.registry_driver import (
+    ITEM_BYTES,
+    NUM_ITEMS,
+    FakePool,
+    attach,
+    make_registry,
+    nxt,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -96,7 +103,7 @@ def _run(seed: int) -> None:
             index = rng.randrange(len(jobs))
             want = rng.randint(0, 6)
             replies = [nxt(registry, job.job_id, tokens[index], want, acks[index])
-                       for registry, job in zip((one, batched), jobs[index])]
+                       for registry, job in zip((one, batched), jobs[index], strict=True)]
             assert replies[0].item_ids == replies[1].item_ids and replies[0].failed == replies[1].failed
             assert replies[0].end_of_epoch == replies[1].end_of_epoch
             acks[index] = replies[0].item_ids
