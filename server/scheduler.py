@@ -295,7 +295,10 @@ class Scheduler:
             # A job whose picks are dropped (every rank has its share) runs at no cost.
             length = len(job.ranks[receiver].queue) if receiver is not None else 0
             queued.append((job, length))
-        if not any(length < (job.queue_fill or job.queue_capacity) for job, length in queued):
+        # Beyond its capacity only while nothing is being decoded (NOTE [ Filling for replies of
+        # several batches ] in registry.py): a decoding reply takes no extra batch anyway.
+        warm = not self._cache.decodes_in_flight()
+        if not any(length < _fill(job, warm) for job, length in queued):
             return 0
         plan = self._plan(source, queued, now)
         if plan.hold:
@@ -307,7 +310,7 @@ class Scheduler:
             taking = [job for job, _ in queued if job.job_id in plan.participants]
             # A job sitting out below its capacity keeps single rounds going (its queue does
             # not change during the batch).
-            others_short = any(length < (job.queue_fill or job.queue_capacity) for job, length in queued
+            others_short = any(length < _fill(job, warm) for job, length in queued
                                if job.job_id not in plan.participants)
         self._deferred_pins = {} if batch else None
         done = 0
@@ -316,7 +319,7 @@ class Scheduler:
                 done += 1
                 if self._one_round(source, jobs, participants, empty if done == 1 else ()):
                     break  # an epoch ended, or a job's books broke: the next batch decides anew
-                if not batch or done >= max_rounds or not _goes_on(taking, others_short):
+                if not batch or done >= max_rounds or not _goes_on(taking, others_short, warm):
                     break
         finally:
             deferred, self._deferred_pins = self._deferred_pins, None
@@ -458,7 +461,13 @@ class Scheduler:
             deferred[id(rank)] = (job, rank)  # pinned once the batch of rounds is over
 
 
-def _goes_on(taking: list[Job], others_short: bool) -> bool:
+def _fill(job: Job, warm: bool) -> int:
+    """How far a round fills the job's receiving rank: its fill where the cache has room and
+    nothing is being decoded, else its capacity (`Job.queue_fill`)."""
+    return job.queue_fill if warm and job.queue_fill else job.queue_capacity
+
+
+def _goes_on(taking: list[Job], others_short: bool, warm: bool) -> bool:
     """Whether the next single round would run with the same participants (NOTE [ Rounds in
     batches ]): some job's receiving rank is below its capacity (`others_short`: one sitting
     out), and none of the participants' has reached twice its capacity (it would sit out)."""
@@ -469,7 +478,7 @@ def _goes_on(taking: list[Job], others_short: bool) -> bool:
         capacity = job.queue_capacity
         if length >= 2 * capacity:
             return False
-        short = short or length < (job.queue_fill or capacity)
+        short = short or length < _fill(job, warm)
     return short
 
 
