@@ -388,3 +388,25 @@ def test_each_delivered_item_carries_its_own_label() -> None:
         if result.end_of_epoch:
             break
     assert sorted(seen) == sorted(BitMap(range(0, 60, 3)) | BitMap([1, 7]))
+
+
+def test_queues_fill_beyond_their_capacity_only_while_nothing_decodes() -> None:
+    """NOTE [ Filling for replies of several batches ]: while decodes wait or run, rounds fill a
+    queue to its capacity only (a reply could take no extra batch, and a deeper queue cost main
+    CPU per decode); once they settled, to its fill again, and a reply takes the extra batches."""
+    registry, pool, _ = make_registry(num_slots=60, lookahead_batches=2)
+    job = attach(registry, "demo", BitMap(range(60)), "a", 4)
+    assert nxt(registry, job.job_id, 1, 4, [], max_batches=4).item_ids == []  # starts the reading
+    assert job.queue_capacity == 8 and job.queue_fill == 12
+    rank, scheduler = job.ranks[0], registry._scheduler
+    registry.schedule_once()
+    assert len(rank.queue) == 12 and pool.submitted  # nothing was decoding yet: to its fill
+    scheduler.drop_queue(rank, lambda entry, seen=iter(range(8)): next(seen, None) is not None)
+    while registry.schedule_once():
+        pass
+    assert len(rank.queue) == 8  # its 4 left still decoding: to its capacity only
+    pool.finish(registry)
+    registry.schedule_once()
+    assert len(rank.queue) == 12  # every decode landed: to its fill
+    pump(registry, pool)
+    assert len(nxt(registry, job.job_id, 1, 4, [], max_batches=4).item_ids) == 12
