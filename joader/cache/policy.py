@@ -220,6 +220,13 @@ class RefCntPolicy:
         old = refcounts[keys]
         refcounts[keys] = old + delta
         free = _view(self._pins)[keys] == 0
+        moving_count = int(np.count_nonzero(free))
+        if moving_count and moving_count == sum(len(bucket) for bucket in self._buckets.values()):
+            # Every evictable key moves by `delta` (an epoch of a job over all that is cached, the
+            # sweep's usual case): each bucket keeps its stamps and takes its new refcount. At
+            # 1.28M cached items, moving the stamps took about 0.1 s under the lock, per job.
+            self._buckets = {refcount + delta: bucket for refcount, bucket in self._buckets.items()}
+            return
         stamps = _view(self._stamp)[keys[free]]
         old = old[free]
         moving: list[tuple[int, BitMap]] = []
