@@ -448,7 +448,8 @@ def _queue_fill(job: Job) -> int:
     bench/grpc_floor.py: 5 us per item of 64, issue 37). Where the cache has room, rounds now
     fill a queue further, by the extra batches its readers ask for (`reply_batches` - 1, the
     client asks for 4), never to twice its capacity less a batch (beyond twice it sits out
-    rounds), and only while no decode waits or runs (`Scheduler.run_round`, `_fill`): a reply
+    rounds), and only while no decode waits or runs as a batch of rounds starts
+    (`Scheduler.run_round`, `_fill`; a batch that then asks for decodes still fills): a reply
     whose items are still decoding takes no extra batch anyway, and the deeper queue then cost
     6% more main CPU per decode (two alternating pairs of 128k-item first epochs). Room: the rank's share of the cache holds four times its capacity plus twice the
     extra, so the queues at their fill and the copies a reply hands out stay well within the
