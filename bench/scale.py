@@ -619,13 +619,16 @@ def summarize(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
             longest_batch_wait_s=med(lambda r: max(max(e["max_batch_wait_s"]) for e in warm(r))),
             longest_wait_at_batch=med(lambda r: max(max(e["max_wait_at_batch"]) for e in warm(r))),
             bytes_per_cached_item_after_epochs=med(lambda r: r["epochs"]["epochs"][-1]["rss_anon_per_cached_item"]))
+    def from_phase(phase: str, **fields: str) -> None:
+        """out[name] = the median over reps of reps[i][phase][field], for each name=field."""
+        if phase in reps[0]:
+            out.update({name: med(lambda r, field=field: r[phase][field]) for name, field in fields.items()})
+
+    from_phase("decoding", decoding_main_us_per_decode="main_us_per_decode",
+               decoding_main_us_per_delivery="main_us_per_delivery", decoding_per_s="deliveries_per_s",
+               decoding_workers_cores="workers_cores", decoding_main_cores="main_cores")
     if "decoding" in reps[0]:
-        out.update(decoding_main_us_per_decode=med(lambda r: r["decoding"]["main_us_per_decode"]),
-                   decoding_main_us_per_delivery=med(lambda r: r["decoding"]["main_us_per_delivery"]),
-                   decoding_per_s=med(lambda r: r["decoding"]["deliveries_per_s"]),
-                   decoding_workers_cores=med(lambda r: r["decoding"]["workers_cores"]),
-                   decoding_main_cores=med(lambda r: r["decoding"]["main_cores"]),
-                   decoding_status_with_jobs_s=med(lambda r: r["decoding"].get("status_with_jobs", {}).get("median_s")))
+        out["decoding_status_with_jobs_s"] = med(lambda r: r["decoding"].get("status_with_jobs", {}).get("median_s"))
     out["cli_status_at_start_s"] = med(lambda r: r["startup"].get("cli_status_s"))
     if "cli_status_s" in reps[0]:
         out["cli_status_at_end_s"] = med(lambda r: r["cli_status_s"])
@@ -633,23 +636,18 @@ def summarize(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out["status_with_jobs_s"] = med(lambda r: r["epochs"].get("status_with_jobs", {}).get("median_s"))
     if "status" in reps[0]:
         out["status_s"] = med(lambda r: r["status"]["median_s"])
-    if "attach" in reps[0]:
-        out.update(attach_half_s=med(lambda r: r["attach"]["median_attach_s"]),
-                   first_batch_half_s=med(lambda r: r["attach"]["median_first_batch_s"]),
-                   close_half_s=med(lambda r: r["attach"]["median_close_s"]),
-                   gone_half_s=med(lambda r: r["attach"]["median_gone_s"]))
+    from_phase("attach", attach_half_s="median_attach_s", first_batch_half_s="median_first_batch_s",
+               close_half_s="median_close_s", gone_half_s="median_gone_s")
     if "rates" in reps[0]:
         for k, count in enumerate(RATE_JOBS):
             out[f"rate_{count}_jobs_per_s"] = med(lambda r, k=k: r["rates"]["cases"][k]["deliveries_per_s"])
             out[f"rate_{count}_jobs_main_us"] = med(lambda r, k=k: r["rates"]["cases"][k]["main_us_per_delivery"])
+    from_phase("halves", halves_per_s="deliveries_per_s", halves_main_us_per_delivery="main_us_per_delivery",
+               halves_pair_rate="pair_rate_median", halves_pair_bound="pair_bound_median",
+               halves_deliveries_per_decode="deliveries_per_decode",
+               halves_deliveries_per_decode_bound="deliveries_per_decode_bound")
     if "halves" in reps[0]:
-        out.update(halves_per_s=med(lambda r: r["halves"]["deliveries_per_s"]),
-                   halves_main_us_per_delivery=med(lambda r: r["halves"]["main_us_per_delivery"]),
-                   halves_pair_rate=med(lambda r: r["halves"]["pair_rate_median"]),
-                   halves_pair_bound=med(lambda r: r["halves"]["pair_bound_median"]),
-                   halves_deliveries_per_decode=med(lambda r: r["halves"]["deliveries_per_decode"]),
-                   halves_deliveries_per_decode_bound=med(lambda r: r["halves"]["deliveries_per_decode_bound"]),
-                   halves_sampler_pair_rate=med(lambda r: r["halves"]["sampler_lockstep"]["pair_rate_median"]),
+        out.update(halves_sampler_pair_rate=med(lambda r: r["halves"]["sampler_lockstep"]["pair_rate_median"]),
                    halves_sampler_deliveries_per_decode=med(
                        lambda r: r["halves"]["sampler_lockstep"]["deliveries_per_decode"]))
     return out
