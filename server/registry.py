@@ -451,9 +451,10 @@ def _queue_fill(job: Job) -> int:
     rounds), and only while no decode waits or runs as a batch of rounds starts
     (`Scheduler.run_round`, `_fill`; a batch that then asks for decodes still fills): a reply
     whose items are still decoding takes no extra batch anyway, and the deeper queue then cost
-    6% more main CPU per decode (two alternating pairs of 128k-item first epochs). Room: the rank's share of the cache holds four times its capacity plus twice the
-    extra, so the queues at their fill and the copies a reply hands out stay well within the
-    cache however the jobs read. A tight cache keeps the old rule: a job that stops reading with
+    6% more main CPU per decode (two alternating pairs of 128k-item first epochs). Room: the
+    rank's share of the cache holds four times its capacity plus twice the extra, so the
+    queues at their fill and the copies a reply hands out stay well within the cache however
+    the jobs read. A tight cache keeps the old rule: a job that stops reading with
     its copies out then still leaves the others' queues the slots for their next batch
     (test_next_protocol's `stops_reading`)."""
     capacity, batch = job.queue_capacity, job.batch_size
@@ -461,4 +462,3 @@ def _queue_fill(job: Job) -> int:
     if extra <= 0 or job.cache_share < 4 * capacity + 2 * extra:
         return 0
     return max(capacity, min(capacity + extra, 2 * capacity - batch))
-

@@ -288,10 +288,10 @@ class RefCntPolicy:
             self._enter(key, self._refcount[key])
 
     def unpin_many(self, keys: list[int]) -> None:
-        """`unpin` for each key, in order, in a few numpy and bitmap operations when the keys
-        are distinct (a reply's acknowledgements); the keys whose last pin goes become
-        evictable as the youngest, in the order given. All or nothing: an untracked or
-        unpinned key changes none."""
+        """`unpin` for each key, in order: the keys whose last pin goes become evictable as the
+        youngest, in the order given. Distinct keys (a reply's acknowledgements) take a few
+        numpy and bitmap operations, all or nothing (an untracked or unpinned key changes
+        none); a key given twice (padding copies) sends them one by one, through `unpin`."""
         if len(set(keys)) != len(keys):
             for key in keys:
                 self.unpin(key)
