@@ -93,8 +93,9 @@ class ServerSpec:
     image_size: int | None = None
     mode: str | None = None
     stage: str | None = None
-    decoder: str | None = None
-    upscale: bool = False
+    decoder: str | None = None  # None: joaderd's default
+    upscale: bool = True  # images smaller than S upscaled to S (False: served at their own size)
+    exif_transpose: bool = False  # rotate by the EXIF orientation before the stage
     cache_size: str = field(default_factory=lambda: os.environ.get(ENV_CACHE_SIZE, "auto"))
     idle_exit_s: float = field(default_factory=lambda: _env_seconds(ENV_IDLE_EXIT_S, DEFAULT_IDLE_EXIT_S))
     owner: str | None = field(default_factory=lambda: os.environ.get(ENV_OWNER) or None)
@@ -117,6 +118,13 @@ class ServerSpec:
             raise InvalidArgumentError(f"image_size must be a positive int, got {spec.image_size!r}")
         if spec.mode is not None and spec.mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {', '.join(MODES)}, got {spec.mode!r}")
+        if spec.decoder is not None:
+            from joader.stages.image import DECODERS  # Pillow and numpy: only when a decoder is named
+            if spec.decoder not in DECODERS:
+                raise InvalidArgumentError(f"decoder must be one of {', '.join(DECODERS)}, got {spec.decoder!r}")
+        for flag in ("upscale", "exif_transpose"):
+            if not isinstance(getattr(spec, flag), bool):
+                raise InvalidArgumentError(f"{flag} must be True or False, got {getattr(spec, flag)!r}")
         return spec
 
     def key(self) -> str:
@@ -147,8 +155,10 @@ class ServerSpec:
             args += ["--stage", self.stage]
         if self.decoder is not None:
             args += ["--decoder", self.decoder]
-        if self.upscale:
-            args += ["--upscale", self.source]
+        # Said either way: joaderd's default is not this client's to assume.
+        args += ["--upscale" if self.upscale else "--no-upscale", self.source]
+        if self.exif_transpose:
+            args += ["--exif-transpose", self.source]
         if self.owner is not None:
             args += ["--exit-with", self.owner]
         # One budget for every server this user auto-starts, counted also when sized explicitly
@@ -449,9 +459,14 @@ class Served:
 
 @contextlib.contextmanager
 def serve(source: str, root: str | os.PathLike[str], *, image_size: int | None = None, mode: str | None = None,
-          stage: str | None = None, decoder: str | None = None, upscale: bool = False, cache_size: str | None = None,
-          idle_exit_s: float | None = None, stop_timeout_s: float = 30.0) -> Iterator[Served]:
+          stage: str | None = None, decoder: str | None = None, upscale: bool = True, exif_transpose: bool = False,
+          cache_size: str | None = None, idle_exit_s: float | None = None,
+          stop_timeout_s: float = 30.0) -> Iterator[Served]:
     """A sweep's joaderd, for the driver that launches the trials.
+
+    `image_size`, `mode`, `stage`, `decoder`, `upscale` and `exif_transpose` are the shared
+    stage's, as `JoaderDataset(root=...)` takes them (its docstring says what each does); a
+    trial must pass the same ones to find this server.
 
     `cache_size` ("auto": from the data; or bytes such as "2GiB") defaults to
     `$JOADER_CACHE_SIZE`, else "auto"; `idle_exit_s` to 600 s.
@@ -475,7 +490,7 @@ def serve(source: str, root: str | os.PathLike[str], *, image_size: int | None =
     if cache_size is not None:
         sizing["cache_size"] = cache_size
     spec = ServerSpec.make(source, root, image_size=image_size, mode=mode, stage=stage, decoder=decoder,
-                           upscale=upscale, owner=str(ProcessRef.current()), **sizing)
+                           upscale=upscale, exif_transpose=exif_transpose, owner=str(ProcessRef.current()), **sizing)
     address, started = ensure_server(spec)
     saved = {name: os.environ.get(name) for name in (ENV_ADDRESS, ENV_OWNER)}
     os.environ[ENV_ADDRESS] = address

@@ -86,6 +86,16 @@ class JoaderDataset(IterableDataset):
             `--image-size`), "RGB" or "L", and the stage's kind ("center-crop", "resize",
             "max-side"). With `root`, the auto-started server serves exactly that; without, a
             joaderd that serves something else is refused with an error naming its option.
+        decoder, upscale, exif_transpose: with `root`, how the auto-started server decodes (as
+            joaderd's `--decoder`, `--no-upscale NAME`, `--exif-transpose NAME`). `decoder`:
+            "pil" (exactly torchvision's decode, Resize and CenterCrop), "pil-draft" (Pillow with
+            libjpeg's DCT downscaling: faster, not bit-exact) or "turbo" (simplejpeg + OpenCV);
+            None: joaderd's default. `upscale` (default True): images smaller than S are upscaled
+            to S, as torchvision's Resize would, so every item has one shape; False serves them
+            at their own size, and a batch that mixes sizes then raises `BatchShapeError` naming
+            the file. `exif_transpose` (default False, as torchvision's ImageFolder): rotate each
+            photo by its EXIF orientation first (`PIL.ImageOps.exif_transpose`). Jobs that differ
+            in any of them use different servers. Without `root`, joaderd's flags decide them.
         indices: the items of the source this job trains on (range, ints, numpy array or
             pyroaring BitMap); None for all of them.
         transform: applied in this process to each uint8 CHW tensor (the per-job stage).
@@ -192,6 +202,9 @@ class JoaderDataset(IterableDataset):
         image_size: int | None = None,
         mode: str | None = None,
         stage: str | None = None,
+        decoder: str | None = None,
+        upscale: bool | None = None,
+        exif_transpose: bool | None = None,
     ) -> None:
         super().__init__()
         set_threads(threads)
@@ -218,9 +231,14 @@ class JoaderDataset(IterableDataset):
                 raise InvalidArgumentError(
                     f"JoaderDataset({source!r}) got both address= (a joaderd you started) and root= "
                     "(a joaderd joader starts for you): pass one of them")
-            spec = ServerSpec.make(source, root, image_size=image_size, mode=mode, stage=stage)
+            spec = ServerSpec.make(source, root, image_size=image_size, mode=mode, stage=stage, decoder=decoder,
+                                   upscale=True if upscale is None else upscale,
+                                   exif_transpose=False if exif_transpose is None else exif_transpose)
             address, _started = ensure_server(spec)
             autostart = spec.to_dict()
+        else:
+            _no_server_options(source, decoder=decoder, upscale=upscale, exif_transpose=exif_transpose)
+        self.root = autostart["root"] if autostart is not None else None
         self.address = resolve_address(address)
         self.drop_last = drop_last
         if seed is not None and not 0 <= seed < 2**64:
@@ -404,3 +422,19 @@ class JoaderDataset(IterableDataset):
             item_shape=self.item_shape, item_dtype=self.item_dtype, rank=self.rank, world_size=self.world_size)
         return Reader(connection, pass_, self._progress, options, warned=self._warned, pool=self._pool,
                       lease=attachment).start()
+
+
+_SERVER_FLAGS = {"decoder": "--decoder {value}", "upscale": "--no-upscale {source} (or --upscale {source})",
+                 "exif_transpose": "--exif-transpose {source}"}
+
+
+def _no_server_options(source: str, **given: Any) -> None:
+    """decoder=, upscale= and exif_transpose= choose how an auto-started joaderd decodes: with
+    address= (or none) the running joaderd's flags already decided."""
+    named = [name for name, value in given.items() if value is not None]
+    if named:
+        flags = ", ".join(_SERVER_FLAGS[name].format(value=given[name], source=source) for name in named)
+        raise InvalidArgumentError(
+            f"JoaderDataset({source!r}, {'=, '.join(named)}=) without root=: these choose how the joaderd "
+            f"that root= starts decodes, and a joaderd you started decodes as its flags say. Pass root= "
+            f"(the source's folder), or start joaderd with {flags}")

@@ -49,6 +49,27 @@ def test_server_args_serve_exactly_the_spec(tmp_path: Path) -> None:
     assert ServerSpec.from_dict(spec.to_dict()) == spec  # through the keeper's registration
 
 
+def test_decoder_upscale_and_exif_become_joaderds_flags(tmp_path: Path) -> None:
+    """Every image is served at S unless the job says otherwise (as torchvision's Resize +
+    CenterCrop would), and the decoder and EXIF choices reach the server the job starts."""
+    def flags(spec: ServerSpec) -> list[str]:
+        args = spec.server_args()
+        return [a for i, a in enumerate(args) if a in ("--decoder", "--upscale", "--no-upscale", "--exif-transpose")
+                or i and args[i - 1] in ("--decoder", "--upscale", "--no-upscale", "--exif-transpose")]
+
+    assert flags(ServerSpec.make("photos", tmp_path)) == ["--upscale", "photos"]
+    assert flags(ServerSpec.make("photos", tmp_path, upscale=False)) == ["--no-upscale", "photos"]
+    assert flags(ServerSpec.make("photos", tmp_path, decoder="pil", exif_transpose=True)) == [
+        "--decoder", "pil", "--upscale", "photos", "--exif-transpose", "photos"]
+    keys = {ServerSpec.make("photos", tmp_path, **options).key() for options in (
+        {}, {"upscale": False}, {"decoder": "pil"}, {"exif_transpose": True})}
+    assert len(keys) == 4  # another choice is another server, as for image_size
+    with pytest.raises(InvalidArgumentError, match=r"decoder must be one of .*pil.*turbo.*got 'jpeg'"):
+        ServerSpec.make("photos", tmp_path, decoder="jpeg")
+    with pytest.raises(InvalidArgumentError, match="upscale must be True or False, got 'no'"):
+        ServerSpec.make("photos", tmp_path, upscale="no")
+
+
 def test_the_environment_sizes_and_times_the_servers_jobs_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("JOADER_IDLE_EXIT_S", "7")
     monkeypatch.setenv("JOADER_CACHE_SIZE", "256MiB")
