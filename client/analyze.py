@@ -196,14 +196,16 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from joader.client.cli import add_server_options, find_address
+
     parser = argparse.ArgumentParser(prog="joader analyze", description=__doc__.split("\n")[0])
-    parser.add_argument("--address", help="joaderd's address (default: $JOADER_ADDRESS or the per-user socket)")
+    add_server_options(parser)
     parser.add_argument("--interval", type=float, default=5.0, help="seconds to watch (default 5)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     if args.interval <= 0:
         parser.error("--interval must be > 0")
-    jobs, host, window = measure(args.address, args.interval)
+    jobs, host, window = measure(find_address(args.address, args.source, command="analyze"), args.interval)
     report = analyze(jobs, host)
     report["window"] = window
     if args.json:

@@ -1,8 +1,13 @@
 """The `joader` command: `status`, `top`, `analyze`, `make-demo-data` and `verify`.
 
-    joader status [--json] [--address ADDRESS]
-    joader top [--once] [--interval S] [--address ADDRESS]   (see `joader top --help`)
-    joader analyze [--json] [--interval S] [--address ADDRESS]
+    joader status [--json] [--source NAME | --address ADDRESS]
+    joader top [--once] [--interval S] [--source NAME | --address ADDRESS]   (see `joader top --help`)
+    joader analyze [--json] [--interval S] [--source NAME | --address ADDRESS]
+    joader servers [--json] [--stop]
+
+With neither --source nor --address, status, top and analyze show $JOADER_ADDRESS's joaderd, else
+the one joaderd of yours that runs (at the default socket, or started by a job with root=), and
+list them when there are several (`joader.client.which_server`).
     joader make-demo-data DIR --items N [--classes K] [--seed S]
     joader verify --job a=0:600 --job b=300:1300 ...   (see `joader verify --help`)
 """
@@ -16,6 +21,23 @@ from typing import Any
 
 from joader.address import resolve_address
 from joader.errors import JoaderError
+
+SERVER_HELP = ("joaderd's address (default: $JOADER_ADDRESS, else the one joaderd of yours running: at the "
+               "default socket, or started by a job with root=)")
+
+
+def add_server_options(parser: argparse.ArgumentParser) -> None:
+    """`--source` and `--address`: which joaderd a tool shows (`joader.client.which_server`)."""
+    parser.add_argument("--source", metavar="NAME",
+                        help="show the joaderd serving source NAME (when several of yours run)")
+    parser.add_argument("--address", help=SERVER_HELP)
+
+
+def find_address(address: str | None, source: str | None, *, command: str) -> str:
+    """The address a tool shows (`joader.client.which_server.find_address`)."""
+    from joader.client.which_server import find_address as find
+
+    return find(address, source, command=command)
 
 
 def fetch_status(address: str | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
@@ -141,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_status = sub.add_parser("status", help="show joaderd's sources, jobs and cache")
     p_status.add_argument("--json", action="store_true", help="print the snapshot as JSON")
-    p_status.add_argument("--address", help="joaderd's address (default: $JOADER_ADDRESS or the per-user socket)")
+    add_server_options(p_status)
     p_servers = sub.add_parser("servers", help="list the joaderds jobs started themselves (root=), or stop them")
     p_servers.add_argument("--json", action="store_true")
     p_servers.add_argument("--stop", action="store_true", help="stop every one of them")
@@ -171,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         if args.command == "status":
-            status = fetch_status(args.address)
+            status = fetch_status(find_address(args.address, args.source, command="status"))
             print(json.dumps(status, indent=2) if args.json else format_status(status))
             return 0
         if args.command == "servers":
@@ -203,7 +225,7 @@ def _servers(as_json: bool, stop: bool) -> int:
         print("their jobs end with an error that says so, and no job starts them again; a job started "
               "from now on starts a new one")
     else:
-        print("joader status --address ADDRESS shows one; joader servers --stop stops them all")
+        print("joader status --source NAME shows one; joader servers --stop stops them all")
     return 0
 
 

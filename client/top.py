@@ -26,7 +26,14 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from joader.client.cli import fetch_status, format_bytes, format_percent, printable
+from joader.client.cli import (
+    add_server_options,
+    fetch_status,
+    find_address,
+    format_bytes,
+    format_percent,
+    printable,
+)
 
 
 def _rate(now: dict[str, Any], before: dict[str, Any] | None, dt: float, *path: str) -> float | None:
@@ -160,18 +167,19 @@ def _quit_pressed(fd: int | None, timeout_s: float) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="joader top", description=__doc__.split("\n")[0])
-    parser.add_argument("--address", help="joaderd's address (default: $JOADER_ADDRESS or the per-user socket)")
+    add_server_options(parser)
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between frames (default 1)")
     parser.add_argument("--once", action="store_true", help="print one frame and exit")
     args = parser.parse_args(argv)
     if args.interval <= 0:
         parser.error("--interval must be > 0")
+    address = find_address(args.address, args.source, command="top")
     psutil.cpu_percent(percpu=True)  # starts the host CPU measurement
-    before = fetch_status(args.address)
+    before = fetch_status(address)
     taken = time.monotonic()
     if args.once:
         time.sleep(args.interval)
-        now = fetch_status(args.address)
+        now = fetch_status(address)
         frame = render(now, before, time.monotonic() - taken, psutil.cpu_percent(percpu=True))
         Console(width=max(100, Console().width)).print(frame)
         return 0
@@ -179,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     with _keys() as fd, Live(render(before, None, 0.0, psutil.cpu_percent(percpu=True), live=True), console=console,
                              screen=console.is_terminal, auto_refresh=False) as live:
         while not _quit_pressed(fd, args.interval):
-            now = fetch_status(args.address)
+            now = fetch_status(address)
             at = time.monotonic()
             live.update(render(now, before, at - taken, psutil.cpu_percent(percpu=True), live=True), refresh=True)
             before, taken = now, at
