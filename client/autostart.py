@@ -118,8 +118,9 @@ class ServerSpec:
             raise InvalidArgumentError(f"image_size must be a positive int, got {spec.image_size!r}")
         if spec.mode is not None and spec.mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {', '.join(MODES)}, got {spec.mode!r}")
-        if spec.decoder is not None:
-            from joader.stages.image import DECODERS  # Pillow and numpy: only when a decoder is named
+        if spec.decoder is not None:  # joader.stages imports Pillow: only when a decoder is named
+            from joader.stages.image import DECODERS
+
             if spec.decoder not in DECODERS:
                 raise InvalidArgumentError(f"decoder must be one of {', '.join(DECODERS)}, got {spec.decoder!r}")
         for flag in ("upscale", "exif_transpose"):

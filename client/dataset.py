@@ -34,6 +34,7 @@ from joader.address import resolve_address
 from joader.client import frameworks
 from joader.client.attachment import Attachment, Expected, to_bitmap
 from joader.client.autostart import ServerSpec, ensure_server
+from joader.client.batch_shapes import ItemNames
 from joader.client.batchpool import ProcessBatchPool
 from joader.client.checkpoint import Checkpoint, Owner, ResumePoint, Share
 from joader.client.connection import BATCHES_PER_REQUEST, Connection
@@ -251,6 +252,7 @@ class JoaderDataset(IterableDataset):
         self._warned: set[int] = set()  # failed items already logged
         self._progress = Progress()  # what this process yielded: state_dict, epoch_order
         self._resume: ResumePoint | None = None  # a loaded checkpoint, for the next pass
+        self._item_names: ItemNames | None = None  # for errors that name an item (`_names`)
         self._attachment = Attachment(
             source, to_bitmap(indices), address=self.address, name=name, batch_size=self.batch_size,
             batched=batched, timeout_s=timeout_s, drop_last=drop_last, seed=seed, verify=bool(verify),
@@ -379,6 +381,14 @@ class JoaderDataset(IterableDataset):
         return Owner(self.source, self._attachment.digest, self.seed, self._seed_given, self.rank, self.world_size,
                      self.hosts.as_dict() if self.hosts is not None else None)
 
+    def _names(self) -> ItemNames:
+        """How an error names this job's items: class, and path when `root` is known."""
+        if self._item_names is None:
+            description = self._attachment.description
+            self._item_names = ItemNames(self.root, description.num_source_items,
+                                         {label: name for name, label in description.class_to_idx.items()})
+        return self._item_names
+
     def epoch_order(self, epoch: int) -> list[int]:
         """The indices this process yielded in `epoch`, in order (for epochs it read)."""
         order = self._progress.orders.get(epoch)
@@ -419,7 +429,8 @@ class JoaderDataset(IterableDataset):
             source=self.source, batch_size=self.batch_size, batch_size_given=self._batch_size_given,
             batched=self.batched, transform=self.transform, return_index=self.return_index,
             on_error=self.on_error, timeout_s=self.timeout_s, prefetch=self.prefetch,
-            item_shape=self.item_shape, item_dtype=self.item_dtype, rank=self.rank, world_size=self.world_size)
+            item_shape=self.item_shape, item_dtype=self.item_dtype, rank=self.rank, world_size=self.world_size,
+            names=self._names())
         return Reader(connection, pass_, self._progress, options, warned=self._warned, pool=self._pool,
                       lease=attachment).start()
 

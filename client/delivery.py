@@ -24,7 +24,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from joader.client import frameworks
+from joader.client.batch_shapes import ItemNames, guard_shapes, shape_error
 from joader.client.batchpool import ProcessBatchPool
 from joader.client.connection import BATCHES_PER_REQUEST, Call, Connection, Reply
 from joader.client.handoff import ArenaBatch, Layout, Receipts
@@ -40,7 +41,6 @@ from joader.client.prefetch import prefetched
 from joader.client.shm_batches import guard_collate, shared_batch_tensor
 from joader.errors import (
     DecodeError,
-    InvalidArgumentError,
     PassSupersededError,
     superseded_message,
 )
@@ -72,6 +72,10 @@ class ReadOptions:
     item_dtype: str = ""
     rank: int | None = 0
     world_size: int = 1
+    names: ItemNames = field(default_factory=ItemNames)  # how an error names an item
+
+
+_SERVED_KEPT = 8192  # odd-shaped items remembered for a batch's error (the newest)
 
 
 class Reader:
@@ -89,6 +93,7 @@ class Reader:
         self.size = options.batch_size  # items per request: whole batches of the loop's size
         self.warned = warned if warned is not None else set()
         self.pool = pool if pool is not None else ProcessBatchPool()
+        self.served: dict[int, tuple[int, ...]] = {}  # items served in another shape than the stage's
         # NOTE [ A pass keeps its job's lease ]
         # `for x in JoaderDataset(...)` holds only the iterator: the job's lease (the dataset's
         # attachment, whose collection stops the lease keeper) must live as long as the pass.
@@ -281,13 +286,25 @@ class Reader:
                            display_path(failed.path), failed.reason)
 
     def _check_shapes(self, response: Any) -> None:
-        expected = self.options.item_shape
+        """`batched=True`: every item goes into one batch tensor of the stage's shape."""
+        options = self.options
+        for index, label, item_shape in zip(response.item_ids, response.labels, shapes(response), strict=True):
+            if item_shape != options.item_shape:
+                raise shape_error(options.source, options.names.name(index, label), item_shape, options.item_shape)
+
+    def _note_served(self, response: Any) -> None:
+        """Remembers the items served in another shape than the stage's, for the error of a
+        batch that cannot be formed (`joader.client.batch_shapes`)."""
+        expected, served = self.options.item_shape, self.served
         for index, item_shape in zip(response.item_ids, shapes(response), strict=True):
             if item_shape != expected:
-                raise InvalidArgumentError(
-                    f"job {self.conn.job_id}: item {index} of {self.options.source!r} has shape {item_shape}, "
-                    f"not the stage's {expected} (an image smaller than the stage's size is "
-                    "served as it is); set upscale = true for the source, or use batched=False")
+                served[index] = item_shape
+                if len(served) > _SERVED_KEPT:
+                    del served[next(iter(served))]
+
+    def _recent(self, count: int) -> list[int]:
+        """The last `count` items this pass yielded (NOTE [ Which items a failed batch holds ])."""
+        return self.progress.orders.get(self.pass_.epoch, [])[-count:]
 
     # ----------------------------------------------------------------------------- modes
 
@@ -346,8 +363,11 @@ class Reader:
         `prefetch` replies ahead by a thread (`joader.client.prefetch`)."""
         self._follow_loader(skip=3)
         worker = get_worker_info()
+        fetcher = frameworks.loader_fetcher(skip=3)
         if worker is not None:
-            guard_collate(frameworks.loader_fetcher(skip=3))
+            guard_collate(fetcher)
+        guard_shapes(fetcher, self._recent, self.served, self.options.names, self.options.source,
+                     self.options.item_shape)
         chunks = self._item_chunks()
         if self.options.prefetch > 0 and worker is None:
             chunks = prefetched(chunks, self.options.prefetch, f"joader-prefetch-{self.conn.job_id}")
@@ -366,6 +386,7 @@ class Reader:
                                                                              strict=True)]
             conn.mapping(response.arena or reply.identity.arena).copy_many(response.offsets, response.lengths, arrays)
             conn.check(response, arrays)
+            self._note_served(response)
             placed.extend(zip(response.item_ids, map(torch.from_numpy, arrays), response.labels, strict=True))
 
         transform, return_index = self.options.transform, self.options.return_index
