@@ -3,24 +3,28 @@
 Pure: it takes what was measured over a window and answers what-ifs; `joader.client.analyze`
 does the measuring. The model and its assumptions (docs/analyze.md has the long form):
 
-- Job j, left alone with data always ready, would consume `u_j = 1 / c_j` samples/s, where
-  `c_j` is its measured step time per sample (the training loop's time between `next()` calls,
-  reported by the client); a job that is compute-bound now keeps the little it still waits per
-  sample (request latency, the copy), which more decoding would not remove. Its stall is `w / (w + c)`: with a delivered rate `x_j`, the stall is
-  `1 - x_j * c_j`.
-- Delivering `X` samples/s costs `X * m` decodes/s, where `m` is decodes per delivery (measured;
+- Time per sample. Job j's wall time per delivered sample is `1 / x_j`; its measured stall `s_j`
+  of that is waiting for data, the rest `c_j = (1 - s_j) / x_j` is its step (with whatever the
+  loop does between epochs). With data always ready it would consume `u_j = 1 / c_j` samples/s;
+  a job that is compute-bound now keeps the little it still waits per sample (`w_j = s_j / x_j`:
+  a request's round trip, the copy), which more decoding would not remove. With a delivered rate
+  `x_j`, its stall is `1 - x_j c_j`.
+- Delivering `X` samples/s costs `X m` decodes/s, where `m` is decodes per delivery (measured;
   sharing between jobs and copies kept across epochs make it < 1).
-- Capacity. Each decode worker is one process: at most one core, so `k` workers decode at most
-  `k / d` items/s (`d`: CPU seconds per decode, measured from the workers' CPU time). And the
-  host has `C` cores: decodes (`m * d` per sample), joaderd's own work (`e` per sample) and the
-  jobs' processes (`g` per sample: copies, collate, and any CPU their step uses) share what
-  other processes (`C_rest`) leave. So `X <= k / (m d)` and `X <= (C - C_rest) / (m d + e + g)`.
-- Sharing the capacity. joaderd decodes what is due soonest (deadline pacing), so a job that
-  asks for less than its share gets all it asks for and the rest is split evenly: water-filling,
+- Capacity: the largest `X` whose CPU needs the host's `C` cores can meet when shared fairly
+  (max-min, as the kernel shares them between busy processes). Needs at rate `X`: each of the
+  `k` decode workers `X m d / k` (`d`: CPU seconds per decode), joaderd's main process `X e`,
+  each job's process `X g / n`; none can use more than one core. Other processes are taken to
+  want the cores they used in the window (`C_rest`), in entities of at most one core, and to
+  give way to joader's processes only down to a fair share. So a worker more adds a core's
+  fair share, not a whole core, on a busy host, and none on a host that is full.
+- Sharing it. joaderd decodes what is due soonest (deadline pacing), so a job that asks for less
+  than its share gets all it asks for and the rest is split evenly: water-filling,
   `x_j = min(u_j, L)` with `sum_j x_j = X_cap`.
-- Calibration. At the current setting the model's capacity is scaled to the measured total rate
-  when the host is prep-bound (so systematic error cancels in the what-ifs); compute-bound, the
-  capacity is not observed and is taken as modelled.
+- Calibration. What was delivered, `X_now`, was possible: the capacity at the current setting is
+  at least `X_now`, and when a job waits for data (prep-bound) it is `X_now`. The model's capacity
+  is scaled to that, and the what-ifs keep the factor. So the prediction for the current setting
+  reproduces the window it was fit on, up to how water-filling splits the rate between jobs.
 - Cache. Decodes per delivery for a cache of `S` bytes, with `B` the bytes of the jobs' data:
   `m(S) = m_fresh * (1 - min(1, S / B))`, where `m_fresh` is decodes per delivery without
   cross-epoch reuse (one over within-epoch sharing): the share `S / B` of an epoch's items is
@@ -30,9 +34,13 @@ does the measuring. The model and its assumptions (docs/analyze.md has the long 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 PREP_BOUND_STALL = 0.10  # a job waiting this share of its time or more is prep-bound
+# How far the prediction for the current setting may be from the measured stall (docs/analyze.md).
+STATED_ERROR = 0.05
+_CALIBRATION_RANGE = (0.5, 1.5)  # a prep-bound window further off than this is not trusted
 
 
 @dataclass(frozen=True)
@@ -42,11 +50,10 @@ class JobWindow:
     name: str
     job_id: str
     epoch_items: int
-    samples_per_s: float  # delivered
+    samples_per_s: float  # x_j, delivered
     stall: float | None  # measured wait / (wait + step); None: not measured (DataLoader workers)
-    step_s_per_sample: float | None  # c_j
-    wait_s_per_sample: float = 0.0  # w_j: what it waited per sample (for a compute-bound job:
-    # the requests' latency, which more decoding does not remove)
+    step_s_per_sample: float | None  # the client's step seconds per sample (used when x_j is 0)
+    wait_s_per_sample: float = 0.0  # the client's wait seconds per sample (idem)
 
 
 @dataclass(frozen=True)
@@ -71,7 +78,7 @@ class Prediction:
     stall: dict[str, float | None] = field(default_factory=dict)
     epoch_s: dict[str, float | None] = field(default_factory=dict)
     capacity: float = 0.0  # samples/s the host could deliver in total
-    limit: str = ""  # "jobs" (compute-bound), "decode workers" or "host CPU"
+    limit: str = ""  # "jobs" (compute-bound), "decode workers", "joaderd" or "host CPU"
 
 
 def water_fill(demands: list[float], capacity: float) -> list[float]:
@@ -89,6 +96,23 @@ def water_fill(demands: list[float], capacity: float) -> list[float]:
     return rates
 
 
+def per_sample(job: JobWindow) -> tuple[float, float]:
+    """(step, wait) seconds per delivered sample, in the job's wall time.
+
+    NOTE [ Wall time, not the loop's clock ]
+    The client times `next()` (wait) and the time between calls (step), but not what the loop
+    does between epochs (a new iterator, an evaluation, a checkpoint, the epoch's stall report).
+    Taking `1 / (step + wait)` from those clocks as the job's rate overstated it by 5% with
+    epochs of a second, and a compute-bound mix on a full host was then predicted to stall 11-17%
+    where it measured 2-4%. Split the wall time per sample by the measured stall instead: the
+    time between epochs counts as step, and the prediction at the measured rate is the measured
+    stall."""
+    assert job.stall is not None
+    if job.samples_per_s > 0:
+        return (1.0 - job.stall) / job.samples_per_s, job.stall / job.samples_per_s
+    return job.step_s_per_sample or 0.0, job.wait_s_per_sample
+
+
 def cache_factor(host: HostWindow, cache_bytes: int) -> float:
     """Decodes per delivery with a cache of `cache_bytes`, from the measured ones."""
     def kept(size: int) -> float:
@@ -99,36 +123,71 @@ def cache_factor(host: HostWindow, cache_bytes: int) -> float:
     return host.fresh_decodes_per_delivery * (1 - kept(cache_bytes)) * scale
 
 
-def capacity(host: HostWindow, workers: int, decodes_per_delivery: float) -> tuple[float, str]:
+def fair_shares(wants: list[float], cores: float) -> list[float]:
+    """Max-min fair shares of `cores` between processes that want `wants` cores (each <= 1)."""
+    return water_fill(wants, cores)
+
+
+def _others(host: HostWindow) -> list[float]:
+    """Other processes as entities of at most one core each, wanting what they used."""
+    count = math.ceil(host.rest_cores - 1e-9)
+    return [host.rest_cores / count] * count if count > 0 else []
+
+
+def _fits(host: HostWindow, workers: int, num_jobs: int, m: float, rate: float) -> bool:
+    """Whether the host's cores, shared fairly, meet joader's needs at `rate` samples/s."""
+    needs = [rate * m * host.decode_cpu_s / workers] * workers
+    needs += [rate * host.server_cpu_per_sample]
+    needs += [rate * host.jobs_cpu_per_sample / num_jobs] * num_jobs
+    if any(need > 1.0 for need in needs):  # one process, one core
+        return False
+    shares = fair_shares(needs + _others(host), host.cores)
+    return all(share >= need * (1 - 1e-9) for share, need in zip(shares, needs, strict=False))
+
+
+def capacity(host: HostWindow, workers: int, decodes_per_delivery: float,
+             num_jobs: int = 1) -> tuple[float, str]:
     """Samples/s the host can deliver with `workers` decode workers, and what limits it."""
-    per_sample = decodes_per_delivery * host.decode_cpu_s
-    by_workers = workers / per_sample if per_sample > 0 else float("inf")
-    cpu_per_sample = per_sample + host.server_cpu_per_sample + host.jobs_cpu_per_sample
-    free = max(0.05, host.cores - host.rest_cores)
-    by_cpu = free / cpu_per_sample if cpu_per_sample > 0 else float("inf")
-    return (by_workers, "decode workers") if by_workers <= by_cpu else (by_cpu, "host CPU")
+    workers, num_jobs = max(1, workers), max(1, num_jobs)
+    bounds = {"host CPU": host.cores / max(1e-12, decodes_per_delivery * host.decode_cpu_s
+                                           + host.server_cpu_per_sample + host.jobs_cpu_per_sample)}
+    if decodes_per_delivery * host.decode_cpu_s > 0:
+        bounds["decode workers"] = workers / (decodes_per_delivery * host.decode_cpu_s)
+    if host.server_cpu_per_sample > 0:
+        bounds["joaderd"] = 1.0 / host.server_cpu_per_sample
+    high = min(bounds.values())
+    if math.isinf(high) or high > 1e12:
+        return float("inf"), "host CPU"
+    low = 0.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        if _fits(host, workers, num_jobs, decodes_per_delivery, middle):
+            low = middle
+        else:
+            high = middle
+    # a process bound within 1% of the capacity is the limit; otherwise the host's cores are
+    limit = min(bounds, key=bounds.__getitem__)
+    if limit != "host CPU" and bounds[limit] > low * 1.01:
+        limit = "host CPU"
+    return low, limit
 
 
 def predict(jobs: list[JobWindow], host: HostWindow, *, workers: int | None = None,
             cache_bytes: int | None = None) -> Prediction:
     """Each job's rate, stall and epoch time with `workers` decode workers and a cache of
     `cache_bytes` (default: as now), calibrated on the measured rates."""
-    measured = [j for j in jobs if j.step_s_per_sample]
-    demands = [1.0 / _per_sample_floor(j) for j in measured]
-    m_now = host.decodes_per_delivery
-    now_cap, _ = capacity(host, host.workers, m_now)
-    delivered_now = sum(j.samples_per_s for j in measured)
-    prep_bound_now = any(j.stall is not None and j.stall >= PREP_BOUND_STALL for j in measured)
-    calibration = min(1.5, delivered_now / now_cap) if prep_bound_now and now_cap > 0 and delivered_now > 0 else 1.0
-    m = cache_factor(host, cache_bytes) if cache_bytes is not None else m_now
-    cap, limit = capacity(host, workers if workers is not None else host.workers, m)
+    measured = [j for j in jobs if j.stall is not None and (j.samples_per_s > 0 or j.step_s_per_sample)]
+    demands = [1.0 / max(1e-9, _per_sample_floor(j)) for j in measured]
+    calibration = _calibration(measured, host)
+    m = cache_factor(host, cache_bytes) if cache_bytes is not None else host.decodes_per_delivery
+    cap, limit = capacity(host, workers if workers is not None else host.workers, m, len(measured))
     cap *= calibration
     rates = water_fill(demands, cap)
-    result = Prediction(capacity=cap, limit=limit if sum(demands) > cap else "jobs")
+    result = Prediction(capacity=cap, limit=limit if sum(demands) > cap * (1 + 1e-9) else "jobs")
     for job, rate in zip(measured, rates, strict=True):
-        assert job.step_s_per_sample is not None
+        step, _ = per_sample(job)
         result.samples_per_s[job.job_id] = rate
-        result.stall[job.job_id] = max(0.0, 1.0 - rate * job.step_s_per_sample)  # the residual wait counts
+        result.stall[job.job_id] = min(1.0, max(0.0, 1.0 - rate * step))  # the residual wait counts
         result.epoch_s[job.job_id] = job.epoch_items / rate if rate > 0 else None
     for job in jobs:
         if job not in measured:
@@ -138,13 +197,25 @@ def predict(jobs: list[JobWindow], host: HostWindow, *, workers: int | None = No
     return result
 
 
+def _calibration(measured: list[JobWindow], host: HostWindow) -> float:
+    """The factor that makes the model's capacity at the current setting agree with the window:
+    equal to what was delivered when a job waited for data, at least that when none did."""
+    delivered = sum(j.samples_per_s for j in measured)
+    modelled, _ = capacity(host, host.workers, host.decodes_per_delivery, len(measured))
+    if delivered <= 0 or modelled <= 0 or math.isinf(modelled):
+        return 1.0
+    if any(classify(j) == "prep" for j in measured):
+        low, high = _CALIBRATION_RANGE
+        return min(high, max(low, delivered / modelled))
+    return max(1.0, delivered / modelled)
+
+
 def _per_sample_floor(job: JobWindow) -> float:
     """Seconds per sample the job needs even with data always ready: its step, plus, when it is
     compute-bound now, the little it still waits (a request's round trip, the copy), which more
     decoding would not remove. A prep-bound job's wait is the stall itself: not counted."""
-    assert job.step_s_per_sample is not None
-    residual = job.wait_s_per_sample if classify(job) == "compute" else 0.0
-    return job.step_s_per_sample + residual
+    step, wait = per_sample(job)
+    return step + (wait if classify(job) == "compute" else 0.0)
 
 
 def classify(job: JobWindow) -> str:

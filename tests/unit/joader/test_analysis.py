@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from joader.analysis import HostWindow, JobWindow, capacity, classify, predict, water_fill
+from joader.analysis import HostWindow, JobWindow, capacity, classify, fair_shares, per_sample, predict, water_fill
 
 HOST = HostWindow(cores=2.0, workers=1, decode_cpu_s=0.004, decodes_per_delivery=0.5,
                   fresh_decodes_per_delivery=0.5, server_cpu_per_sample=0.0001, jobs_cpu_per_sample=0.0002,
@@ -36,7 +36,7 @@ def test_a_compute_bound_mix_is_predicted_without_stall_and_unchanged_by_workers
         prediction = predict(jobs, HOST, workers=workers)
         assert prediction.limit == "jobs"
         assert prediction.samples_per_s == {"a": pytest.approx(100), "b": pytest.approx(50)}
-        assert prediction.stall == {"a": pytest.approx(0.0), "b": pytest.approx(0.0)}
+        assert prediction.stall == {"a": pytest.approx(0.01), "b": pytest.approx(0.0)}  # as measured
         assert prediction.epoch_s["a"] == pytest.approx(10.0)
     assert [classify(j) for j in jobs] == ["compute", "compute"]
 
@@ -74,7 +74,36 @@ def test_a_job_without_a_measured_stall_is_reported_as_is() -> None:
 
 
 def test_a_compute_bound_job_keeps_its_small_residual_wait_in_the_what_ifs() -> None:
-    jobs = [JobWindow("a", "a", 1000, 95.0, 0.05, 0.0095, wait_s_per_sample=0.0005)]
+    # 100/s, 5% of it waiting: 0.0095 s of step and 0.0005 s of wait per sample of wall time
+    jobs = [JobWindow("a", "a", 1000, 100.0, 0.05, 0.0095, wait_s_per_sample=0.0005)]
     prediction = predict(jobs, HOST, workers=3)
-    assert prediction.samples_per_s["a"] == pytest.approx(100.0)  # 1 / (0.0095 + 0.0005)
+    assert prediction.samples_per_s["a"] == pytest.approx(100.0)
     assert prediction.stall["a"] == pytest.approx(0.05) and prediction.epoch_s["a"] == pytest.approx(10.0)
+
+
+def test_the_step_is_the_wall_time_per_sample_less_the_stall_not_the_clients_clock() -> None:
+    """The client's clocks miss the time between epochs: its step + wait per sample say 125/s
+    where 100/s were delivered. The job's demand is what the window shows, 100/s."""
+    jobs = [JobWindow("a", "a", 1000, 100.0, 0.02, 0.0078, wait_s_per_sample=0.0002)]
+    assert per_sample(jobs[0]) == (pytest.approx(0.0098), pytest.approx(0.0002))
+    tight = dataclasses.replace(HOST, rest_cores=2.0 - 100 * 0.0023)  # the host exactly full at 100/s
+    prediction = predict(jobs, tight)
+    assert prediction.samples_per_s["a"] == pytest.approx(100.0, rel=1e-6)
+    assert prediction.stall["a"] == pytest.approx(0.02, abs=1e-6)
+
+
+def test_cores_are_shared_fairly_so_a_worker_more_gains_a_share_of_a_busy_host() -> None:
+    assert fair_shares([0.2, 1.0, 1.0], 2.0) == [pytest.approx(0.2), pytest.approx(0.9), pytest.approx(0.9)]
+    # others use 1.5 cores (two processes of 0.75): the 0.5 core left is not the limit, the
+    # kernel shares: one worker gets a third of the 2 cores, two workers half a core each
+    busy = dataclasses.replace(HOST, rest_cores=1.5, server_cpu_per_sample=0.0, jobs_cpu_per_sample=0.0)
+    one, limit_one = capacity(busy, 1, 0.5)
+    two, limit_two = capacity(busy, 2, 0.5)
+    assert one == pytest.approx((2 / 3) / 0.002, rel=1e-6) and limit_one == "host CPU"
+    assert two == pytest.approx(1.0 / 0.002, rel=1e-6) and limit_two == "host CPU"
+
+
+def test_joaderds_one_process_is_named_when_it_is_the_limit() -> None:
+    heavy = dataclasses.replace(HOST, cores=8.0, rest_cores=0.0, server_cpu_per_sample=0.001)
+    rate, limit = capacity(heavy, 4, 0.5)  # the workers could do 2,000/s, joaderd's core 1,000/s
+    assert rate == pytest.approx(1000.0, rel=1e-6) and limit == "joaderd"
