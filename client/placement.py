@@ -14,6 +14,7 @@ Pure but for reading the environment and torch.distributed's state (both passed 
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import uuid
 from collections.abc import Mapping
@@ -113,12 +114,72 @@ def unsettled_message(env: Mapping[str, str] | None = None) -> str:
 
 # NOTE [ Default names that tell trials apart ]
 # Every job of one process was `<script>-<pid>`: the six trials of an Optuna study run in
-# threads (`n_jobs`) showed as one name six times in `joader status`, and Ray Tune's trials as
-# `default_worker.py-<pid>`, a name that says nothing. So a process's jobs are named after the
-# Ray Tune trial it runs, if it runs one, else `<script>-<pid>`; and the second and later
-# dataset of a process under that name (an Optuna thread's trial, a validation set) is
-# `<name>-2`, `-3`, ... (`joader.client.attachment.next_solo_name`). The ranks of a DDP job keep
-# their own rule (`job_name`): every rank must come to the same name.
+# threads (`n_jobs`) showed as one name six times in `joader status`, Ray Tune's trials as
+# `default_worker.py-<pid>`, a name that says nothing, and a bash loop's trials as
+# `train.py-14907` ... `train.py-14910`, which learning rate is which only `ps` could say. So a
+# process's jobs are named after the Ray Tune trial it runs, if it runs one, else after its
+# command line (`command_name`: `train.py --lr 0.1`, paths shortened to their last part); the
+# second and later dataset of a process under that name (an Optuna thread's trial, a validation
+# set) is `<name> #2`, `#3`, ... (`<name>-2` for a name without arguments;
+# `joader.client.attachment.next_solo_name`). A default name another live job has (the same
+# command run twice) gets the pid, `train.py (pid 14907)`, when joaderd says so at attach
+# (`joader.client.attachment`). The ranks of a DDP job keep their own rule (`job_name`): every
+# rank must come to the same name.
+
+NAME_MAX = 64  # characters of a default name (joaderd's log shows 80, a job id's prefix 40)
+_WORD_MAX = 24  # characters of one argument in it
+
+
+def command_name(argv: list[str]) -> str:
+    """`train.py --lr 0.1`: the script and its arguments, each path shortened to its last part,
+    unprintable characters replaced, words longer than 24 characters cut, path-valued words
+    left out first when the whole would pass `NAME_MAX`, then the last words cut (" ...")."""
+    script, args = _script(argv)
+    words = [_word(arg) for arg in args]
+    name = " ".join([script, *words])
+    if len(name) > NAME_MAX:  # paths rarely tell trials apart: drop them (and their option)
+        kept = [w for i, w in enumerate(words) if not _path_like(args[i])
+                and not (w.startswith("-") and "=" not in w and i + 1 < len(args) and _path_like(args[i + 1]))]
+        name = " ".join([script, *kept])
+    if len(name) <= NAME_MAX:
+        return name
+    return name[:NAME_MAX - 3].rsplit(" ", 1)[0] + " ..."  # whole words
+
+
+def _script(argv: list[str]) -> tuple[str, list[str]]:
+    """(the program's short name, its arguments): `python -m pkg` shows as `pkg`."""
+    if not argv or not argv[0]:
+        return "python", []
+    if argv[0] == "-c":
+        return "python -c", list(argv[1:])
+    path = argv[0].rstrip("/")
+    base = os.path.basename(path) or "python"
+    if base == "__main__.py":
+        base = os.path.basename(os.path.dirname(path)) or base
+    return _word(base), list(argv[1:])
+
+
+def _path_like(arg: str) -> bool:
+    value = arg.split("=", 1)[1] if arg.startswith("-") and "=" in arg else arg
+    return "/" in value
+
+
+def _word(arg: str) -> str:
+    """One argument as a name shows it: a path's last part, printable, without spaces (quoted
+    if it has some), at most `_WORD_MAX` characters."""
+    key, value = (arg.split("=", 1)[0] + "=", arg.split("=", 1)[1]) if arg.startswith("-") and "=" in arg \
+        else ("", arg)
+    if "/" in value:
+        value = os.path.basename(value.rstrip("/")) or value
+    word = "".join(c if c.isprintable() else "?" for c in key + value)
+    if any(c.isspace() for c in word):
+        word = shlex.quote(word)
+    return word if len(word) <= _WORD_MAX else word[:_WORD_MAX - 3] + "..."
+
+
+def with_pid(name: str, pid: int | None = None) -> str:
+    """A default name another live job has, made this process's: `train.py (pid 14907)`."""
+    return f"{name} (pid {os.getpid() if pid is None else pid})"
 
 
 def ray_trial_name(modules: Mapping[str, Any] | None = None) -> str | None:
@@ -146,29 +207,31 @@ def ray_trial_name(modules: Mapping[str, Any] | None = None) -> str | None:
     return str(name) if name else None
 
 
-def process_name(*, pid: int | None = None, modules: Mapping[str, Any] | None = None) -> str:
-    """The default name of a job of one process: its Ray Tune trial's name, else
-    `<script>-<pid>` (NOTE [ Default names that tell trials apart ])."""
+def process_name(*, modules: Mapping[str, Any] | None = None, argv: list[str] | None = None) -> str:
+    """The default name of a job of one process: its Ray Tune trial's name, else its command
+    line, `train.py --lr 0.1` (NOTE [ Default names that tell trials apart ])."""
     trial = ray_trial_name(modules)
     if trial:
         return trial
-    script = os.path.basename(sys.argv[0] or "python") or "python"
-    return f"{script}-{os.getpid() if pid is None else pid}"
+    return command_name(sys.argv if argv is None else argv)
 
 
 def numbered(name: str, serial: int) -> str:
-    """`name` for the first dataset of a process under it, `name-2`, `name-3`, ... after."""
-    return name if serial <= 1 else f"{name}-{serial}"
+    """`name` for the first dataset of a process under it, then `name #2`, `name #3`, ... (a
+    name without arguments: `name-2`, ...)."""
+    if serial <= 1:
+        return name
+    return f"{name} #{serial}" if " " in name else f"{name}-{serial}"
 
 
 def job_name(placement: Placement, *, ordinal: str, env: Mapping[str, str] | None = None,
-             distributed: Any = None, pid: int | None = None, ppid: int | None = None,
+             distributed: Any = None, ppid: int | None = None,
              modules: Mapping[str, Any] | None = None) -> str:
     """A default name for the job: the same on every rank of one run, and new in the next run
     (a name is how ranks find their job; consecutive runs under one name collided when it came
     from a fixed `MASTER_PORT`, e.g. accelerate's 29500).
 
-    One process: `process_name` (its Ray Tune trial's name, else `<script>-<pid>`; a process's
+    One process: `process_name` (its Ray Tune trial's name, else its command line; a process's
     later datasets number it, `joader.client.attachment.next_solo_name`). Ranks with a process
     group: a name that the first rank to ask writes into the group's store (`compare_set`, so no
     rank waits for another), keyed by `ordinal` (the dataset's place among this process's
@@ -177,7 +240,7 @@ def job_name(placement: Placement, *, ordinal: str, env: Mapping[str, str] | Non
     """
     env = os.environ if env is None else env
     if placement.world_size == 1:
-        return process_name(pid=pid, modules=modules)
+        return process_name(modules=modules)
     script = os.path.basename(sys.argv[0] or "python") or "python"
     store = _store(distributed)
     if store is not None:

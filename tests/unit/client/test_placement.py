@@ -100,7 +100,7 @@ def test_ranks_of_a_group_agree_on_a_new_name_per_dataset() -> None:
 
 def test_names_without_a_group() -> None:
     one = Placement(0, 1, ALONE)
-    assert job_name(one, ordinal="o", env={}, pid=41).endswith("-41")
+    assert job_name(one, ordinal="o", env={}) == placement.process_name()
     ranks = Placement(0, 2, ENVIRONMENT)
     assert job_name(ranks, ordinal="o", env={"TORCHELASTIC_RUN_ID": "abc"}).endswith("-abc")
     # torchrun without a run id says "none": its agent (the ranks' parent) is one per run
@@ -132,7 +132,7 @@ def test_a_ray_tune_trial_names_its_processs_jobs_and_ray_is_never_imported() ->
              "ray.train._internal.session": _session(True)}
     assert placement.ray_trial_name(trial) == "train_cnn_5f3a2_00001"
     assert placement.process_name(modules=trial) == "train_cnn_5f3a2_00001"
-    assert job_name(Placement(0, 1, ALONE), ordinal="o", env={}, pid=41, modules=trial) == "train_cnn_5f3a2_00001"
+    assert job_name(Placement(0, 1, ALONE), ordinal="o", env={}, modules=trial) == "train_cnn_5f3a2_00001"
     # a Ray worker outside a trial (a task, the driver): its session is None, Ray's call is not made
     outside = dict(trial, **{"ray.train._internal.session": _session(False), "ray.tune": RayTune(None, fails=True)})
     assert placement.ray_trial_name(outside) is None
@@ -144,12 +144,35 @@ def test_a_ray_tune_trial_names_its_processs_jobs_and_ray_is_never_imported() ->
     # Ray imported without Ray Tune, or not at all: the script's name
     for modules in ({"ray": object()}, {}):
         assert placement.ray_trial_name(modules) is None
-        assert placement.process_name(pid=41, modules=modules).endswith("-41")
+        assert placement.process_name(modules=modules, argv=["/x/train.py", "--lr", "0.1"]) == "train.py --lr 0.1"
     # the ranks of a DDP job keep their rule, trial or not
     ranks = Placement(0, 2, ENVIRONMENT)
     assert job_name(ranks, ordinal="o", env={"TORCHELASTIC_RUN_ID": "abc"}, modules=trial).endswith("-abc")
 
 
 def test_later_datasets_of_a_name_are_numbered() -> None:
-    assert placement.numbered("sweep.py-7925", 1) == "sweep.py-7925"
-    assert placement.numbered("sweep.py-7925", 3) == "sweep.py-7925-3"
+    assert placement.numbered("sweep.py", 1) == "sweep.py"
+    assert placement.numbered("sweep.py", 3) == "sweep.py-3"
+    assert placement.numbered("sweep.py --lr 0.1", 2) == "sweep.py --lr 0.1 #2"  # not "--lr 0.1-2"
+
+
+@pytest.mark.parametrize(("argv", "name"), [
+    (["/home/me/exp/train.py", "--lr", "0.1"], "train.py --lr 0.1"),
+    (["train.py", "--lr=0.01", "--data", "/datasets/imagenet/train/"], "train.py --lr=0.01 --data train"),
+    (["/venv/lib/python3.11/site-packages/pytest/__main__.py", "-q"], "pytest -q"),  # python -m pytest -q
+    (["-c", "7"], "python -c 7"),
+    ([""], "python"),
+    ([], "python"),
+    (["train.py", "--note", "two words\n"], "train.py --note 'two words?'"),
+    (["train.py", "--tag", "x" * 40], "train.py --tag " + "x" * 21 + "..."),
+    (["train.py", "--data", "/d/a/" + "imagenet" * 2, "--out", "/runs/" + "r" * 20, "--epochs", "90",
+      "--batch-size", "256", "--lr", "0.1"], "train.py --epochs 90 --batch-size 256 --lr 0.1"),
+    (["train.py", *[f"--opt{i}" for i in range(20)]], "train.py " + " ".join(f"--opt{i}" for i in range(7)) + " ..."),
+])
+def test_a_default_name_is_the_command_line_short_and_printable(argv: list[str], name: str) -> None:
+    assert placement.command_name(argv) == name
+    assert len(name) <= placement.NAME_MAX
+
+
+def test_a_name_another_live_job_has_takes_the_pid() -> None:
+    assert placement.with_pid("train.py --lr 0.1", pid=14907) == "train.py --lr 0.1 (pid 14907)"
