@@ -38,7 +38,7 @@ def parse_stage_spec(text: str) -> tuple[str, int | None]:
         if "/" in tail:
             raise InvalidArgumentError(
                 f"stage {text!r}: only the kind and size go here ({head}:SIZE); the mode (RGB, "
-                "L) and the decoder (pil, turbo) are separate settings"
+                "L) and the decoder (pil, pil-draft, turbo) are separate settings"
             )
         try:
             size = int(tail, 10)
@@ -66,16 +66,20 @@ def build_stage(
     *,
     size: int,
     mode: str = "RGB",
-    upscale: bool = False,
+    upscale: bool = True,
     decoder: str = DEFAULT_DECODER,
+    exif_transpose: bool = False,
     options: dict[str, Any] | None = None,
 ) -> Stage:
     """The stage `kind` ("center-crop", "resize", "max-side", or "package.module:factory").
 
-    size: S in pixels (built-in kinds). mode: "RGB" (C=3) or "L" (C=1). upscale: resize images
-    smaller than S up (False: keep them small, see `joader.stages`). decoder: "pil" (exact,
-    today's) or "turbo" (simplejpeg + OpenCV). options: a user stage's factory argument; for
-    decoder "turbo", {"fastdct": bool, "fastupsample": bool}.
+    size: S in pixels (built-in kinds). mode: "RGB" (C=3) or "L" (C=1). upscale: images smaller
+    than S are enlarged to S as torchvision's Resize does (the default; False: kept at their
+    size, see `joader.stages`; max-side never enlarges). decoder: "pil" (exactly torchvision's),
+    "pil-draft" (Pillow with JPEG DCT scaling) or "turbo" (simplejpeg + OpenCV). exif_transpose:
+    turn each image upright by its EXIF orientation first (`ImageOps.exif_transpose`).
+    options: a user stage's factory argument; for decoder "turbo", {"fastdct": bool,
+    "fastupsample": bool}.
     """
     options = {} if options is None else options
     if not isinstance(options, dict):
@@ -106,18 +110,20 @@ def build_stage(
         )
     if decoder not in DECODERS:
         raise InvalidArgumentError(
-            f"stage {kind}: decoder must be 'pil' (Pillow, exact) or 'turbo' (simplejpeg + "
-            f"OpenCV, faster), got {decoder!r}"
+            f"stage {kind}: decoder must be 'pil' (exactly torchvision's), 'pil-draft' (Pillow "
+            f"with JPEG DCT scaling, faster) or 'turbo' (simplejpeg + OpenCV, fastest), got "
+            f"{decoder!r}"
         )
-    if not isinstance(upscale, bool):
-        raise InvalidArgumentError(f"stage {kind}: upscale must be true or false, got {upscale!r}")
+    for key, flag in (("upscale", upscale), ("exif_transpose", exif_transpose)):
+        if not isinstance(flag, bool):
+            raise InvalidArgumentError(f"stage {kind}: {key} must be true or false, got {flag!r}")
     allowed = TURBO_OPTIONS if decoder == "turbo" else {}
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         where = (
             f"decoder turbo takes only {sorted(allowed)}"
             if allowed
-            else "built-in stages with decoder pil take no options"
+            else f"built-in stages with decoder {decoder} take no options"
         )
         raise InvalidArgumentError(
             f"stage {kind}: unknown option(s) {unknown}; {where}; remove them"
@@ -128,4 +134,4 @@ def build_stage(
                 f"stage {kind}: option {key} must be true or false, got {value!r}"
             )
     flags = {**TURBO_OPTIONS, **options}
-    return ImageStage(kind, size, mode, upscale, decoder, **flags)
+    return ImageStage(kind, size, mode, upscale, decoder, exif_transpose=exif_transpose, **flags)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "EXACT_RESIZE_PIXELS",
     "MAX_RESIZE_FACTOR",
     "RESIZE_MAX_ASPECT",
     "Plan",
@@ -19,8 +20,19 @@ __all__ = [
     "torchvision_resized_size",
 ]
 
-MAX_RESIZE_FACTOR = 16  # center-crop resizes the full image up to 16 x S*S pixels; beyond, the crop
+MAX_RESIZE_FACTOR = 16  # center-crop resizes the full image up to 16 x S*S pixels ...
+EXACT_RESIZE_PIXELS = 1 << 24  # ... or up to 16.7M pixels (50 MB RGB); beyond, the crop first
 RESIZE_MAX_ASPECT = 8  # "resize" caps the long side at 8*S (a 1x10000 image would be 256 x 2.5M)
+
+# NOTE [ Bounded work, and where pil stops being exact ]
+# torchvision's Resize(S) of a 1x10000 strip at S=256 is a 256 x 2,560,000 image (8.6 s, 2.7 GB
+# measured) of which CenterCrop keeps 256 x 256. Past a limit, only the source region under the
+# crop is resized (Pillow's resize(box=...)): the same filter taps, but their positions are
+# computed from the box in floating point and round differently, so the output can differ from
+# the full resize by 1 grey level (measured on 40x3000, 7x999, 300x17 at S=64 and 224). So the
+# limit is high: full resizes up to 16.7M pixels are done in full and are exact, i.e. every
+# image with an aspect ratio up to about 330:1 at S=224 (4000:1 at S=64); beyond, pil is
+# within 1 grey level of torchvision (docs/decoders.md).
 
 
 @dataclass(frozen=True)
@@ -28,7 +40,7 @@ class Plan:
     """resize: (width, height) the whole image is resized to, or None (kept as it is).
     crop: (left, top, side) of a square in the resized image (the image when resize is None),
     or None (no crop). crop_first: the resize is too big to do in full; resize only the region
-    under the crop (bounded work, see `joader.sources.stage`).
+    under the crop (NOTE [ Bounded work, and where pil stops being exact ]).
     """
 
     resize: tuple[int, int] | None
@@ -66,7 +78,7 @@ def plan_center_crop(width: int, height: int, size: int, upscale: bool) -> Plan:
     return Plan(
         resize=(new_w, new_h),
         crop=(left, top, size),
-        crop_first=new_w * new_h > MAX_RESIZE_FACTOR * size * size,
+        crop_first=new_w * new_h > max(MAX_RESIZE_FACTOR * size * size, EXACT_RESIZE_PIXELS),
     )
 
 
@@ -86,7 +98,8 @@ def plan_resize(width: int, height: int, size: int, upscale: bool) -> Plan:
 
 
 def plan_max_side(width: int, height: int, size: int) -> Plan:
-    """The longer side capped at `size`, aspect kept; never upscales."""
+    """The longer side capped at `size`, aspect kept; never upscales (a cap, not a size: the
+    upscale setting does not apply)."""
     if width <= 0 or height <= 0:
         raise ValueError(f"image has no pixels ({width}x{height})")
     if max(width, height) <= size:

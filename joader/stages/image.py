@@ -1,8 +1,15 @@
-"""The built-in image stages: center-crop, resize, max-side; modes RGB and L; decoders pil, turbo.
+"""The built-in image stages: center-crop, resize, max-side; modes RGB and L; decoders pil,
+pil-draft, turbo.
 
-decoder "pil" is today's exact path (`joader.sources.stage`): Pillow decodes (a JPEG much larger
-than the target at a reduced DCT scale, `Image.draft`), converts to the mode and resizes with
-BILINEAR (antialiased), so `center-crop` equals torchvision's Resize(S) + CenterCrop(S).
+decoder "pil" is exactly torchvision's ImageFolder + Resize(S) + CenterCrop(S), bit for bit, for
+every format: `Image.open(f).convert("RGB")` (or "L"), the shorter side resized to S with Pillow's
+BILINEAR (antialiased; the longer side `int(S * long / short)`), then the center S x S square at
+top = int(round((h - S) / 2.0)), left = int(round((w - S) / 2.0)) (tests/unit/stages/
+test_torchvision_parity.py holds a reference written from torchvision's documented behaviour).
+
+decoder "pil-draft" is "pil" with `Image.draft` before a JPEG's decode: libjpeg decodes at the
+smallest DCT scale (1/2, 1/4, 1/8) that still covers the resize target, much faster on large
+photos, but not torchvision's pixels (bench/decoders.py measures how far; docs/decoders.md).
 
 decoder "turbo" decodes JPEGs with simplejpeg (libjpeg-turbo straight into a numpy array; a
 reduced DCT scale, 1/2, 1/4 or 1/8, whenever it still covers the resize target; the exact DCT
@@ -10,17 +17,20 @@ by default, the fast one with option fastdct) and resizes with OpenCV: upscaling
 downscaling with a small antialiasing prefilter fitted to Pillow's filter then INTER_LINEAR (see
 `_cv_resize`; INTER_AREA was measured both slower and further from pil). Other formats, CMYK
 JPEGs, JPEGs past Pillow's decompression-bomb limit and any JPEG simplejpeg refuses (libjpeg
-warnings that Pillow tolerates) are decoded by Pillow, so both decoders accept and refuse the
-same files with the same messages. Output shapes are the same for both decoders (`geometry`);
-pixels differ by about a grey level on average (`bench/stage.py` measures it).
+warnings that Pillow tolerates) are decoded by Pillow, so all decoders accept and refuse the
+same files with the same messages. Output shapes are the same for every decoder (`geometry`).
 
-Mode conversion: any Pillow mode becomes RGB (3 channels) or L (1 channel) as Pillow's
-`convert` does (alpha dropped, palette applied, CMYK inverted), except the 16-bit modes (I;16,
-I;16B, I;16L), whose values are scaled to 8 bits (v / 257): Pillow's convert clips them at 255,
-which makes an ordinary 16-bit PNG almost white.
+Mode conversion is Pillow's `convert` (alpha dropped, palette applied, CMYK inverted), as
+torchvision's loader does, 16-bit modes included: Pillow clips I;16 values at 255, so an
+ordinary 16-bit PNG comes out nearly white, under torchvision and here alike (a pair Pillow
+cannot convert directly, LAB -> L, goes through RGB).
+
+EXIF orientation is not applied (neither is it by torchvision's ImageFolder) unless the stage
+is built with exif_transpose=True: then every decoder turns the image upright first, as
+`ImageOps.exif_transpose` does, and sizes and crops the upright image.
 
 Failures (truncated, corrupt, not an image, a decompression bomb) raise `DecodeError` naming
-the item and the reason, exactly as `joader.sources.stage` does.
+the item and the reason.
 """
 
 from __future__ import annotations
@@ -49,9 +59,9 @@ __all__ = ["DECODERS", "IMAGE_KINDS", "MODES", "TURBO_OPTIONS", "ImageStage"]
 
 IMAGE_KINDS = ("center-crop", "resize", "max-side")
 MODES = {"RGB": 3, "L": 1}
-DECODERS = ("pil", "turbo")
+DECODERS = ("pil", "pil-draft", "turbo")
 # turbo: about 1.8x joaderd's decode capacity of pil on ImageNet-sized JPEGs, within about one
-# grey level of it (bench/stage.py, bench/results/stage.json); pil stays for exact parity.
+# grey level of it on average (bench/stage.py, bench/decoders.py); pil stays for exact parity.
 DEFAULT_DECODER = "turbo"
 # Options of decoder turbo and their defaults. fastdct (libjpeg's fast integer IDCT) measured no
 # faster here (bench/stage.py: within +-5%, noise) and 0.4 grey levels further from pil, so the
@@ -61,6 +71,8 @@ TURBO_OPTIONS = {"fastdct": False, "fastupsample": False}
 _JPEG_MAGIC = b"\xff\xd8\xff"
 _TURBO_COLORSPACES = ("YCbCr", "Gray", "RGB")  # CMYK and YCCK go to Pillow
 _BYTESIO_REPR = re.compile(r"\s*<_io\.BytesIO object at 0x[0-9a-fA-F]+>")
+_ORIENTATION_TAG = 0x0112  # EXIF Orientation: 1 upright, 2-8 flips and turns
+_SWAPS_SIDES = (5, 6, 7, 8)  # orientations whose upright image is the stored one turned 90 degrees
 
 
 class ImageStage:
@@ -71,22 +83,21 @@ class ImageStage:
         kind: str,
         size: int,
         mode: str = "RGB",
-        upscale: bool = False,
-        decoder: str = "pil",
+        upscale: bool = True,
+        decoder: str = DEFAULT_DECODER,
         *,
+        exif_transpose: bool = False,
         fastdct: bool = TURBO_OPTIONS["fastdct"],
         fastupsample: bool = TURBO_OPTIONS["fastupsample"],
     ) -> None:
         if kind not in IMAGE_KINDS or mode not in MODES or decoder not in DECODERS:
             raise ValueError(f"bad image stage {kind!r} {mode!r} {decoder!r}")  # build_stage checks
-        self.kind, self.size, self.mode, self.upscale, self.decoder = (
-            kind, size, mode, upscale, decoder,
-        )  # fmt: skip
+        self.kind, self.size, self.mode, self.decoder = kind, size, mode, decoder
+        self.upscale = upscale and kind != "max-side"  # max-side never enlarges
+        self.exif_transpose = exif_transpose
         self.channels = MODES[mode]
         self.fastdct, self.fastupsample = fastdct, fastupsample
-        self.name = f"{kind}:{size}" + (f"/{mode}" if mode != "RGB" else "") + (
-            f"/{decoder}" if decoder != DEFAULT_DECODER else ""
-        ) + ("/upscale" if upscale and kind != "max-side" else "")
+        self.name = _stage_name(kind, size, mode, decoder, self.upscale, exif_transpose)
         self.spec = self._spec()
         # The shape items have but for images smaller than S (center-crop without upscale),
         # which a batched client refuses one by one, naming the item and the fix.
@@ -120,12 +131,14 @@ class ImageStage:
         """The exact bytes `prepare(data)` returns, read from the image's header, or None.
 
         The output's shape follows from the image's width and height alone (`geometry`: the
-        same plan both decoders carry out), and every image format states those in its header:
+        same plan every decoder carries out), and every image format states those in its header:
         simplejpeg reads a JPEG's in about 1 us, Pillow's lazy `Image.open` any other format's
         in about 30 us, neither decoding a pixel. joaderd's decode workers call this ahead of
         the decode (a *probe*, `joader.server.decode_worker`) so that the cache can give the
         decode exactly its bytes instead of the stage's bound (3 x S x 8S for resize), whose
         freed tails were holes too small for the next bound (`joader.server.item_sizes`).
+        EXIF orientation (exif_transpose) need not be read: every plan is symmetric in width
+        and height, so a turned image has the same number of bytes.
 
         None when the header cannot be read (a corrupt or truncated file, not an image, a
         decompression bomb): the decode then goes size first (placed once prepared), and fails
@@ -146,7 +159,7 @@ class ImageStage:
             if self.decoder == "turbo":
                 hwc = self._decode_turbo(data)
             else:
-                hwc = self._decode_pil(data)
+                hwc = self._decode_pil(data, draft=self.decoder == "pil-draft")
         except DecodeError:
             raise
         except Exception as exc:  # includes Image.DecompressionBombError
@@ -161,15 +174,21 @@ class ImageStage:
         chw = np.ascontiguousarray(hwc[None] if hwc.ndim == 2 else hwc.transpose(2, 0, 1))
         return chw if chw.flags.writeable else chw.copy()  # np.asarray(pil image) is read-only
 
-    # -- decoder "pil": today's exact path -------------------------------------------------
+    # -- decoders "pil" and "pil-draft": Pillow --------------------------------------------
 
-    def _decode_pil(self, data: bytes) -> np.ndarray:
+    def _open_pil(self, data: bytes, *, draft: bool) -> tuple[Image.Image, Plan]:
+        """The decoded image in the stage's mode, upright if asked, and its plan."""
         with Image.open(io.BytesIO(data)) as img:
-            plan = self._plan(img.width, img.height)
-            if img.format == "JPEG" and plan.resize is not None:
+            orientation = _orientation(img) if self.exif_transpose else 1
+            plan = self._plan(*_upright_size(img.width, img.height, orientation))
+            if draft and img.format == "JPEG" and plan.resize is not None:
                 # Decode at the smallest DCT scale that still covers the resize target.
-                img.draft("RGB", plan.resize)
+                img.draft("RGB", _upright_size(*plan.resize, orientation))
             pic = _convert(img, self.mode)  # forces the decode: truncated files fail here
+        return _transpose_pil(pic, orientation), plan
+
+    def _decode_pil(self, data: bytes, *, draft: bool) -> np.ndarray:
+        pic, plan = self._open_pil(data, draft=draft)
         if plan.resize is None:
             if plan.crop is not None:
                 left, top, side = plan.crop
@@ -185,17 +204,15 @@ class ImageStage:
     def _decode_turbo(self, data: bytes) -> np.ndarray:
         decoded = self._simplejpeg(data) if data[:3] == _JPEG_MAGIC else None
         if decoded is None:  # not a JPEG, or one for Pillow: decode with Pillow
-            with Image.open(io.BytesIO(data)) as img:
-                plan = self._plan(img.width, img.height)
-                if img.format == "JPEG" and plan.resize is not None:
-                    img.draft("RGB", plan.resize)
-                arr = np.asarray(_convert(img, self.mode))
+            pic, plan = self._open_pil(data, draft=True)
+            arr = np.asarray(pic)
         else:
             arr, plan = decoded
         return _cv_apply(arr, plan)
 
     def _simplejpeg(self, data: bytes) -> tuple[np.ndarray, Plan] | None:
-        """(decoded HWC array, plan), or None when Pillow should decode this JPEG."""
+        """(decoded HWC array, upright if asked, and its plan), or None when Pillow should
+        decode this JPEG."""
         import simplejpeg
 
         try:
@@ -205,10 +222,12 @@ class ImageStage:
         limit = Image.MAX_IMAGE_PIXELS
         if colorspace not in _TURBO_COLORSPACES or (limit and width * height > limit):
             return None  # CMYK/YCCK; or Pillow's decompression-bomb warning or error
-        plan = self._plan(width, height)
+        orientation = _jpeg_orientation(data) if self.exif_transpose else 1
+        plan = self._plan(*_upright_size(width, height, orientation))
         scaled = {}
         if plan.resize is not None:  # a reduced DCT scale (1/2, 1/4, 1/8) still covering it
-            scaled = {"min_width": plan.resize[0], "min_height": plan.resize[1], "min_factor": 2}
+            min_w, min_h = _upright_size(*plan.resize, orientation)  # in stored orientation
+            scaled = {"min_width": min_w, "min_height": min_h, "min_factor": 2}
         try:
             arr = simplejpeg.decode_jpeg(
                 data,
@@ -220,7 +239,75 @@ class ImageStage:
             )
         except Exception:
             return None  # truncated, corrupt, or a libjpeg warning Pillow tolerates
-        return arr, plan
+        return _transpose_array(arr, orientation), plan
+
+
+def _stage_name(kind: str, size: int, mode: str, decoder: str, upscale: bool, exif: bool) -> str:
+    """"center-crop:224", with what differs from the defaults: "/L", "/pil", "/no-upscale",
+    "/exif-transpose"."""
+    parts = [f"{kind}:{size}"]
+    parts += [mode] if mode != "RGB" else []
+    parts += [decoder] if decoder != DEFAULT_DECODER else []
+    parts += ["no-upscale"] if not upscale and kind != "max-side" else []
+    parts += ["exif-transpose"] if exif else []
+    return "/".join(parts)
+
+
+# -- EXIF orientation (ImageOps.exif_transpose's meaning) ----------------------------------
+
+_PIL_TRANSPOSE = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+def _orientation(img: Image.Image) -> int:
+    """The EXIF orientation of an opened image, as `ImageOps.exif_transpose` reads it (1 when
+    absent or not one of 1-8)."""
+    value = img.getexif().get(_ORIENTATION_TAG, 1)
+    return value if value in _PIL_TRANSPOSE else 1
+
+
+def _jpeg_orientation(data: bytes) -> int:
+    """The EXIF orientation of a JPEG's bytes: Pillow's lazy open reads the markers before the
+    scan (APP1 among them), no pixel."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return _orientation(img)
+    except Exception:
+        return 1  # the decode reports what is wrong with the file
+
+
+def _upright_size(width: int, height: int, orientation: int) -> tuple[int, int]:
+    """(width, height) turned by `orientation`; turning back is the same swap."""
+    return (height, width) if orientation in _SWAPS_SIDES else (width, height)
+
+
+def _transpose_pil(pic: Image.Image, orientation: int) -> Image.Image:
+    method = _PIL_TRANSPOSE.get(orientation)
+    return pic if method is None else pic.transpose(method)
+
+
+def _transpose_array(arr: np.ndarray, orientation: int) -> np.ndarray:
+    """`_transpose_pil` of an HW(C) array (tests/unit/stages test the two against each other)."""
+    turn = _ARRAY_TRANSPOSE.get(orientation)
+    return arr if turn is None else np.ascontiguousarray(turn(arr))
+
+
+_ARRAY_TRANSPOSE: dict[int, Callable[[np.ndarray], np.ndarray]] = {
+    2: lambda a: a[:, ::-1],
+    3: lambda a: a[::-1, ::-1],
+    4: lambda a: a[::-1],
+    5: lambda a: a.swapaxes(0, 1),
+    6: lambda a: np.rot90(a, -1),  # Pillow's ROTATE_270: a quarter turn clockwise
+    7: lambda a: a[::-1, ::-1].swapaxes(0, 1),
+    8: lambda a: np.rot90(a, 1),
+}
 
 
 def _header_size(data: bytes) -> tuple[int, int]:
@@ -241,11 +328,8 @@ def _header_size(data: bytes) -> tuple[int, int]:
 
 
 def _convert(img: Image.Image, mode: str) -> Image.Image:
-    """`img` in `mode` ("RGB" or "L"); 16-bit modes scaled to 8 bits instead of clipped."""
-    if img.mode.startswith("I;16"):
-        wide = np.asarray(img).astype(np.uint32)  # forces the decode
-        gray = Image.fromarray(((wide + 128) // 257).astype(np.uint8))
-        return gray if mode == "L" else gray.convert(mode)
+    """`img` in `mode` ("RGB" or "L") as Pillow converts it (torchvision's loader): 16-bit
+    values clipped at 255, as there (NOTE [ 16-bit images ] in docs/decoders.md)."""
     try:
         return img.convert(mode)
     except ValueError:  # a pair Pillow cannot convert directly (LAB -> L): through RGB
@@ -253,8 +337,9 @@ def _convert(img: Image.Image, mode: str) -> Image.Image:
 
 
 def _pil_resize_and_crop(pic: Image.Image, plan: Plan) -> Image.Image:
-    """torchvision's Resize then CenterCrop, in bounded work for extreme shapes (exactly
-    `joader.sources.stage._resize_and_crop`)."""
+    """torchvision's Resize then CenterCrop (exactly, `img.resize((new_w, new_h), BILINEAR)` then
+    `crop`), in bounded work for extreme shapes (NOTE [ Bounded work, and where pil stops being
+    exact ] in `geometry`)."""
     assert plan.resize is not None and plan.crop is not None
     width, height = plan.resize
     left, top, size = plan.crop

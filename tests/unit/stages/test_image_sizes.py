@@ -16,7 +16,7 @@ from tests.support.data import corrupt_jpeg
 
 pytestmark = pytest.mark.timeout(120)
 
-DECODERS = ("pil", "turbo")
+DECODERS = ("pil", "pil-draft", "turbo")
 KINDS = [("center-crop", 64, False), ("center-crop", 64, True), ("resize", 64, False), ("resize", 64, True),
          ("max-side", 64, False), ("resize", 8, False)]
 # (width, height): landscape, portrait, square, smaller than S, extreme strips (capped), 1 px

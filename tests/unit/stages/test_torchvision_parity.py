@@ -1,0 +1,196 @@
+"""decoder "pil" is torchvision's ImageFolder + Resize(S) + CenterCrop(S), bit for bit, for every
+format; EXIF orientation is applied only when asked, alike by every decoder.
+
+torchvision cannot be imported here, so `torchvision_reference` is written from its documented
+behaviour (torchvision 0.15+; `datasets.folder.pil_loader`, `transforms.functional.resize` and
+`center_crop` on a PIL image):
+- pil_loader: `Image.open(f)` then `img.convert("RGB")` (a grey dataset's loader: "L");
+- Resize(S): `_compute_resized_output_size`: short, long = (w, h) if w <= h else (h, w);
+  new_short, new_long = S, int(S * long / short); unchanged size -> the image itself; else
+  `F_pil.resize`: `img.resize((new_w, new_h), Image.BILINEAR)` (Pillow's antialiased bilinear);
+- CenterCrop(S): the same size -> the image itself; else crop_top = int(round((h - S) / 2.0)),
+  crop_left = int(round((w - S) / 2.0)), `img.crop((left, top, left + S, top + S))` (Python's
+  round: halves to even, which the 97/99-wide images below exercise).
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image, ImageOps
+
+from joader.stages import build_stage
+
+pytestmark = pytest.mark.timeout(120)
+
+# (width, height): landscape, portrait, odd sides, crop offsets at .5 (16.5 -> 16, 17.5 -> 18 at
+# S=64; 16.5, 17.5 at S=224), smaller than S (upscaled), thin strips (40x3000: 224 x 16800 resized
+# in full), a square exactly S.
+SIZES = {
+    64: [(500, 375), (375, 500), (301, 199), (97, 64), (99, 64), (64, 99), (33, 21), (10, 10),
+         (40, 3000), (3000, 40), (64, 64)],
+    224: [(640, 427), (427, 640), (301, 199), (257, 224), (259, 224), (97, 61), (40, 3000),
+          (224, 224)],
+}  # fmt: skip
+FORMATS = ["JPEG", "PNG", "L", "L-JPEG", "P", "RGBA", "CMYK", "I;16"]
+
+
+def torchvision_reference(data: bytes, size: int, mode: str = "RGB", exif: bool = False) -> np.ndarray:
+    """torchvision's ImageFolder sample + Resize(size) + CenterCrop(size), as uint8 CHW."""
+    with Image.open(io.BytesIO(data)) as img:
+        if exif:
+            img = ImageOps.exif_transpose(img)
+        pic = img.convert(mode)
+    w, h = pic.size
+    short, long = (w, h) if w <= h else (h, w)
+    new_short, new_long = size, int(size * long / short)
+    new_w, new_h = (new_short, new_long) if w <= h else (new_long, new_short)
+    if (new_w, new_h) != (w, h):
+        pic = pic.resize((new_w, new_h), Image.BILINEAR)
+    if (new_w, new_h) != (size, size):
+        top = int(round((new_h - size) / 2.0))
+        left = int(round((new_w - size) / 2.0))
+        pic = pic.crop((left, top, left + size, top + size))
+    arr = np.asarray(pic)
+    return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
+
+
+def photo(width: int, height: int, seed: int = 0) -> np.ndarray:
+    """A "photo": smooth gradients, noise and a sharp-edged block, uint8 HWC."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float64)
+    base = np.stack([xx * 255 / max(width, 1), yy * 255 / max(height, 1),
+                     128 + 100 * np.sin((xx + 2 * yy) / 9)], axis=-1)  # fmt: skip
+    base[height // 3 : 2 * height // 3, width // 4 : width // 2] = (250, 30, 60)
+    return np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
+
+
+def encode(fmt: str, width: int, height: int, seed: int = 0, **save: object) -> bytes:
+    """An image of `fmt` (a file format, or a Pillow mode saved as PNG / JPEG)."""
+    rgb = Image.fromarray(photo(width, height, seed))
+    img, file_format = {
+        "JPEG": (rgb, "JPEG"),
+        "PNG": (rgb, "PNG"),
+        "L": (rgb.convert("L"), "PNG"),
+        "L-JPEG": (rgb.convert("L"), "JPEG"),
+        "P": (rgb.convert("P"), "PNG"),
+        "RGBA": (_with_alpha(rgb), "PNG"),
+        "CMYK": (rgb.convert("CMYK"), "JPEG"),
+        "I;16": (_sixteen_bit(rgb), "PNG"),
+    }[fmt]
+    buf = io.BytesIO()
+    img.save(buf, file_format, **({"quality": 90} if file_format == "JPEG" else {}), **save)
+    return buf.getvalue()
+
+
+def _with_alpha(rgb: Image.Image) -> Image.Image:
+    rgba = rgb.convert("RGBA")
+    rgba.putalpha(Image.fromarray(photo(*rgb.size, seed=9)[..., 0]))
+    return rgba
+
+
+def _sixteen_bit(rgb: Image.Image) -> Image.Image:
+    """A 16-bit grey image using its whole range (most values above 255)."""
+    img = Image.fromarray(np.asarray(rgb.convert("L")).astype(np.uint16) * 257)
+    assert img.mode == "I;16"
+    return img
+
+
+@pytest.mark.parametrize("mode", ["RGB", "L"])
+@pytest.mark.parametrize("size", [64, 224])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_pil_is_torchvision_bit_for_bit(fmt: str, size: int, mode: str) -> None:
+    stage = build_stage("center-crop", size=size, mode=mode, decoder="pil")
+    for i, (width, height) in enumerate(SIZES[size]):
+        data = encode(fmt, width, height, seed=i)
+        out = stage.prepare(data, f"x.{fmt}")
+        ref = torchvision_reference(data, size, mode)
+        assert out.shape == ref.shape == (len(mode), size, size)
+        diff = np.abs(out.astype(np.int16) - ref).max()
+        assert diff == 0, (fmt, width, height, size, mode, diff)
+
+
+def test_sixteen_bit_is_clipped_as_torchvision_clips() -> None:
+    """Pillow's convert clips I;16 at 255, so torchvision sees a nearly white image; joader
+    does the same (with every decoder) rather than a different image than the baseline's."""
+    wide = np.full((8, 8), 32896, np.uint16)  # mid-grey in 16 bits
+    data = io.BytesIO()
+    Image.fromarray(wide).save(data, "PNG")
+    for decoder in ("pil", "pil-draft", "turbo"):
+        out = build_stage("max-side", size=8, mode="L", decoder=decoder).prepare(data.getvalue(), "x")
+        assert (out == 255).all(), decoder
+
+
+@pytest.mark.parametrize("decoder", ["pil", "pil-draft", "turbo"])
+def test_every_image_comes_out_s_by_s_by_default(decoder: str) -> None:
+    """torchvision's Resize + CenterCrop enlarge small images and crop strips: so does the
+    default center-crop (the old default served a 10x10 image as 10x10)."""
+    stage = build_stage("center-crop", size=64, decoder=decoder)
+    assert stage.spec.shape == (3, 64, 64)
+    for width, height in [(10, 10), (40, 3000), (3000, 40), (1, 1), (63, 200)]:
+        data = encode("JPEG", width, height)
+        out = stage.prepare(data, "x.jpg")
+        assert out.shape == (3, 64, 64), (width, height)
+        if decoder == "pil":
+            assert np.array_equal(out, torchvision_reference(data, 64)), (width, height)
+
+
+# -- EXIF orientation --------------------------------------------------------------------------
+
+
+def _oriented_jpeg(orientation: int, width: int = 120, height: int = 80) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return encode("JPEG", width, height, seed=orientation, exif=exif.tobytes())
+
+
+@pytest.mark.parametrize("orientation", [3, 6])
+@pytest.mark.parametrize("decoder", ["pil", "pil-draft", "turbo"])
+def test_exif_orientation_is_applied_only_when_asked(decoder: str, orientation: int) -> None:
+    data = _oriented_jpeg(orientation)
+    with Image.open(io.BytesIO(data)) as img:
+        assert img.getexif()[0x0112] == orientation
+    upright = torchvision_reference(data, 64, exif=True)
+    stored = torchvision_reference(data, 64)
+    assert np.abs(upright.astype(np.int16) - stored).mean() > 20  # the two differ plainly
+    turned = build_stage("center-crop", size=64, decoder=decoder, exif_transpose=True)
+    plain = build_stage("center-crop", size=64, decoder=decoder)
+    for stage, want in ((turned, upright), (plain, stored)):
+        out = stage.prepare(data, "x.jpg")
+        diff = np.abs(out.astype(np.int16) - want)
+        if decoder == "pil":
+            assert diff.max() == 0, stage.name
+        else:
+            assert diff.mean() < 2, (stage.name, diff.mean())
+    resized = build_stage("resize", size=64, decoder=decoder, exif_transpose=True)
+    want_hw = (96, 64) if orientation == 6 else (64, 96)  # 6: a portrait once upright
+    assert resized.prepare(data, "x.jpg").shape == (3, *want_hw)
+    assert resized.item_nbytes(data) == 3 * 96 * 64
+
+
+def test_exif_transpose_of_a_png_and_of_every_orientation() -> None:
+    rgb = Image.fromarray(photo(50, 30))
+    for orientation in range(1, 9):
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        buf = io.BytesIO()
+        rgb.save(buf, "PNG", exif=exif.tobytes())
+        want = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(buf.getvalue()))))
+        for decoder in ("pil", "turbo"):
+            stage = build_stage("max-side", size=64, decoder=decoder, exif_transpose=True)
+            out = stage.prepare(buf.getvalue(), "x.png")
+            assert np.array_equal(out, want.transpose(2, 0, 1)), (orientation, decoder)
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_turbo_turns_a_jpeg_as_pillow_does(orientation: int) -> None:
+    """The JPEG path of turbo (simplejpeg, then numpy) against ImageOps.exif_transpose."""
+    data = _oriented_jpeg(orientation, 48, 32)
+    stage = build_stage("max-side", size=64, decoder="turbo", exif_transpose=True)
+    with Image.open(io.BytesIO(data)) as img:
+        want = np.asarray(ImageOps.exif_transpose(img).convert("RGB")).transpose(2, 0, 1)
+    out = stage.prepare(data, "x.jpg")
+    assert out.shape == want.shape
+    assert np.abs(out.astype(np.int16) - want).mean() < 1.5  # libjpeg-turbo vs Pillow's libjpeg
