@@ -24,14 +24,15 @@ TOML (`--config FILE`), every key optional, command-line flags win:
     metrics_listen = "127.0.0.1:9400"  # Prometheus /metrics (off by default; loopback unless allow_remote)
     idle_exit_s = 0            # exit after this long with no job attached; 0: never (default)
 
-    decoder = "turbo"          # decoder of the built-in stages: turbo (default) | pil (exact)
+    decoder = "turbo"          # decoder of the built-in stages: turbo (default) | pil (torchvision's, exactly) | pil-draft
 
     [sources.imagenet]
     path = "/data/imagenet/train"  # an ImageFolder tree, a .tsv/.csv list, or .tar shards
     stage = "resize"           # center-crop (default) | resize | max-side | "package.module:factory"
     image_size = 224           # S of the built-in stages
     mode = "RGB"               # or "L": grayscale stays one channel
-    upscale = false            # true: images smaller than S are upscaled to S
+    upscale = false            # keep images smaller than S at their size (default true: enlarged to S, as torchvision)
+    exif_transpose = true      # turn images upright by their EXIF orientation (default false, as torchvision)
     decoder = "turbo"          # this source's decoder (default: the top-level one)
     options = { n_mels = 64 }  # passed to a user stage's factory (server config only)
 
@@ -90,9 +91,10 @@ class SourceConfig:
     image_size: int = DEFAULT_IMAGE_SIZE
     stage: str = DEFAULT_STAGE
     mode: str = "RGB"
-    upscale: bool = False
+    upscale: bool = True  # images smaller than S enlarged to S (torchvision's Resize); False: kept small
     decoder: str = DEFAULT_DECODER
     options: dict[str, Any] = field(default_factory=dict)
+    exif_transpose: bool = False  # turn images upright by their EXIF orientation first
 
 
 @dataclass(frozen=True)
@@ -311,7 +313,8 @@ _SOURCE_KEYS = {
     "image_size": _KEYS["image_size"],
     "stage": _Key("--stage", _string, '"resize"'),
     "mode": _Key("--mode", lambda v, w, e: _choice(v, w, e, MODES), '"L"'),
-    "upscale": _Key("--upscale", _bool, "true"),
+    "upscale": _Key("--no-upscale", _bool, "false"),
+    "exif_transpose": _Key("--exif-transpose", _bool, "true"),
     "decoder": _KEYS["decoder"],
     "options": _Key("options", _table, "{ n_mels = 64 }"),
 }
@@ -336,10 +339,18 @@ def build_parser() -> argparse.ArgumentParser:
         "or package.module:factory; e.g. --stage imagenet=resize:256")
     add("--mode", action="append", default=[], metavar="[NAME=]MODE",
         help="RGB (default) or L (grayscale stays one channel), for all sources or NAME")
+    add("--no-upscale", action="append", default=[], metavar="NAME",
+        help="serve NAME's images smaller than S at their own size (default: enlarged to S, as "
+        "torchvision's Resize; center-crop items are then all S x S); max-side never enlarges")
     add("--upscale", action="append", default=[], metavar="NAME",
-        help="upscale NAME's images smaller than S (default: served at their own size)")
+        help="enlarge NAME's images smaller than S to S: the default, accepted for older scripts")
+    add("--exif-transpose", action="append", default=[], metavar="NAME",
+        help="turn NAME's images upright by their EXIF orientation before resizing (default: "
+        "not applied, as torchvision's ImageFolder)")
     add("--decoder", choices=DECODERS,
-        help=f"the built-in stages' decoder: pil (exact) or turbo (simplejpeg + OpenCV) (default {DEFAULT_DECODER})")
+        help="the built-in stages' decoder: pil (torchvision's ImageFolder + Resize + CenterCrop, bit "
+        "for bit), pil-draft (Pillow with JPEG DCT scaling: faster, up to tens of grey levels off) or "
+        f"turbo (simplejpeg + OpenCV: fastest, about a grey level off on average) (default {DEFAULT_DECODER})")
     add("--listen", metavar="ADDRESS",
         help="unix:/path.sock or 127.0.0.1:PORT (default: $JOADER_ADDRESS, else a per-user socket)")
     add("--allow-remote", action="store_true", default=None,
@@ -416,10 +427,7 @@ def load_config(argv: list[str] | None = None) -> ServerConfig:
     settings.pop("decoder", None)
     defaults.update(_apply_per_source(args.stage, "--stage", sources, _stage_value))
     defaults.update(_apply_per_source(args.mode, "--mode", sources, _mode_value))
-    for name in args.upscale:
-        if name not in sources:
-            raise InvalidArgumentError(f"--upscale {name!r}: no source named {name!r}; known: {', '.join(sources) or 'none'}")
-        sources[name]["upscale"] = True
+    _apply_source_switches(args, sources)
     config = ServerConfig(
         sources=_source_configs(sources, defaults),
         listen=settings.get("listen"),
@@ -514,6 +522,22 @@ def _apply_image_sizes(specs: list[str], default_size: int, sources: dict[str, d
     return default_size
 
 
+def _apply_source_switches(args: argparse.Namespace, sources: dict[str, dict[str, Any]]) -> None:
+    """Applies `--upscale NAME`, `--no-upscale NAME` and `--exif-transpose NAME`."""
+    switches = (("--upscale", args.upscale, "upscale", True), ("--no-upscale", args.no_upscale, "upscale", False),
+                ("--exif-transpose", args.exif_transpose, "exif_transpose", True))
+    for flag, names, key, value in switches:
+        for name in names:
+            if name not in sources:
+                raise InvalidArgumentError(f"{flag} {name!r}: no source named {name!r}; known: "
+                                           f"{', '.join(sources) or 'none'}; pass a name given to --source")
+            sources[name][key] = value
+    both = sorted(set(args.upscale) & set(args.no_upscale))
+    if both:
+        raise InvalidArgumentError(f"--upscale and --no-upscale both name {both[0]!r}; keep one (upscale "
+                                   "is the default: --no-upscale alone keeps small images small)")
+
+
 def _stage_value(text: str) -> dict[str, Any]:
     """`--stage resize:256` -> stage and image_size; `--stage pkg.mod:factory` -> stage."""
     kind, sep, size = text.rpartition(":")
@@ -559,8 +583,8 @@ def _source_configs(sources: dict[str, dict[str, Any]], defaults: dict[str, Any]
         configs.append(SourceConfig(
             name, Path(merged["path"]).expanduser(), merged.get("image_size", DEFAULT_IMAGE_SIZE),
             stage=merged.get("stage", DEFAULT_STAGE), mode=merged.get("mode", "RGB"),
-            upscale=merged.get("upscale", False), decoder=merged.get("decoder", DEFAULT_DECODER),
-            options=merged.get("options", {}),
+            upscale=merged.get("upscale", True), decoder=merged.get("decoder", DEFAULT_DECODER),
+            options=merged.get("options", {}), exif_transpose=merged.get("exif_transpose", False),
         ))
     return tuple(configs)
 
