@@ -55,6 +55,56 @@ def _bar(done: int, total: int, width: int) -> Text:
     return Text.assemble(("█" * filled, "green"), ("░" * (width - filled), "dim"))
 
 
+# NOTE [ What SHARED means ]
+# SHARED used to be the share of a job's deliveries that another job had received first (a
+# decode it did not pay for). Of four jobs whose every decode served all four, the one that
+# paid for most decodes read "SHARED 17%", which reads as "hardly sharing" (issue 38). So SHARED
+# now counts both ways: of the images the job received (its first delivery of each copy; a
+# later epoch's re-read of a cached copy is neither), the share that another job received too,
+# whichever came first (`items_with_others`, server/item_cache.py). FROM OTHERS keeps the old
+# figure, over the same images: the share served from a decode another job paid for. A server
+# that does not report `items_with_others` gets no SHARED column, rather than a wrong one.
+
+
+def sharing(job: dict[str, Any]) -> tuple[float | None, float | None]:
+    """A job's (SHARED, FROM OTHERS) as fractions of the images it received (NOTE [ What
+    SHARED means ]); None where it received none, or the server does not count it."""
+    received = job["items_delivered"] - job.get("items_reused", 0)
+    if received <= 0:
+        return None, None
+    with_others = job.get("items_with_others")
+    shared = None if with_others is None else min(1.0, with_others / received)
+    return shared, min(1.0, job.get("items_shared", 0) / received)
+
+
+def _jobs_table(now: dict[str, Any], before: dict[str, Any] | None, dt: float) -> Table:
+    both_ways = any("items_with_others" in job for job in now["jobs"])
+    columns = [("JOB", "left"), ("RANKS", "right"), ("EPOCH", "right"), ("PROGRESS", "left"),
+               ("SAMPLES/S", "right"), ("STALL", "right"), *([("SHARED", "right")] if both_ways else []),
+               ("FROM OTHERS", "right"), ("DELIVERED", "right")]
+    jobs = Table(title="jobs", title_justify="left", expand=True, pad_edge=False)
+    for name, justify in columns:
+        jobs.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    previous = {j["job_id"]: j for j in (before or {}).get("jobs", [])}
+    for job in now["jobs"]:
+        old = previous.get(job["job_id"])
+        rate = (job["items_delivered"] - old["items_delivered"]) / dt if old is not None and dt > 0 else \
+            job.get("samples_per_s")
+        bar = _bar(job["epoch_delivered"], job["epoch_items"], 12)
+        bar.append(f" {job['epoch_delivered']:,}/{job['epoch_items']:,}", style="dim")
+        stall = (job.get("stall") or {}).get("fraction")
+        shared, from_others = sharing(job)
+        jobs.add_row(  # a job's name is the user's text, never markup ("exp[/data/x]") nor escapes
+            Text(printable(job["name"])), f"{job['ranks_attached']}/{job['world_size']}",
+            str(job["epoch"]) if job["epoch"] else "-", bar, _number(rate), format_percent(stall),
+            *([format_percent(shared)] if both_ways else []), format_percent(from_others),
+            f"{job['items_delivered']:,}",
+        )
+    if not now["jobs"]:
+        jobs.add_row("no jobs attached", *[""] * (len(columns) - 1))
+    return jobs
+
+
 def render(now: dict[str, Any], before: dict[str, Any] | None, dt: float, cpu: list[float],
            live: bool = False) -> Group:
     """One frame from two snapshots `dt` seconds apart (`before` None: the first frame)."""
@@ -67,27 +117,7 @@ def render(now: dict[str, Any], before: dict[str, Any] | None, dt: float, cpu: l
         f" ({' '.join(f'{c:.0f}' for c in cpu)} per core)" + ("   q quits" if live else ""),
     )
 
-    jobs = Table(title="jobs", title_justify="left", expand=True, pad_edge=False)
-    for name, justify in (("JOB", "left"), ("RANKS", "right"), ("EPOCH", "right"), ("PROGRESS", "left"),
-                          ("SAMPLES/S", "right"), ("STALL", "right"), ("SHARED", "right"),
-                          ("DELIVERED", "right")):
-        jobs.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
-    previous = {j["job_id"]: j for j in (before or {}).get("jobs", [])}
-    for job in now["jobs"]:
-        old = previous.get(job["job_id"])
-        rate = (job["items_delivered"] - old["items_delivered"]) / dt if old is not None and dt > 0 else \
-            job.get("samples_per_s")
-        bar = _bar(job["epoch_delivered"], job["epoch_items"], 12)
-        bar.append(f" {job['epoch_delivered']:,}/{job['epoch_items']:,}", style="dim")
-        stall = (job.get("stall") or {}).get("fraction")
-        delivered = job["items_delivered"]
-        jobs.add_row(  # a job's name is the user's text, never markup ("exp[/data/x]") nor escapes
-            Text(printable(job["name"])), f"{job['ranks_attached']}/{job['world_size']}", str(job["epoch"]) if job["epoch"] else "-",
-            bar, _number(rate), format_percent(stall),
-            format_percent(job.get("items_shared", 0) / delivered if delivered else None), f"{delivered:,}",
-        )
-    if not now["jobs"]:
-        jobs.add_row("no jobs attached", "", "", "", "", "", "", "")
+    jobs = _jobs_table(now, before, dt)
 
     decoded_rate = _rate(now, before, dt, "items_decoded")
     busy_rate = _rate(now, before, dt, "decodes", "decode_s")

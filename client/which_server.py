@@ -8,10 +8,12 @@ the user's jobs are, in this order:
    as given, nothing is looked up.
 2. Otherwise the candidates are the joaderd answering at the default socket (one started by
    hand, or by systemd) and every auto-started joaderd of this user (`joader servers`). One
-   candidate is used; several are listed (sources, roots, sockets, jobs) and the user picks one
-   with `--source NAME` (the server serving that source) or `--address`; none gives a text
-   that says where the tools looked and why a `root=` server may be gone (it exits after its
-   last job).
+   candidate is used, and so is the only one with jobs attached (a sweep's server stays up,
+   idle, for 10 minutes after its last job: it should not make the user choose each time);
+   otherwise they are listed (sources, roots, sockets, jobs) and the user picks one with
+   `--source NAME` (the server serving that source) or `--address`. None gives a text that
+   says where the tools looked and why a `root=` server may be gone (it exits after its last
+   job).
 
 `--source` picks among all of them, `$JOADER_ADDRESS`'s server included.
 
@@ -36,7 +38,7 @@ __all__ = ["Candidate", "Looked", "choose", "find_address"]
 logger = logging.getLogger(__name__)
 
 DEFAULT = "default socket"
-AUTO = "started by a job (root=)"
+AUTO = "started by a job with root="
 ENV = "$JOADER_ADDRESS"
 _PROBE_TIMEOUT_S = 3.0
 
@@ -70,7 +72,8 @@ class Looked:
 
 
 def choose(candidates: Sequence[Candidate], *, source: str | None, looked: Looked) -> Candidate:
-    """The server to show: the one serving `source` if given, else the only candidate.
+    """The server to show: the one serving `source` if given, else the only candidate, else
+    the only one with jobs attached.
 
     Raises `ConnectionError` when there is none, and `InvalidArgumentError` (the candidates
     listed, and how to pick) when `source` matches none or several, or when there are several
@@ -91,6 +94,9 @@ def choose(candidates: Sequence[Candidate], *, source: str | None, looked: Looke
             f"`joader {looked.command} --address {matches[0].address}`")
     if len(candidates) == 1:
         return candidates[0]
+    busy = [c for c in candidates if c.jobs]
+    if len(busy) == 1:
+        return busy[0]
     example = next((name for c in candidates for name, _ in c.sources), "NAME")
     raise InvalidArgumentError(
         f"{len(candidates)} joaderds of yours are running:\n{_listing(candidates)}\n"
@@ -133,10 +139,24 @@ def find_address(address: str | None, source: str | None, *, command: str = "sta
         idle = DEFAULT_IDLE_EXIT_S
     looked = Looked(str(default_socket_path()), str(runtime_dir()), command, idle)
     chosen = choose(candidates, source=source, looked=looked)
-    if chosen.origin == AUTO:
-        names = ", ".join(f"{name} ({root})" for name, root in chosen.sources)
-        print(f"joader: showing the joaderd a job started for {names}", file=sys.stderr)
+    others = [] if source is not None else [c for c in candidates if c is not chosen]
+    if (note := chosen_note(chosen, others)) is not None:
+        print(f"joader: {note}", file=sys.stderr)
     return chosen.address
+
+
+def chosen_note(chosen: Candidate, others: Sequence[Candidate]) -> str | None:
+    """What the tool says (on stderr) about a server it found: which one, and the `others` it
+    passed over (idle ones: `choose`)."""
+    if chosen.origin != AUTO and not others:
+        return None  # the default socket, as before
+    names = ", ".join(f"{name} ({root})" for name, root in chosen.sources) or chosen.address
+    what = "a job started for" if chosen.origin == AUTO else f"at the {chosen.origin}, serving"
+    note = f"showing the joaderd {what} {names}"
+    if others:
+        idle = ", ".join(name for c in others for name, _ in c.sources) or "?"
+        note += f"; also running, with no job attached: {idle} (--source NAME shows one)"
+    return note
 
 
 def _gather(env: str | None) -> list[Candidate]:

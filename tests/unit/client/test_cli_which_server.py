@@ -32,7 +32,7 @@ def test_the_one_server_at_the_default_socket_is_shown() -> None:
     assert choose([HAND], source=None, looked=LOOKED) is HAND
 
 
-@pytest.mark.parametrize("candidates", [[PHOTOS, CIFAR], [HAND, PHOTOS]])
+@pytest.mark.parametrize("candidates", [[PHOTOS, HAND], [HAND, PHOTOS, CIFAR]])
 def test_several_are_listed_with_how_to_pick(candidates: list[Candidate]) -> None:
     with pytest.raises(InvalidArgumentError) as error:
         choose(candidates, source=None, looked=LOOKED)
@@ -113,3 +113,13 @@ def test_source_looks_at_joader_address_too(probes: list[str | None], monkeypatc
 
 def test_candidate_lines_name_their_origin() -> None:
     assert ENV in Candidate("unix:/x.sock", ENV).line()
+
+
+def test_the_only_server_with_jobs_is_shown_and_the_idle_ones_named() -> None:
+    """A sweep's server stays up, idle, for 10 minutes after its last job: it does not make the
+    user choose while another server's jobs train."""
+    assert choose([PHOTOS, CIFAR], source=None, looked=LOOKED) is PHOTOS
+    note = which_server.chosen_note(PHOTOS, [CIFAR])
+    assert note == ("showing the joaderd a job started for photos (/data/photos); also running, with no job "
+                    "attached: cifar (--source NAME shows one)")
+    assert which_server.chosen_note(HAND, []) is None

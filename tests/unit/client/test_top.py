@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+from joader.client import top
 from joader.client.cli import format_status, printable
 from joader.client.top import render
 
@@ -112,3 +113,45 @@ def test_status_says_why_an_auto_cache_has_its_size() -> None:
     fixed = format_status({**_snapshot(NAMES, 30),
                            "cache_sizing": {"mode": "fixed", "reason": "set by --cache-size", "dataset_bytes": 1}})
     assert "sized by" not in fixed
+
+
+# --- SHARED and FROM OTHERS (NOTE [ What SHARED means ] in client/top.py) ---------------------
+
+
+def _sharing_job(name: str, delivered: int, reused: int, shared: int, with_others: int | None) -> dict[str, Any]:
+    job = {**_job(name, name, delivered), "items_reused": reused, "items_shared": shared}
+    if with_others is not None:
+        job["items_with_others"] = with_others
+    return job
+
+
+def _row(frame: str, name: str) -> list[str]:
+    line = next(line for line in frame.splitlines() if f"│{name} " in line)
+    return [cell.strip() for cell in line.strip("│").split("│")]
+
+
+def test_the_job_that_paid_for_four_jobs_decodes_reads_as_sharing() -> None:
+    """Issue 38: four jobs, every decode served all four; the one that paid for most of them
+    read "SHARED 17%" (only the copies another job had received first counted)."""
+    leader = _sharing_job("leader", 1200, 200, 170, 1000)  # 1,000 images, 170 decoded for another job
+    assert top.sharing(leader) == (1.0, 0.17)
+    followers = [_sharing_job(f"f{k}", 1000, 0, 830 + k, 1000) for k in range(3)]
+    now = {**_snapshot(NAMES, 30), "jobs": [leader, *followers]}
+    out = io.StringIO()
+    Console(file=out, width=200, color_system=None, force_terminal=False).print(top.render(now, None, 1.0, [1.0]))
+    frame = out.getvalue()
+    header = _row(frame.replace("┃", "│"), "JOB")
+    assert header[6:8] == ["SHARED", "FROM OTHERS"], header
+    assert _row(frame, "leader")[6:8] == ["100%", "17%"]
+    assert _row(frame, "f0")[6:8] == ["100%", "83%"]
+
+
+def test_a_job_that_shares_nothing_and_a_job_that_received_nothing() -> None:
+    assert top.sharing(_sharing_job("alone", 500, 100, 0, 0)) == (0.0, 0.0)
+    assert top.sharing(_sharing_job("new", 0, 0, 0, 0)) == (None, None)
+
+
+def test_a_server_that_does_not_count_both_ways_shows_no_shared_column() -> None:
+    frame = _frame(NAMES)  # its jobs have no items_with_others
+    assert "FROM OTHERS" in frame and "SHARED" not in frame
+    assert top.sharing(_sharing_job("old", 100, 0, 25, None)) == (None, 0.25)
