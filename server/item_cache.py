@@ -474,6 +474,7 @@ class ItemCache:
                 served.discard(key)
         item.source.cached_ids.discard(item.item_id)
         self.allocator.free(item.offset)
+        item.offset = -1  # an entry of its source's array, which the item's next copy reads
         self.evictions += 1
 
     def file_result(self, key: int, ok: bool, error: str | None, decode_s: float,

@@ -381,7 +381,6 @@ class NextProtocol:
                     delivered.append(key)
                     item_id = entry.item_id
                     item_ids.append(item_id)
-                    offsets.append(item.offset)
                     lengths.append(item.nbytes)
                     shapes.append(item.shape)
                     dtypes.append(item.dtype)
@@ -404,7 +403,8 @@ class NextProtocol:
             labels.extend(source_labels[item_ids].tolist())
         else:
             labels.extend(int(source_labels[item_id]) for item_id in item_ids)
-        if item_ids:  # READY items: their checksums were filed (`Source.checksums`)
+        if item_ids:  # READY items: their offsets and checksums were filed (`Source.offsets`, `.checksums`)
+            offsets.extend(source.offsets[item_ids].tolist())  # type: ignore[index]
             checksums.extend(source.checksums[item_ids].tolist())  # type: ignore[index]
         book.after_pops(rank)
         item_ids, failed = batch.item_ids, batch.failed

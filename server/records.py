@@ -75,6 +75,9 @@ class Source:
     # zlib.crc32 of each READY item's bytes as its decode wrote them (clients may verify), by
     # item id: one array per source from its first decode, not an int object per cached item.
     checksums: np.ndarray | None = field(default=None, compare=False, repr=False)
+    # Each item's offset in the arena while it is DECODING or READY (-1: none), by item id, the
+    # same way (NOTE [ An item's footprint ]): `Item.offset` reads and writes it.
+    offsets: np.ndarray | None = field(default=None, compare=False, repr=False)
     failed: dict[int, str] = field(default_factory=dict)  # item id -> reason, until it decodes
     job_ids: list[str] = field(default_factory=list)
     small_items: int = 0  # items smaller than the stage's size (served as they are, not upscaled)
@@ -127,8 +130,8 @@ class Item:
     of shared or small values (NOTE [ An item's footprint ]).
     """
 
-    __slots__ = ("_waiters", "dtype", "due_s", "failed_s", "key", "nbytes", "offset", "pins",
-                 "shape", "source", "state")
+    __slots__ = ("_waiters", "dtype", "due_s", "failed_s", "key", "nbytes", "pins", "shape", "source",
+                 "state")
 
     def __init__(self, source: Source, item_id: int, key: int | None = None) -> None:
         self.source = source
@@ -136,7 +139,6 @@ class Item:
         # `item_id` is computed from it
         self.key = source.key_base + item_id if key is None else key
         self.state = ItemState.WAITING
-        self.offset = -1  # its bytes in the arena, while DECODING or READY
         self.nbytes = 0  # once READY: its size, shape and dtype
         self.shape: tuple[int, ...] = ()
         self.dtype = ""
@@ -152,6 +154,21 @@ class Item:
     def item_id(self) -> int:
         """Its index in its source (`key` less the source's `key_base`)."""
         return self.key - self.source.key_base
+
+    @property
+    def offset(self) -> int:
+        """Where its bytes are in the arena while DECODING or READY, else -1 (`Source.offsets`)."""
+        offsets = self.source.offsets
+        return int(offsets[self.key - self.source.key_base]) if offsets is not None else -1
+
+    @offset.setter
+    def offset(self, offset: int) -> None:
+        source = self.source
+        if source.offsets is None:
+            if offset == -1:
+                return
+            source.offsets = np.full(source.num_items, -1, np.int64)
+        source.offsets[self.key - source.key_base] = offset
 
     @property
     def checksum(self) -> int:
@@ -186,7 +203,8 @@ class Item:
 # cache (`ItemCache.deliver`, dropped with the job); the waiters list exists only while someone
 # waits; `due_s` is the shared NEVER_DUE once the item settled; the key is the dict's own int,
 # and the item id is computed from it; shapes, dtypes and sizes are shared between items
-# (`ItemCache` interns them).
+# (`ItemCache` interns them); its offset and checksum are entries of arrays of its source (an
+# int object per offset was 32 bytes and a slot, and a reply gathers them in one call).
 NEVER_DUE = float("inf")
 
 

@@ -70,6 +70,7 @@ class Protocol(NextProtocol):
 
 
 SOURCE = types.SimpleNamespace(key_base=0, name="demo", failed=defaultdict(lambda: "bad file"), checksums=np.zeros(64, np.uint32),
+                               offsets=np.zeros(64, np.int64),
                                listing=types.SimpleNamespace(labels=[0] * 64, paths=[f"f{i}" for i in range(64)]))
 
 
