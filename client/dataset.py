@@ -42,6 +42,7 @@ from joader.client.delivery import Reader, ReadOptions
 from joader.client.keeper import Keeper
 from joader.client.passes import Pass, Progress
 from joader.client.threads import set_threads
+from joader.client.undecodable import Undecodable
 from joader.errors import InvalidArgumentError
 from joader.sampling import check_order
 from joader.sampling.hosts import host_part, source_salt
@@ -257,6 +258,8 @@ class JoaderDataset(IterableDataset):
             source, to_bitmap(indices), address=self.address, name=name, batch_size=self.batch_size,
             batched=batched, timeout_s=timeout_s, drop_last=drop_last, seed=seed, verify=bool(verify),
             rank=rank, world_size=world_size, order=order, expected=self.expected, autostart=autostart)
+        # Before any DataLoader worker forks: its readers note failures where len() counts them.
+        self._undecodable = Undecodable(self._attachment.description.num_source_items)
 
     # ----------------------------------------------------------------------------- the job
 
@@ -283,7 +286,14 @@ class JoaderDataset(IterableDataset):
 
     def __len__(self) -> int:
         """Items per epoch of this rank; batches under `batched=True` (what the loop receives
-        from `DataLoader(ds, batch_size=None)`). Under accelerate's dispatcher, the whole job's."""
+        from `DataLoader(ds, batch_size=None)`). Under accelerate's dispatcher, the whole job's.
+
+        Files known to be undecodable are left out (`on_error="skip"` skips them), for a job of
+        one process: once an epoch has ended, `len(ds)` is what it yielded. A file is known once
+        a reply of this job reported it, so before the first epoch reaches it (and for the ranks
+        of a DDP job, whose items move between ranks) `len(ds)` counts it, and the epoch yields
+        one item fewer; `joader status` lists the files (NOTE [ What len(ds) knows of
+        undecodable files ] in joader.client.undecodable)."""
         self._framework_check()
         try:
             self._settle()
@@ -291,7 +301,10 @@ class JoaderDataset(IterableDataset):
             if self._attachment.connection is not None or get_worker_info() is not None:
                 raise
             # Not attached yet (WORLD_SIZE known, this rank not): every rank has the same length.
-        items = self._attachment.rank_items()
+        attachment = self._attachment
+        items = attachment.rank_items()
+        if attachment.dispatched or attachment.world_size == 1:
+            items -= self._undecodable.count()
         return -(-items // self.batch_size) if self.batched else items
 
     def set_epoch(self, epoch: int) -> None:
@@ -432,7 +445,7 @@ class JoaderDataset(IterableDataset):
             item_shape=self.item_shape, item_dtype=self.item_dtype, rank=self.rank, world_size=self.world_size,
             names=self._names())
         return Reader(connection, pass_, self._progress, options, warned=self._warned, pool=self._pool,
-                      lease=attachment).start()
+                      lease=attachment, undecodable=self._undecodable).start()
 
 
 _SERVER_FLAGS = {"decoder": "--decoder {value}", "upscale": "--no-upscale {source} (or --upscale {source})",

@@ -39,6 +39,7 @@ from joader.client.handoff import ArenaBatch, Layout, Receipts
 from joader.client.passes import Pass, Progress, continued_epoch
 from joader.client.prefetch import prefetched
 from joader.client.shm_batches import guard_collate, shared_batch_tensor
+from joader.client.undecodable import Undecodable
 from joader.errors import (
     DecodeError,
     PassSupersededError,
@@ -85,7 +86,8 @@ class Reader:
     logged; `pool` its batch buffers (`batched=True` in the training process)."""
 
     def __init__(self, conn: Connection, pass_: Pass, progress: Progress, options: ReadOptions, *,
-                 warned: set[int] | None = None, pool: ProcessBatchPool | None = None, lease: Any = None) -> None:
+                 warned: set[int] | None = None, pool: ProcessBatchPool | None = None, lease: Any = None,
+                 undecodable: Undecodable | None = None) -> None:
         self.conn = conn
         self.pass_ = pass_
         self.progress = progress
@@ -94,6 +96,7 @@ class Reader:
         self.warned = warned if warned is not None else set()
         self.pool = pool if pool is not None else ProcessBatchPool()
         self.served: dict[int, tuple[int, ...]] = {}  # items served in another shape than the stage's
+        self.undecodable = undecodable  # the job's items known to fail, for len(ds)
         # NOTE [ A pass keeps its job's lease ]
         # `for x in JoaderDataset(...)` holds only the iterator: the job's lease (the dataset's
         # attachment, whose collection stops the lease keeper) must live as long as the pass.
@@ -210,6 +213,8 @@ class Reader:
                 place(reply)
                 ids = list(response.item_ids)
                 self._mark(response)  # again: the callback may not have run yet
+                if self.undecodable is not None:
+                    self.undecodable.note((f.item_id for f in response.failed), response.item_ids)
                 if response.failed and self.options.on_error == "raise":
                     self.acknowledge(reply, ids)  # nothing of this batch stays pinned
                     self._raise_failure(response.failed[0])

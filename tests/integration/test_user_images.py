@@ -1,8 +1,13 @@
-"""Images of any size through `JoaderDataset(root=...)` (issue 38): a 10x10 and a 40x3000 photo
-among 64 px ones. By default every image is served at S, as torchvision's Resize + CenterCrop
-would, and an epoch trains through a real DataLoader; with `upscale=False` the batch that mixes
-sizes fails with an error naming the file and the option, not torch's "stack expects each
-tensor to be equal size" naming none."""
+"""A folder of photos as a `JoaderDataset(root=...)` user has them (issue 38).
+
+Images of any size: a 10x10 and a 40x3000 photo among 64 px ones. By default every image is
+served at S, as torchvision's Resize + CenterCrop would, and an epoch trains through a real
+DataLoader; with `upscale=False` the batch that mixes sizes fails with an error naming the file
+and the option, not torch's "stack expects each tensor to be equal size" naming none.
+
+A file that does not decode: each epoch yields one item fewer than the folder holds, and once
+an epoch has reached the file `len(ds)` (and `len(loader)`) says so, also when DataLoader
+workers read."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,6 +25,7 @@ from PIL import Image
 from joader.client.autostart import stop_servers
 from joader.sources.base import open_source
 from joader.stages import build_stage
+from tests.support.data import corrupt_jpeg
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -27,25 +34,34 @@ ODD = {("cat", "tiny.jpg"): (10, 10), ("dog", "tall.jpg"): (40, 3000)}  # (width
 
 
 @pytest.fixture
-def odd_tree(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """Eight 64-96 px photos and the two odd ones, under a private XDG_RUNTIME_DIR whose
-    auto-started servers are stopped afterwards."""
-    base = Path(tempfile.mkdtemp(prefix="jis-", dir="/tmp"))  # short: sun_path is 108 bytes
-    os.chmod(base, 0o700)
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(base))
+def base(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A folder for the photos and a private XDG_RUNTIME_DIR, whose auto-started servers are
+    stopped afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="jis-", dir="/tmp"))  # short: sun_path is 108 bytes
+    os.chmod(path, 0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(path))
     monkeypatch.delenv("JOADER_ADDRESS", raising=False)
+    try:
+        yield path
+    finally:
+        stop_servers(timeout_s=20)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _photos(root: Path, sizes: dict[tuple[str, str], tuple[int, int]]) -> Path:
     rng = np.random.default_rng(38)
-    root = base / "photos"
-    sizes = {(cls, f"{cls}{i}.jpg"): (64 + 8 * i, 64 + 4 * i) for cls in ("cat", "dog") for i in range(4)}
-    for (cls, name), size in {**sizes, **ODD}.items():
+    for (cls, name), size in sizes.items():
         (root / cls).mkdir(parents=True, exist_ok=True)
         pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
         Image.fromarray(pixels).save(root / cls / name, quality=90)
-    try:
-        yield root
-    finally:
-        stop_servers(timeout_s=20)
-        shutil.rmtree(base, ignore_errors=True)
+    return root
+
+
+@pytest.fixture
+def odd_tree(base: Path) -> Path:
+    """Eight 64-92 px photos and the two odd ones."""
+    sizes = {(cls, f"{cls}{i}.jpg"): (64 + 8 * i, 64 + 4 * i) for cls in ("cat", "dog") for i in range(4)}
+    return _photos(base / "photos", {**sizes, **ODD})
 
 
 def test_every_image_is_served_at_S_by_default_and_an_epoch_trains(odd_tree: Path) -> None:
@@ -65,3 +81,33 @@ def test_every_image_is_served_at_S_by_default_and_an_epoch_trains(odd_tree: Pat
                 assert label == int(listing.labels[index])
                 seen[index] = True
         assert sorted(seen) == list(range(len(listing))) and len(listing) == 10
+
+
+def _check_epoch(loader: Any, listing: Any, stage: Any) -> list[int]:
+    """One epoch's indices, each sample checked against the stage run here on the file."""
+    indices = []
+    for batch_indices, images, _labels in loader:
+        for index, image in zip(batch_indices.tolist(), images, strict=True):
+            assert np.array_equal(image.numpy(), stage.prepare(listing.read(index), listing.paths[index]))
+            indices.append(index)
+    return indices
+
+
+def test_len_leaves_out_a_file_that_does_not_decode_once_an_epoch_reached_it(base: Path) -> None:
+    from torch.utils.data import DataLoader
+
+    from joader import JoaderDataset
+
+    root = _photos(base / "photos", {(cls, f"{cls}{i}.jpg"): (72, 64) for cls in ("cat", "dog") for i in range(12)})
+    (root / "dog" / "broken.jpg").write_bytes((root / "dog" / "dog0.jpg").read_bytes())
+    corrupt_jpeg(root / "dog" / "broken.jpg")
+    listing = open_source(root)
+    broken = list(listing.paths).index("dog/broken.jpg")
+    stage = build_stage("center-crop", size=S)
+    with JoaderDataset("photos", root=root, image_size=S, return_index=True, threads=None, timeout_s=60) as ds:
+        assert len(ds) == 25  # nothing is known of the file before an epoch reaches it
+        for workers in (2, 0):  # DataLoader workers note it where the training process counts
+            loader = DataLoader(ds, batch_size=4, num_workers=workers)
+            indices = _check_epoch(loader, listing, stage)
+            assert sorted(indices) == [i for i in range(25) if i != broken]
+            assert len(indices) == len(ds) == 24 and len(loader) == 6, workers
