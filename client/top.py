@@ -81,16 +81,17 @@ def _jobs_table(now: dict[str, Any], before: dict[str, Any] | None, dt: float) -
     both_ways = any("items_with_others" in job for job in now["jobs"])
     columns = [("JOB", "left"), ("RANKS", "right"), ("EPOCH", "right"), ("PROGRESS", "left"),
                ("SAMPLES/S", "right"), ("STALL", "right"), *([("SHARED", "right")] if both_ways else []),
-               ("FROM OTHERS", "right"), ("DELIVERED", "right")]
+               ("FROM\nOTHERS", "right"), ("DELIVERED", "right")]
     jobs = Table(title="jobs", title_justify="left", expand=True, pad_edge=False)
-    for name, justify in columns:
-        jobs.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for name, justify in columns:  # headers whole: a long job name is what wraps
+        jobs.add_column(name, justify=justify, no_wrap=name != "JOB",  # type: ignore[arg-type]
+                        min_width=None if name == "JOB" else max(map(len, name.split("\n"))))
     previous = {j["job_id"]: j for j in (before or {}).get("jobs", [])}
     for job in now["jobs"]:
         old = previous.get(job["job_id"])
         rate = (job["items_delivered"] - old["items_delivered"]) / dt if old is not None and dt > 0 else \
             job.get("samples_per_s")
-        bar = _bar(job["epoch_delivered"], job["epoch_items"], 12)
+        bar = _bar(job["epoch_delivered"], job["epoch_items"], 8)
         bar.append(f" {job['epoch_delivered']:,}/{job['epoch_items']:,}", style="dim")
         stall = (job.get("stall") or {}).get("fraction")
         shared, from_others = sharing(job)

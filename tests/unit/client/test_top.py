@@ -141,7 +141,7 @@ def test_the_job_that_paid_for_four_jobs_decodes_reads_as_sharing() -> None:
     Console(file=out, width=200, color_system=None, force_terminal=False).print(top.render(now, None, 1.0, [1.0]))
     frame = out.getvalue()
     header = _row(frame.replace("┃", "│"), "JOB")
-    assert header[6:8] == ["SHARED", "FROM OTHERS"], header
+    assert header[6:8] == ["SHARED", "OTHERS"], header  # FROM above OTHERS
     assert _row(frame, "leader")[6:8] == ["100%", "17%"]
     assert _row(frame, "f0")[6:8] == ["100%", "83%"]
 
@@ -153,5 +153,5 @@ def test_a_job_that_shares_nothing_and_a_job_that_received_nothing() -> None:
 
 def test_a_server_that_does_not_count_both_ways_shows_no_shared_column() -> None:
     frame = _frame(NAMES)  # its jobs have no items_with_others
-    assert "FROM OTHERS" in frame and "SHARED" not in frame
+    assert "OTHERS" in frame and "SHARED" not in frame
     assert top.sharing(_sharing_job("old", 100, 0, 25, None)) == (None, 0.25)
