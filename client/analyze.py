@@ -17,7 +17,15 @@ from typing import Any
 
 import psutil
 
-from joader.analysis import HostWindow, JobWindow, Prediction, classify, predict
+from joader.analysis import (
+    STATED_ERROR,
+    HostWindow,
+    JobWindow,
+    Prediction,
+    classify,
+    per_sample,
+    predict,
+)
 from joader.client.cli import fetch_status, format_bytes
 
 
@@ -125,8 +133,9 @@ def analyze(jobs: list[JobWindow], host: HostWindow, extra_workers: int = 2) -> 
             "measured": {"samples_per_s": round(job.samples_per_s, 1),
                          "stall": None if job.stall is None else round(job.stall, 4),
                          "epoch_s": round(job.epoch_items / job.samples_per_s, 2) if job.samples_per_s > 0 else None,
-                         "step_s_per_sample": None if job.step_s_per_sample is None else round(job.step_s_per_sample, 6)},
+                         "step_s_per_sample": None if job.stall is None else round(per_sample(job)[0], 6)},
             "model_now": figures(now, job.job_id),
+            "model_check": _check(job, now),
             "workers": [{"workers": k, **figures(p, job.job_id)} for k, p in by_workers.items()],
             "cache": [{"cache": label, "cache_bytes": size, **figures(p, job.job_id)} for label, size, p in by_cache],
         }
@@ -143,7 +152,20 @@ def analyze(jobs: list[JobWindow], host: HostWindow, extra_workers: int = 2) -> 
                  "cache_bytes": host.cache_bytes, "data_bytes": host.data_bytes,
                  "limit_now": now.limit, "capacity_samples_per_s": round(now.capacity, 1)},
         "model": "joader.analysis (docs/analyze.md)",
+        "stated_error": STATED_ERROR,
     }
+
+
+def _check(job: JobWindow, now: Prediction) -> dict[str, Any] | None:
+    """The model's stall for the setting measured against the measured stall of the same window:
+    off by more than STATED_ERROR, the window was not steady and the what-ifs are not to be
+    trusted."""
+    predicted = now.stall.get(job.job_id)
+    if job.stall is None or predicted is None:
+        return None
+    error = predicted - job.stall
+    return {"predicted_stall": round(predicted, 4), "error": round(error, 4),
+            "within_stated_error": abs(error) <= STATED_ERROR}
 
 
 def _recommend(job: JobWindow, bound: str, host: HostWindow, by_workers: dict[int, Prediction],
@@ -159,40 +181,61 @@ def _recommend(job: JobWindow, bound: str, host: HostWindow, by_workers: dict[in
             return (f"compute-bound (stall {stall:.0%}): data keeps up; {host.workers - 1} decode "
                     f"worker(s) would still keep its stall under 5%, leaving a core to training")
         return f"compute-bound (stall {stall:.0%}): data keeps up; nothing to change"
+    # ranked by the rate each setting gives this job: a job with almost no step stalls ~all the
+    # time whatever the setting, and what changes is how fast its epochs go
     options = []
     if more is not None:
-        gain = (more.stall[job.job_id] or 0.0)
-        options.append((gain, f"{host.workers + 1} decode workers (predicted stall {gain:.0%}, "
-                              f"limited by {more.limit})"))
+        options.append((more.samples_per_s[job.job_id], f"{host.workers + 1} decode workers "
+                        f"({_what_if(job, more)}; limited by {more.limit})"))
     for label, size, prediction in by_cache:
-        options.append((prediction.stall[job.job_id] or 0.0,
-                        f"a {label} cache ({format_bytes(size)}, predicted stall "
-                        f"{prediction.stall[job.job_id] or 0.0:.0%} after the first epoch)"))
-    best = min(options, default=None)
-    if best is None or best[0] >= stall - 0.02:
-        return f"prep-bound (stall {stall:.0%}); the host's CPU is the limit: no setting here helps much"
+        options.append((prediction.samples_per_s[job.job_id], f"a {label} cache ({format_bytes(size)}, "
+                        f"{_what_if(job, prediction)} after the first epoch)"))
+    best = max(options, default=None)
+    if best is None or best[0] < 1.1 * job.samples_per_s:
+        return (f"prep-bound (stall {stall:.0%}): the host's CPU is the limit; no setting here makes "
+                f"it 10% faster")
     return f"prep-bound (stall {stall:.0%}): try {best[1]}"
 
 
+def _what_if(job: JobWindow, prediction: Prediction) -> str:
+    rate, stall = prediction.samples_per_s[job.job_id], prediction.stall[job.job_id] or 0.0
+    epoch_s = prediction.epoch_s[job.job_id]
+    now_s = job.epoch_items / job.samples_per_s if job.samples_per_s > 0 else None
+    epoch = f", epoch {epoch_s:.1f} s instead of {now_s:.1f} s" if epoch_s and now_s else ""
+    return f"predicted {rate:.0f} samples/s{epoch}, stall {stall:.0%}"
+
+
 def format_report(report: dict[str, Any]) -> str:
-    host = report["host"]
+    host, error = report["host"], report["stated_error"]
     lines = [f"host: {host['cores']:.0f} cores, {host['decode_workers']} decode workers, "
              f"{host['decode_cpu_ms_per_item']:.2f} ms CPU per decode, {host['decodes_per_delivery']:.2f} "
              f"decodes per delivery, other processes {host['other_cores_busy']:.2f} cores; "
-             f"limit now: {host['limit_now']}", ""]
+             f"limit now: {host['limit_now']}",
+             f"model: fit on this window; for the setting measured it gives the measured stall within "
+             f"{100 * error:.0f} percentage points, or says so (what-ifs: measured error in docs/analyze.md)", ""]
     for job in report["jobs"]:
-        measured = job["measured"]
-        stall = "-" if measured["stall"] is None else f"{measured['stall']:.0%}"
-        lines.append(f"{job['name']}: {job['bound']}-bound, stall {stall}, {measured['samples_per_s']:.0f} samples/s")
-        if job["bound"] != "unknown":
-            lines.append("  what if     decode workers: " + ", ".join(
-                f"{w['workers']}: stall {w['stall']:.0%} epoch {w['epoch_s']:.1f} s" for w in job["workers"]
-                if w["stall"] is not None and w["epoch_s"] is not None))
-            lines.append("              cache: " + ", ".join(
-                f"{c['cache']}: stall {c['stall']:.0%} epoch {c['epoch_s']:.1f} s" for c in job["cache"]
-                if c["stall"] is not None and c["epoch_s"] is not None))
-        lines.append(f"  -> {job['recommendation']}")
+        lines.extend(_job_lines(job, host["decode_workers"], error))
     return "\n".join(lines)
+
+
+def _job_lines(job: dict[str, Any], workers_now: int, error: float) -> list[str]:
+    measured, check = job["measured"], job.get("model_check")
+    stall = "-" if measured["stall"] is None else f"{measured['stall']:.0%}"
+    model = "" if check is None else f" (model for this setting: {check['predicted_stall']:.0%})"
+    lines = [f"{job['name']}: {job['bound']}-bound, stall {stall}{model}, {measured['samples_per_s']:.0f} samples/s"]
+    if job["bound"] != "unknown":
+        lines.append("  what if     decode workers: " + ", ".join(
+            f"{w['workers']}{' (now)' if w['workers'] == workers_now else ''}: stall {w['stall']:.0%} "
+            f"epoch {w['epoch_s']:.1f} s" for w in job["workers"] if w["stall"] is not None and w["epoch_s"] is not None))
+        lines.append("              cache: " + ", ".join(
+            f"{c['cache']}: stall {c['stall']:.0%} epoch {c['epoch_s']:.1f} s" for c in job["cache"]
+            if c["stall"] is not None and c["epoch_s"] is not None))
+    if check is not None and not check["within_stated_error"]:
+        lines.append(f"  !  the model misses this window's stall by {abs(check['error']):.0%} (more than "
+                     f"{error:.0%}): the jobs' mix or speed changed while it watched; run again with a "
+                     f"longer --interval before trusting these what-ifs")
+    lines.append(f"  -> {job['recommendation']}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,16 @@ import dataclasses
 
 import pytest
 
-from joader.analysis import HostWindow, JobWindow, capacity, classify, fair_shares, per_sample, predict, water_fill
+from joader.analysis import (
+    HostWindow,
+    JobWindow,
+    capacity,
+    classify,
+    fair_shares,
+    per_sample,
+    predict,
+    water_fill,
+)
 
 HOST = HostWindow(cores=2.0, workers=1, decode_cpu_s=0.004, decodes_per_delivery=0.5,
                   fresh_decodes_per_delivery=0.5, server_cpu_per_sample=0.0001, jobs_cpu_per_sample=0.0002,
