@@ -15,10 +15,11 @@ decoder "turbo" decodes JPEGs with simplejpeg (libjpeg-turbo straight into a num
 reduced DCT scale, 1/2, 1/4 or 1/8, whenever it still covers the resize target; the exact DCT
 by default, the fast one with option fastdct) and resizes with OpenCV: upscaling with INTER_LINEAR (Pillow's bilinear),
 downscaling with a small antialiasing prefilter fitted to Pillow's filter then INTER_LINEAR (see
-`_cv_resize`; INTER_AREA was measured both slower and further from pil). Other formats, CMYK
-JPEGs, JPEGs past Pillow's decompression-bomb limit and any JPEG simplejpeg refuses (libjpeg
-warnings that Pillow tolerates) are decoded by Pillow, so all decoders accept and refuse the
-same files with the same messages. Output shapes are the same for every decoder (`geometry`).
+`_cv_resize`; INTER_AREA was measured both slower and further from pil). Other formats are
+prepared exactly as by pil (their decode dominates; Pillow's resize is exact and costs little
+more); CMYK JPEGs, JPEGs past Pillow's decompression-bomb limit and any JPEG simplejpeg refuses
+(libjpeg warnings that Pillow tolerates) as by pil-draft. So all decoders accept and refuse the
+same files with the same messages, and give the same output shapes (`geometry`).
 
 Mode conversion is Pillow's `convert` (alpha dropped, palette applied, CMYK inverted), as
 torchvision's loader does, 16-bit modes included: Pillow clips I;16 values at 255, so an
@@ -203,11 +204,11 @@ class ImageStage:
 
     def _decode_turbo(self, data: bytes) -> np.ndarray:
         decoded = self._simplejpeg(data) if data[:3] == _JPEG_MAGIC else None
-        if decoded is None:  # not a JPEG, or one for Pillow: decode with Pillow
-            pic, plan = self._open_pil(data, draft=True)
-            arr = np.asarray(pic)
-        else:
-            arr, plan = decoded
+        if decoded is None:
+            # Not a JPEG (exactly pil: the decode dominates, Pillow's resize costs little more
+            # than OpenCV's and is exact), or a JPEG simplejpeg leaves to Pillow (pil-draft).
+            return self._decode_pil(data, draft=True)
+        arr, plan = decoded
         return _cv_apply(arr, plan)
 
     def _simplejpeg(self, data: bytes) -> tuple[np.ndarray, Plan] | None:
