@@ -1,22 +1,23 @@
 """Benchmark of the built-in stages (joader.stages): images/s per core and with every core, by decoder.
 
-(a) Images/s in one process (one core) for each decoder (pil; turbo with simplejpeg's fast
-    integer DCT; turbo with the exact one; the default is joader.stages.image.TURBO_OPTIONS)
+(a) Images/s in one process (one core) for each decoder (pil, which is torchvision's
+    ImageFolder + Resize + CenterCrop exactly; pil-draft; turbo with simplejpeg's fast integer
+    DCT; turbo with the exact one; the default is joader.stages.image.TURBO_OPTIONS)
     x stage (center-crop:256, resize:256, max-side:512), on the 500x375 demo JPEGs
     (joader.client.demo_data, quality 90, about 100 KB) and on large 2000x1500 photo-like JPEGs
     (quality 90, about 650 KB; generated once). The encoded files are read into memory first:
     this is the stage alone. Median of several repetitions, decoders interleaved.
-(b) Pixel differences turbo vs pil per stage and data set: mean, 99th percentile and max of
-    |turbo - pil| in grey levels, over every pixel of every image.
+(b) Pixel differences pil-draft and turbo vs pil per stage and data set: mean, 99th percentile
+    and max of |decoder - pil| in grey levels, over every pixel of every image (per format and
+    against torchvision's output: bench/decoders.py).
 (c) Decode capacity with all workers, the figure joaderd's throughput follows: N processes
     (N = the CPUs this process may run on, os.sched_getaffinity), each reading its share of the
     500x375 files from the (warm) page cache and running center-crop:256 in a loop; images/s of
-    all of them together, for pil and turbo (default options). Median of several repetitions.
+    all of them together, for pil, pil-draft and turbo (default options). Median of several
+    repetitions.
 
 (d) Where a 2000x1500 decode's time goes: the DCT-scaled decode both decoders make, in RGB and in
     grayscale, the resize after it, OpenCV's reduced decode, Pillow's draft and full decodes.
-Beside joader's decoders, (a) also times a "plain Pillow" reference: what a torchvision-style
-ImageFolder does (full-size decode, bilinear resize, crop), not a joader decoder.
 
 Usage: python -m bench.stage [--quick] [--reps N] [--out PATH]. --quick (under a minute or
 two) uses fewer images, repetitions and seconds. Prints tables and writes JSON (default
@@ -41,7 +42,7 @@ from joader.stages.image import TURBO_OPTIONS
 
 STAGES = [("center-crop", 256), ("resize", 256), ("max-side", 512)]
 # (label, decoder, options)
-DECODERS = [("pil", "pil", None), ("turbo fast-dct", "turbo", {"fastdct": True}),
+DECODERS = [("pil", "pil", None), ("pil-draft", "pil-draft", None), ("turbo fast-dct", "turbo", {"fastdct": True}),
             ("turbo exact-dct", "turbo", {"fastdct": False})]  # fmt: skip
 TURBO_DEFAULT = "turbo fast-dct" if TURBO_OPTIONS["fastdct"] else "turbo exact-dct"
 DEMO_ITEMS = 600  # the cached demo folder; --quick uses a part of it
@@ -96,35 +97,6 @@ def _photo_pixels(seed: int) -> np.ndarray:
         img += overlay
     img += rng.normal(0, 5, img.shape).astype(np.float32)
     return np.clip(img, 0, 255).astype(np.uint8)
-
-
-class PlainPillow:
-    """What a torchvision-style ImageFolder does with Pillow, for reference (not a joader
-    decoder): `Image.open(...).convert("RGB")` at full size, the shorter side resized to S
-    (bilinear, antialiased), then the center S x S crop for center-crop. No `draft`: users'
-    loaders do not scale in the DCT. Written with Pillow alone (torchvision is not installable
-    here)."""
-
-    def __init__(self, kind: str, size: int) -> None:
-        self.kind, self.size, self.name = kind, size, f"{kind}:{size}/plain-pillow"
-
-    def prepare(self, data: bytes, path: str) -> np.ndarray:
-        import io
-
-        from PIL import Image
-
-        image = Image.open(io.BytesIO(data)).convert("RGB")
-        width, height = image.size
-        if self.kind == "max-side":
-            scale = self.size / max(width, height)
-        else:
-            scale = self.size / min(width, height)
-        image = image.resize((max(1, round(width * scale)), max(1, round(height * scale))), Image.BILINEAR)
-        if self.kind == "center-crop":
-            w, h = image.size
-            left, top = (w - self.size) // 2, (h - self.size) // 2
-            image = image.crop((left, top, left + self.size, top + self.size))
-        return np.asarray(image).transpose(2, 0, 1).copy()
 
 
 def phases(blobs: list[bytes], reps: int) -> list[dict[str, Any]]:
@@ -185,8 +157,6 @@ def bench_single(datasets: dict[str, list[bytes]], reps: int) -> list[dict[str, 
             stages: dict[str, Any] = {label: build_stage(kind, size=size, upscale=kind == "center-crop",
                                                          decoder=decoder, options=options)
                                       for label, decoder, options in DECODERS}  # fmt: skip
-            if kind != "max-side" or dataset != "500x375":  # (max-side 512 would upscale those)
-                stages["plain Pillow (reference)"] = PlainPillow(kind, size)
             for stage in stages.values():
                 stage.prepare(blobs[0], "warm-up")
             rates: dict[str, list[float]] = {label: [] for label in stages}
@@ -304,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                 [[r["dataset"], r["stage"], r["decoder"], r["images_per_s"], r["ms_per_image"],
                   r["speedup_vs_pil"]] for r in single])  # fmt: skip
 
-    print("\n(b) |turbo - pil| in grey levels, every pixel of every image")
+    print("\n(b) |decoder - pil| in grey levels (pil: torchvision's output), every pixel of every image")
     diffs = bench_diff(datasets, 60 if quick else 200)
     print_table(["dataset", "stage", "decoder", "mean", "p99", "max", "share <= 1"],
                 [[r["dataset"], r["stage"], r["decoder"], r["mean_abs_diff"], r["p99_abs_diff"],
@@ -314,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = 3.0 if quick else 10.0
     print(f"\n(c) decode capacity: {processes} processes x center-crop:256 on the 500x375 "
           f"files (read + stage), {seconds:.0f} s, median of {reps}")  # fmt: skip
-    capacity = bench_capacity(demo_paths, ["pil", "turbo"], processes, seconds, reps)
+    capacity = bench_capacity(demo_paths, ["pil", "pil-draft", "turbo"], processes, seconds, reps)
     print_table(["decoder", "processes", "images/s", "per process", "x pil"],
                 [[r["decoder"], r["processes"], r["images_per_s"], r["per_process"],
                   r["vs_pil"]] for r in capacity])  # fmt: skip
@@ -328,14 +298,12 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = {
         "capacity_pil_images_per_s": capacity[0]["images_per_s"],
-        "capacity_turbo_images_per_s": capacity[1]["images_per_s"],
-        "capacity_gain": capacity[1]["vs_pil"],
+        "capacity_pil_draft_images_per_s": capacity[1]["images_per_s"],
+        "capacity_turbo_images_per_s": capacity[2]["images_per_s"],
+        "capacity_gain": capacity[2]["vs_pil"],
         "per_core_speedup_center_crop_500x375": pick("500x375", "center-crop:256", TURBO_DEFAULT)["speedup_vs_pil"],
         "per_core_speedup_center_crop_2000x1500": pick("2000x1500", "center-crop:256", TURBO_DEFAULT)["speedup_vs_pil"],
         "per_core_speedup_resize_2000x1500": pick("2000x1500", "resize:256", TURBO_DEFAULT)["speedup_vs_pil"],
-        "turbo_vs_plain_pillow_center_crop_2000x1500": round(
-            pick("2000x1500", "center-crop:256", TURBO_DEFAULT)["images_per_s"]
-            / pick("2000x1500", "center-crop:256", "plain Pillow (reference)")["images_per_s"], 3),
         "max_mean_abs_diff_turbo": max(r["mean_abs_diff"] for r in diffs if r["decoder"] == TURBO_DEFAULT),
         "turbo_default_options": TURBO_OPTIONS,
     }  # fmt: skip
