@@ -28,9 +28,9 @@ SERVER_HELP = ("joaderd's address (default: $JOADER_ADDRESS, else the one joader
 
 def add_server_options(parser: argparse.ArgumentParser) -> None:
     """`--source` and `--address`: which joaderd a tool shows (`joader.client.which_server`)."""
-    parser.add_argument("--source", metavar="NAME",
-                        help="show the joaderd serving source NAME (when several of yours run)")
-    parser.add_argument("--address", help=SERVER_HELP)
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--source", metavar="NAME", help="show the joaderd serving source NAME (when several of yours run)")
+    which.add_argument("--address", help=SERVER_HELP)
 
 
 def find_address(address: str | None, source: str | None, *, command: str) -> str:
