@@ -194,3 +194,20 @@ def test_turbo_turns_a_jpeg_as_pillow_does(orientation: int) -> None:
     out = stage.prepare(data, "x.jpg")
     assert out.shape == want.shape
     assert np.abs(out.astype(np.int16) - want).mean() < 1.5  # libjpeg-turbo vs Pillow's libjpeg
+
+
+@pytest.mark.parametrize("decoder", ["pil", "turbo"])
+def test_past_the_exact_limit_only_the_crop_is_resized_within_one_grey_level(
+    monkeypatch: pytest.MonkeyPatch, decoder: str
+) -> None:
+    """Beyond EXACT_RESIZE_PIXELS (16.7M, a 1x10000 strip at S=256 would be 655M) only the region
+    under the crop is resized: pil stays within 1 grey level of torchvision (geometry's NOTE).
+    The limit is lowered here so that the reference stays cheap to compute."""
+    from joader.stages import geometry
+
+    monkeypatch.setattr(geometry, "EXACT_RESIZE_PIXELS", 0)
+    assert geometry.plan_center_crop(40, 3000, 64, True).crop_first
+    data = encode("PNG", 40, 3000)
+    out = build_stage("center-crop", size=64, decoder=decoder).prepare(data, "strip.png")
+    diff = np.abs(out.astype(np.int16) - torchvision_reference(data, 64))
+    assert diff.max() <= (1 if decoder == "pil" else 40) and diff.mean() < 1, (diff.max(), diff.mean())
