@@ -83,6 +83,24 @@ def test_every_image_is_served_at_S_by_default_and_an_epoch_trains(odd_tree: Pat
         assert sorted(seen) == list(range(len(listing))) and len(listing) == 10
 
 
+def test_upscale_false_keeps_small_images_small_and_names_the_file_a_batch_cannot_hold(odd_tree: Path) -> None:
+    from torch.utils.data import DataLoader
+
+    from joader import JoaderDataset
+    from joader.client.batch_shapes import BatchShapeError
+
+    with JoaderDataset("odd", root=odd_tree, image_size=S, upscale=False, threads=None, timeout_s=60) as ds:
+        with pytest.raises(BatchShapeError) as raised:
+            for _ in DataLoader(ds, batch_size=4):
+                pass
+    text = str(raised.value)
+    named = [f"{odd_tree}/{cls}/{name}" for cls, name in ODD if f"{odd_tree}/{cls}/{name}" in text]
+    assert named, text
+    assert text.startswith("a batch of 'odd' cannot be formed: its items must have one shape (3x64x64), but item ")
+    assert "pass upscale=True to JoaderDataset(root=...) (the default: every image is served at S" in text
+    assert "stack expects each tensor to be equal size" in str(raised.value.__cause__)
+
+
 def _check_epoch(loader: Any, listing: Any, stage: Any) -> list[int]:
     """One epoch's indices, each sample checked against the stage run here on the file."""
     indices = []
@@ -111,3 +129,26 @@ def test_len_leaves_out_a_file_that_does_not_decode_once_an_epoch_reached_it(bas
             indices = _check_epoch(loader, listing, stage)
             assert sorted(indices) == [i for i in range(25) if i != broken]
             assert len(indices) == len(ds) == 24 and len(loader) == 6, workers
+
+
+@pytest.mark.xfail(strict=True, reason="joaderd takes --exif-transpose NAME but server/main.py does not pass "
+                   "SourceConfig.exif_transpose to build_stage yet (issue 38)")
+def test_exif_transpose_turns_photos_upright_when_asked(base: Path) -> None:
+    from joader import JoaderDataset
+
+    root = _photos(base / "photos", {("cat", "a.jpg"): (96, 64), ("dog", "b.jpg"): (64, 80)})
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: the camera was turned; the photo is upright rotated 90 degrees
+    with Image.open(root / "cat" / "a.jpg") as photo:
+        photo.save(root / "cat" / "turned.jpg", exif=exif.tobytes(), quality=90)
+    listing = open_source(root)
+    turned = list(listing.paths).index("cat/turned.jpg")
+    served = {}
+    for upright in (False, True):
+        with JoaderDataset("photos", root=root, image_size=S, stage="resize", exif_transpose=upright,
+                           return_index=True, threads=None, timeout_s=60) as ds:
+            served[upright] = {index: image.numpy() for index, image, _ in ds}
+    for upright, images in served.items():
+        stage = build_stage("resize", size=S, exif_transpose=upright)
+        assert np.array_equal(images[turned], stage.prepare(listing.read(turned), listing.paths[turned]))
+    assert served[False][turned].shape == (3, S, S * 3 // 2) and served[True][turned].shape == (3, S * 3 // 2, S)
