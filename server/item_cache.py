@@ -65,7 +65,10 @@ _MAX_SHARED = 1 << 16  # distinct shapes, dtypes and sizes shared between items 
 # NOTE [ Who received a copy ]
 # A delivery counts as *reused* when the job received this very copy before (an earlier epoch
 # read it from the cache, or a padding copy), and as *shared* when another job received it first
-# (one decode served both): status's sharing figures. Each `Item` used to keep the set of the
+# (one decode served both): status's sharing figures. A job's copies that another job received
+# too, whichever came first, are counted per job as they become common (`with_others`: status's
+# `items_with_others`, top's SHARED; NOTE [ What SHARED means ] in client/top.py): the job that
+# paid for a decode counts it once another job receives the copy. Each `Item` used to keep the set of the
 # jobs it went to, which grew with every job that ever read it and never shrank (+200 MiB over
 # 31 jobs at 128k items). The cache keeps a bitmap of keys per live job instead, and one of
 # the keys some job received; an evicted key leaves them all (its next decode is a new copy),
@@ -161,6 +164,8 @@ class ItemCache:
         # the keys whose current copy it received (until the copy is evicted or the job ends).
         self._served_any = BitMap()
         self._served_to: dict[str, BitMap] = {}
+        self._served_many = BitMap()  # keys whose current copy two jobs or more received
+        self.with_others: dict[str, int] = {}  # per job: its copies another job received too
         # Shapes, dtypes and sizes of cached items, one object per distinct value (NOTE [ An item's
         # footprint ] in records.py); at most _MAX_SHARED of them.
         self._shared_values = Interner(_MAX_SHARED)
@@ -337,6 +342,7 @@ class ItemCache:
             return True, False
         served.add(key)
         if key in self._served_any:
+            self._count_common(job_id, BitMap([key]))
             return False, True
         self._served_any.add(key)
         return False, False
@@ -362,7 +368,9 @@ class ItemCache:
         reused = got.intersection_cardinality(served)
         new = got - served
         served |= new
-        shared = new.intersection_cardinality(self._served_any)
+        common = new & self._served_any
+        if common:
+            self._count_common(job_id, common)
         self._served_any |= new
         planned = self.planned
         for key in keys:  # `unplan`'s count, inline (each key was planned: it was queued)
@@ -374,11 +382,24 @@ class ItemCache:
             else:
                 planned[key] = count - 1
         self.policy.add_refcounts(np.fromiter(keys, np.int64, len(keys)), -1)  # all READY
-        return reused, shared
+        return reused, len(common)
+
+    def _count_common(self, job_id: str, common: BitMap) -> None:
+        """`common`: keys `job_id` has just received whose copy another job received first. Each
+        counts for `job_id`; a copy common for the first time counts also for the one job that
+        had it (NOTE [ Who received a copy ])."""
+        first = common - self._served_many
+        if first:
+            for other, served in self._served_to.items():
+                if other != job_id and (n := first.intersection_cardinality(served)):
+                    self.with_others[other] = self.with_others.get(other, 0) + n
+            self._served_many |= first
+        self.with_others[job_id] = self.with_others.get(job_id, 0) + len(common)
 
     def forget_job(self, job_id: str) -> None:
         """A job ended: its record of the copies it received goes (nothing grows with jobs)."""
         self._served_to.pop(job_id, None)
+        self.with_others.pop(job_id, None)
 
     def _shared(self, value: _T) -> _T:
         """One object per distinct shape, dtype or size (a tuple, a str and an int per item
@@ -470,6 +491,7 @@ class ItemCache:
         self.ready_bytes -= item.nbytes
         if key in self._served_any:  # the copy is gone: a new decode is a new copy
             self._served_any.discard(key)
+            self._served_many.discard(key)
             for served in self._served_to.values():
                 served.discard(key)
         item.source.cached_ids.discard(item.item_id)

@@ -80,7 +80,7 @@ def snapshot(registry: Registry, now: float) -> dict[str, Any]:
             }
             for s in sources
         ],
-        "jobs": [_job(job, now) for job in registry.jobs.jobs.values()],
+        "jobs": [_job(job, now, cache.with_others.get(job.job_id, 0)) for job in registry.jobs.jobs.values()],
         "sharing_pairs": _pairs(registry),
         "max_jobs": registry.config.max_jobs,
         "cache": {
@@ -129,7 +129,7 @@ def snapshot(registry: Registry, now: float) -> dict[str, Any]:
     }
 
 
-def _job(job: Job, now: float) -> dict[str, Any]:
+def _job(job: Job, now: float, with_others: int) -> dict[str, Any]:
     epoch = job.claimed_epoch
     share = job.shares.get(epoch)
     epoch_items = sum(share.target) if share is not None else job.per_rank * job.world_size
@@ -153,6 +153,9 @@ def _job(job: Job, now: float) -> dict[str, Any]:
         "items_delivered": job.items_delivered,
         "items_reused": job.items_reused,
         "items_shared": job.items_shared,
+        # of its copies (first deliveries), those another job received too, either first or
+        # after it (server/item_cache.py): `joader top`'s SHARED, both ways
+        "items_with_others": with_others,
         "items_skipped": job.items_skipped,
         "samples_per_s": round(rate, 2) if rate is not None else None,
         "server_wait_s": round(job.wait_s, 3),  # its Next calls waiting in joaderd for items
