@@ -127,7 +127,7 @@ def guard_shapes(fetcher: Any, recent: Callable[[int], list[int]], served: dict[
             found = odd_shapes(batch)
             if found is None:
                 raise
-            raise batch_error(found, *shapes[0]) from error
+            raise batch_error(found, len(batch), *shapes[0]) from error
 
     collate_one_shape.joader_shape_guard = True  # type: ignore[attr-defined]
     collate_one_shape.joader_shapes = shapes  # type: ignore[attr-defined]
@@ -153,14 +153,14 @@ def odd_shapes(batch: Any) -> tuple[tuple[int, ...], list[tuple[int, tuple[int, 
     return None
 
 
-def batch_error(found: tuple[tuple[int, ...], list[tuple[int, tuple[int, ...], Any]]],
+def batch_error(found: tuple[tuple[int, ...], list[tuple[int, tuple[int, ...], Any]]], size: int,
                 recent: Callable[[int], list[int]], served: dict[int, tuple[int, ...]], names: ItemNames,
                 source: str, expected: tuple[int, ...] | None) -> BatchShapeError:
-    """The message for a batch that `odd_shapes` found mixed."""
+    """The message for a batch of `size` samples that `odd_shapes` found mixed: sample `i` is
+    item `recent(size)[i]` (NOTE [ Which items a failed batch holds ])."""
     common, odd = found
-    size = max(position for position, _, _ in odd) + 1
     ids = recent(size)
-    ids = ids if len(ids) >= size else []
+    ids = ids if len(ids) == size else []
     named, served_odd = [], False
     for position, shape, label in odd[:_NAMED]:
         item_id = ids[position] if ids else None

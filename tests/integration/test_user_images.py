@@ -12,6 +12,7 @@ workers read."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -59,8 +60,8 @@ def _photos(root: Path, sizes: dict[tuple[str, str], tuple[int, int]]) -> Path:
 
 @pytest.fixture
 def odd_tree(base: Path) -> Path:
-    """Eight 64-92 px photos and the two odd ones."""
-    sizes = {(cls, f"{cls}{i}.jpg"): (64 + 8 * i, 64 + 4 * i) for cls in ("cat", "dog") for i in range(4)}
+    """Thirty 64-176 px photos and the two odd ones."""
+    sizes = {(cls, f"{cls}{i}.jpg"): (64 + 8 * i, 64 + 4 * i) for cls in ("cat", "dog") for i in range(15)}
     return _photos(base / "photos", {**sizes, **ODD})
 
 
@@ -80,7 +81,7 @@ def test_every_image_is_served_at_S_by_default_and_an_epoch_trains(odd_tree: Pat
                 assert np.array_equal(image.numpy(), expected), listing.paths[index]
                 assert label == int(listing.labels[index])
                 seen[index] = True
-        assert sorted(seen) == list(range(len(listing))) and len(listing) == 10
+        assert sorted(seen) == list(range(len(listing))) and len(listing) == 32
 
 
 def test_upscale_false_keeps_small_images_small_and_names_the_file_a_batch_cannot_hold(odd_tree: Path) -> None:
@@ -89,13 +90,14 @@ def test_upscale_false_keeps_small_images_small_and_names_the_file_a_batch_canno
     from joader import JoaderDataset
     from joader.client.batch_shapes import BatchShapeError
 
-    with JoaderDataset("odd", root=odd_tree, image_size=S, upscale=False, threads=None, timeout_s=60) as ds:
+    with JoaderDataset("odd", root=odd_tree, image_size=S, upscale=False, threads=None, timeout_s=60, seed=1) as ds:
         with pytest.raises(BatchShapeError) as raised:
-            for _ in DataLoader(ds, batch_size=4):
+            for _ in DataLoader(ds, batch_size=8):
                 pass
     text = str(raised.value)
-    named = [f"{odd_tree}/{cls}/{name}" for cls, name in ODD if f"{odd_tree}/{cls}/{name}" in text]
-    assert named, text
+    named = re.findall(rf"item \d+ \(class '\w+', {re.escape(str(odd_tree))}/(\w+/[\w.]+)\): (\d+x\d+x\d+)", text)
+    assert named and all(tuple(path.split("/")) in ODD and shape != "3x64x64" for path, shape in named), text
+    assert "(joaderd serves an image smaller than S at its own size when upscale is off)" in text
     assert text.startswith("a batch of 'odd' cannot be formed: its items must have one shape (3x64x64), but item ")
     assert "pass upscale=True to JoaderDataset(root=...) (the default: every image is served at S" in text
     assert "stack expects each tensor to be equal size" in str(raised.value.__cause__)

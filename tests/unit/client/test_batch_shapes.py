@@ -29,11 +29,11 @@ def test_a_batch_of_two_shapes_names_the_odd_item_its_path_and_the_option(tmp_pa
         (tmp_path / name).mkdir()
         (tmp_path / name / "a.jpg").write_bytes(b"x")
     (tmp_path / "dog" / "tiny.jpg").write_bytes(b"x")  # item 2
-    fetcher, yielded = _Fetcher(), [7, 0, 1, 2]
+    fetcher, yielded = _Fetcher(), [7, 0, 2, 1]  # the odd item mid-batch: named by its place
     names = ItemNames(str(tmp_path), 3, {0: "cat", 1: "dog"})
     guard_shapes(fetcher, lambda n: yielded[-n:], {2: (3, 10, 10)}, names, "photos", (3, 64, 64))
     with pytest.raises(BatchShapeError) as raised:
-        fetcher.collate_fn(_batch([(3, 64, 64), (3, 64, 64), (3, 10, 10)], [0, 1, 1]))
+        fetcher.collate_fn(_batch([(3, 64, 64), (3, 10, 10), (3, 64, 64)], [0, 1, 1]))
     assert str(raised.value) == (
         f"a batch of 'photos' cannot be formed: its items must have one shape (3x64x64), but item 2 (class "
         f"'dog', {tmp_path}/dog/tiny.jpg): 3x10x10 (joaderd serves an image smaller than S at its own size "
