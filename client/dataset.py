@@ -104,12 +104,14 @@ class JoaderDataset(IterableDataset):
         return_index: yield `(index, image, label)` instead of `(image, label)`.
         address: joaderd's address; default `$JOADER_ADDRESS`, else the per-user socket.
         name: a name for this job in `joader status`. Default for one process: inside a Ray
-            Tune trial the trial's name, else `<script>-<pid>`; the process's second and later
-            datasets add `-2`, `-3`, ... (an Optuna study's trials in threads differ). For
-            ranks, one name per run that every rank agrees on (through the process group's
-            store when torch.distributed is initialized, else torchrun's run id). A name another
-            live job on the same joaderd has (not a rank of this job) is accepted, with a
-            warning in this process's log: pass each trial its own name.
+            Tune trial the trial's name, else the command line (`train.py --lr 0.1`: paths cut
+            to their last part, at most 64 characters; a bash loop's trials differ), with the
+            pid added if another live job has that name (`train.py --lr 0.1 (pid 14910)`); the
+            process's second and later datasets add ` #2`, ` #3`, ... (an Optuna study's trials
+            in threads differ). For ranks, one name per run that every rank agrees on (through
+            the process group's store when torch.distributed is initialized, else torchrun's run
+            id). A given name another live job on the same joaderd has (not a rank of this job)
+            is accepted, with a warning in this process's log: pass each trial its own name.
         batch_size: items per request. Default: the batch size of the DataLoader that collates
             the items (joaderd replies in whole batches, so every worker collates whole ones and
             an epoch has exactly `len(loader)` batches), else 64; and the batch size of
