@@ -145,9 +145,14 @@ class Expected:
     image_size: int | None = None
     mode: str | None = None
     stage: str | None = None
+    decoder: str | None = None
+    upscale: bool | None = None
+    exif_transpose: bool | None = None
 
     @classmethod
-    def make(cls, source: str, *, image_size: int | None, mode: str | None, stage: str | None) -> Expected:
+    def make(cls, source: str, *, image_size: int | None, mode: str | None, stage: str | None,
+             decoder: str | None = None, upscale: bool | None = None,
+             exif_transpose: bool | None = None) -> Expected:
         if image_size is not None and (isinstance(image_size, bool) or not isinstance(image_size, int)
                                        or image_size < 1):
             raise InvalidArgumentError(f"image_size must be a positive int, got {image_size!r}")
@@ -157,7 +162,12 @@ class Expected:
             raise InvalidArgumentError(
                 f"stage must be one of {', '.join(STAGE_KINDS)} (a user stage is the server's "
                 f"--stage package.module:factory, not declared here), got {stage!r}")
-        return cls(source, image_size, mode, stage)
+        if decoder is not None and decoder not in _decoders()[0]:
+            raise InvalidArgumentError(f"decoder must be one of {', '.join(_decoders()[0])}, got {decoder!r}")
+        for flag, value in (("upscale", upscale), ("exif_transpose", exif_transpose)):
+            if value is not None and not isinstance(value, bool):
+                raise InvalidArgumentError(f"{flag} must be True or False, got {value!r}")
+        return cls(source, image_size, mode, stage, decoder, upscale, exif_transpose)
 
     def mismatches(self, served: str, image_size: int, address: str) -> list[str]:
         """What the served stage (its name, e.g. "center-crop:256/L") gets wrong, each with its fix."""
@@ -179,7 +189,39 @@ class Expected:
             found.append(
                 f"{where}: the {kind!r} stage, and this job expects stage={self.stage!r}. Start "
                 f"joaderd with --stage {self.source}={self.stage}, or pass stage={kind!r}")
+        if kind in STAGE_KINDS:
+            found += self._decoding_mismatches(kind, parts[1:], where)
         return found
+
+    def _decoding_mismatches(self, kind: str, parts: list[str], where: str) -> list[str]:
+        """decoder=, upscale= and exif_transpose= against the stage's name, which says what
+        differs from joaderd's defaults ("/pil", "/no-upscale", "/exif-transpose")."""
+        decoders, default = _decoders()
+        decoder = next((p for p in parts if p in decoders), default)
+        upscale = "no-upscale" not in parts
+        exif = "exif-transpose" in parts
+        found, fix = [], "(or pass root= and joader starts a server with these options)"
+        if self.decoder is not None and decoder != self.decoder:
+            found.append(f"{where}: decoder {decoder!r}, and this job expects decoder={self.decoder!r}. Start "
+                         f"joaderd with --decoder {self.decoder}, or pass decoder={decoder!r} {fix}")
+        if self.upscale is not None and kind != "max-side" and upscale != self.upscale:
+            flag = "--upscale" if self.upscale else "--no-upscale"
+            found.append(f"{where}: images smaller than S {'upscaled' if upscale else 'served small'}, and this "
+                         f"job expects upscale={self.upscale}. Start joaderd with {flag} {self.source}, or pass "
+                         f"upscale={upscale} {fix}")
+        if self.exif_transpose is not None and exif != self.exif_transpose:
+            flag = f"--exif-transpose {self.source}" if self.exif_transpose else "no --exif-transpose"
+            found.append(f"{where}: EXIF orientation {'applied' if exif else 'not applied'}, and this job "
+                         f"expects exif_transpose={self.exif_transpose}. Start joaderd with {flag}, or pass "
+                         f"exif_transpose={exif} {fix}")
+        return found
+
+
+def _decoders() -> tuple[tuple[str, ...], str]:
+    """joaderd's decoders and its default (Pillow is imported only when a job names one)."""
+    from joader.stages.image import DECODERS, DEFAULT_DECODER
+
+    return DECODERS, DEFAULT_DECODER
 
 
 class Attachment:

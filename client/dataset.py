@@ -97,7 +97,8 @@ class JoaderDataset(IterableDataset):
             at their own size, and a batch that mixes sizes then raises `BatchShapeError` naming
             the file. `exif_transpose` (default False, as torchvision's ImageFolder): rotate each
             photo by its EXIF orientation first (`PIL.ImageOps.exif_transpose`). Jobs that differ
-            in any of them use different servers. Without `root`, joaderd's flags decide them.
+            in any of them use different servers. Without `root`, they say what the job expects,
+            as `image_size` does: a joaderd that decodes otherwise is refused, naming its flag.
         indices: the items of the source this job trains on (range, ints, numpy array or
             pyroaring BitMap); None for all of them.
         transform: applied in this process to each uint8 CHW tensor (the per-job stage).
@@ -228,7 +229,8 @@ class JoaderDataset(IterableDataset):
         self.batch_size = batch_size if batch_size is not None else DEFAULT_BATCH_SIZE
         self.batched = batched
         self.timeout_s = timeout_s
-        self.expected = Expected.make(source, image_size=image_size, mode=mode, stage=stage)
+        self.expected = Expected.make(source, image_size=image_size, mode=mode, stage=stage, decoder=decoder,
+                                      upscale=upscale, exif_transpose=exif_transpose)
         autostart = None
         if root is not None:
             if address is not None:
@@ -240,8 +242,6 @@ class JoaderDataset(IterableDataset):
                                    exif_transpose=False if exif_transpose is None else exif_transpose)
             address, _started = ensure_server(spec)
             autostart = spec.to_dict()
-        else:
-            _no_server_options(source, decoder=decoder, upscale=upscale, exif_transpose=exif_transpose)
         self.root = autostart["root"] if autostart is not None else None
         self.address = resolve_address(address)
         self.drop_last = drop_last
@@ -448,19 +448,3 @@ class JoaderDataset(IterableDataset):
             names=self._names())
         return Reader(connection, pass_, self._progress, options, warned=self._warned, pool=self._pool,
                       lease=attachment, undecodable=self._undecodable).start()
-
-
-_SERVER_FLAGS = {"decoder": "--decoder {value}", "upscale": "--no-upscale {source} (or --upscale {source})",
-                 "exif_transpose": "--exif-transpose {source}"}
-
-
-def _no_server_options(source: str, **given: Any) -> None:
-    """decoder=, upscale= and exif_transpose= choose how an auto-started joaderd decodes: with
-    address= (or none) the running joaderd's flags already decided."""
-    named = [name for name, value in given.items() if value is not None]
-    if named:
-        flags = ", ".join(_SERVER_FLAGS[name].format(value=given[name], source=source) for name in named)
-        raise InvalidArgumentError(
-            f"JoaderDataset({source!r}, {'=, '.join(named)}=) without root=: these choose how the joaderd "
-            f"that root= starts decodes, and a joaderd you started decodes as its flags say. Pass root= "
-            f"(the source's folder), or start joaderd with {flags}")

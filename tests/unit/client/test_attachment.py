@@ -90,3 +90,29 @@ def test_a_name_another_live_job_has_is_served_and_logged_once_with_the_fix(
             "Pass each JoaderDataset its own name= to tell them apart in joader status"]
         # the first one attached alone: it was told nothing
         assert not first._attachment.noticed and second._attachment.noticed
+
+
+def test_a_job_that_expects_another_decoding_is_told_the_flag() -> None:
+    """Without root=, decoder=, upscale= and exif_transpose= are what the job expects, checked
+    against the stage's name as image_size= is (NOTE [ Declaring the stage in the client ])."""
+    from joader.stages.image import DEFAULT_DECODER
+
+    assert DEFAULT_DECODER != "pil"
+    expected = attachment.Expected.make("photos", image_size=None, mode=None, stage=None, decoder="pil",
+                                        upscale=False, exif_transpose=True)
+    where = "joaderd at unix:/s serves source 'photos' with stage"
+    assert expected.mismatches("center-crop:64/pil/no-upscale/exif-transpose", 64, "unix:/s") == []
+    found = expected.mismatches("center-crop:64", 64, "unix:/s")
+    assert found == [
+        f"{where} 'center-crop:64': decoder {DEFAULT_DECODER!r}, and this job expects decoder='pil'. Start joaderd "
+        f"with --decoder pil, or pass decoder={DEFAULT_DECODER!r} (or pass root= and joader starts a server with "
+        "these options)",
+        f"{where} 'center-crop:64': images smaller than S upscaled, and this job expects upscale=False. Start "
+        "joaderd with --no-upscale photos, or pass upscale=True (or pass root= and joader starts a server with "
+        "these options)",
+        f"{where} 'center-crop:64': EXIF orientation not applied, and this job expects exif_transpose=True. "
+        "Start joaderd with --exif-transpose photos, or pass exif_transpose=False (or pass root= and joader "
+        "starts a server with these options)"]
+    assert expected.mismatches("max-side:64/pil/exif-transpose", 64, "unix:/s") == []  # max-side never upscales
+    assert attachment.Expected.make("photos", image_size=None, mode=None, stage=None).mismatches(
+        "center-crop:64/pil-draft/no-upscale", 64, "unix:/s") == []  # nothing declared: anything goes

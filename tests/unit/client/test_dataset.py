@@ -30,10 +30,9 @@ from .conftest import ITEMS
     ({"indices": [1, 1, 2]}, "indices repeat items: 1 (2 times)"),
     ({"indices": [-1]}, "indices must be in 0.."),
     ({"indices": [0.5]}, "indices must be integers"),
-    ({"upscale": False}, "JoaderDataset('demo', upscale=) without root=: these choose how the joaderd that root= "
-                         "starts decodes, and a joaderd you started decodes as its flags say. Pass root= (the "
-                         "source's folder), or start joaderd with --no-upscale demo (or --upscale demo)"),
-    ({"decoder": "pil", "exif_transpose": True}, "or start joaderd with --decoder pil, --exif-transpose demo"),
+    ({"decoder": "jpeg"}, "decoder must be one of pil, pil-draft, turbo, got 'jpeg'"),
+    ({"upscale": "no"}, "upscale must be True or False, got 'no'"),
+    ({"exif_transpose": 1}, "exif_transpose must be True or False, got 1"),
 ])
 def test_wrong_arguments_are_refused_before_any_job_is_attached(kwargs: dict[str, object], words: str) -> None:
     with pytest.raises(InvalidArgumentError) as raised:
