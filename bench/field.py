@@ -15,8 +15,7 @@ backward passes of the batch (gradients accumulated, one optimizer step).
 Data. `--data digits` (default): scikit-learn's digits, `train_test_split(test_size=0.2,
 random_state=0)`, the 1,437 training images written once as an ImageFolder of 8x8 gray PNGs
 (class folders 0..9, values 0..16 scaled to 0..255) under $JOADER_BENCH_DATA; joaderd serves them
-through its built-in stage `center-crop:32/L/upscale` (`--image-size 32 --mode L --upscale
-digits`), so a job sees (1, 32, 32) uint8 tensors. `--data demo`: the demo JPEGs
+through its built-in stage `center-crop:32/L` (`--image-size 32 --mode L`), so a job sees (1, 32, 32) uint8 tensors. `--data demo`: the demo JPEGs
 (`bench.common.demo_data`, `--items`, default 1,200), the default stage (center-crop 256, RGB).
 
 The baseline, same run, same schedule: each job reads with its own torch DataLoader over the

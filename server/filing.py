@@ -145,9 +145,13 @@ class ResultFiling:
                 self._cond.notify_all()
 
     def _note_size(self, item: Item) -> None:
-        """Counts images smaller than the stage's size (served as they are: never upscaled
-        unless the source asks), warning at the first and at every power of two."""
-        size = getattr(item.source.stage, "size", None)
+        """Counts images smaller than the stage's size that a source with `upscale = false`
+        serves at their own size, warning at the first and at every power of two. With upscale
+        (the default) every image reaches the size; `max-side` is a cap, never an enlargement."""
+        stage = item.source.stage
+        if getattr(stage, "upscale", True) or getattr(stage, "kind", "") == "max-side":
+            return
+        size = getattr(stage, "size", None)
         if not size or len(item.shape) != 3 or min(item.shape[1:]) >= size:
             return
         source = item.source
@@ -155,9 +159,9 @@ class ResultFiling:
         if source.small_items & (source.small_items - 1) == 0:
             logger.warning(
                 "source %s: %d image(s) so far smaller than %d px (e.g. %s, %s): served at their "
-                "own size, not upscaled; set upscale = true for the source to upscale them",
+                "own size (upscale = false); remove upscale = false or --no-upscale %s to upscale them",
                 source.name, source.small_items, size, source.listing.paths[item.item_id],
-                "x".join(map(str, item.shape)),
+                "x".join(map(str, item.shape)), source.name,
             )
 
 

@@ -156,6 +156,7 @@ def run(config: ServerConfig) -> int:
         stage = build_stage(
             source_config.stage, size=source_config.image_size, mode=source_config.mode,
             upscale=source_config.upscale, decoder=source_config.decoder, options=source_config.options,
+            exif_transpose=source_config.exif_transpose,
         )
         sources.append(Source(source_config.name, listing, stage, key_base, config.seed + i,
                               epoch_align=config.epoch_align))

@@ -34,8 +34,6 @@ def _phone_photos(root: Path) -> list[bytes]:
     return blobs
 
 
-@pytest.mark.xfail(strict=True, reason="server/main.py does not yet pass SourceConfig.exif_transpose "
-                   "to build_stage (issue 38: a one-line change there; then remove this mark)")
 def test_exif_transpose_flag_serves_photos_upright(tmp_path: Path, start_joaderd: Any) -> None:
     blobs = _phone_photos(tmp_path / "photos")
     server = start_joaderd({"upright": tmp_path / "photos", "stored": tmp_path / "photos"}, cache_items=8,

@@ -64,10 +64,11 @@ def test_all_workers_killed_are_replaced(demo_root: Path, start_joaderd: Any) ->
     assert w["alive"] == 2 and w["replaced"] >= 2
 
 
-# The demo's center-crop serves images smaller than S at their own size, so its items' sizes are
-# read from their headers first (probes, which go to the workers ahead of decodes); with
-# --upscale every item has S x S and no probe is sent: the workers hold decode tasks.
-STAGES = {"fixed size (upscale)": ["--upscale", "demo"], "header probes first": []}
+# With --no-upscale the demo's center-crop serves images smaller than S at their own size, so
+# its items' sizes are read from their headers first (probes, which go to the workers ahead of
+# decodes); by default (upscale) every item has S x S and no probe is sent: the workers hold
+# decode tasks.
+STAGES = {"fixed size (upscale)": [], "header probes first": ["--no-upscale", "demo"]}
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -1,7 +1,9 @@
-"""The reference the `pil` decoder must equal: joader's first shared stage, kept as a test oracle.
+"""The reference the `pil-draft` decoder must equal: joader's first shared stage, kept as a test oracle.
 
 It was `joader.sources.stage` until the stages became `joader.stages` (issue 9); the built-in
-`center-crop` stage with decoder "pil" reproduces it bit for bit (tests/unit/stages/test_image.py).
+`center-crop` stage with decoder "pil-draft" (the `pil` of before issue 38) reproduces it bit for
+bit (tests/unit/stages/test_image.py). Decoder `pil` is now exactly torchvision, with no DCT
+reduction: tests/unit/stages/test_torchvision_parity.py is its reference.
 
 Read, decode, RGB, resize the shorter side to S, center-crop S x S, uint8 CHW.
 

@@ -3,6 +3,8 @@ images smaller than the stage counted (server/filing.py, through the registry)."
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from pyroaring import BitMap
 
@@ -79,8 +81,15 @@ def test_a_file_that_keeps_failing_is_retried_at_most_once_per_use_and_skipped()
     assert registry.status()["decodes"]["requested"] <= 10 + 3 * 2
 
 
-def test_images_smaller_than_the_stage_are_counted_and_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("upscale", [False, True])
+def test_images_served_smaller_than_the_stage_are_counted_and_warned_about(
+        caplog: pytest.LogCaptureFixture, upscale: bool) -> None:
+    """With `upscale = false` a small image is served at its own size: counted, and the log
+    names the option; with upscale (the default) none is (a stage's own shape, like max-side's
+    or a capped strip's, is not "small")."""
     registry, pool, _ = make_registry()
+    source = registry.source("demo")
+    source.stage = SimpleNamespace(**vars(source.stage), upscale=upscale, kind="center-crop")
     job = attach(registry, "demo", BitMap(range(6)), "a", 4)
     nxt(registry, job.job_id, 1, 4, [])
     registry.schedule_once()
@@ -92,5 +101,8 @@ def test_images_smaller_than_the_stage_are_counted_and_warned_about(caplog: pyte
         pool.submitted.clear()
     registry.check_invariants()
     small = registry.status()["sources"][0]["small_items"]
+    if upscale:
+        assert small == 0 and "smaller than" not in caplog.text
+        return
     assert small == sum(1 for i in range(6) if i % 2 and i in registry.source("demo").cached_ids)
-    assert small > 0 and "smaller than 8 px" in caplog.text and "upscale = true" in caplog.text
+    assert small > 0 and "smaller than 8 px" in caplog.text and "--no-upscale demo to upscale" in caplog.text
