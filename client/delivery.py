@@ -297,11 +297,14 @@ class Reader:
             if item_shape != options.item_shape:
                 raise shape_error(options.source, options.names.name(index, label), item_shape, options.item_shape)
 
-    def _note_served(self, response: Any) -> None:
+    def _note_served(self, response: Any, item_shapes: list[tuple[int, ...]]) -> None:
         """Remembers the items served in another shape than the stage's, for the error of a
-        batch that cannot be formed (`joader.client.batch_shapes`)."""
+        batch that cannot be formed (`joader.client.batch_shapes`). A reply whose every item
+        has the stage's shape costs one comparison of its `dims`."""
         expected, served = self.options.item_shape, self.served
-        for index, item_shape in zip(response.item_ids, shapes(response), strict=True):
+        if expected is not None and list(response.dims) == list(expected) * len(item_shapes):
+            return
+        for index, item_shape in zip(response.item_ids, item_shapes, strict=True):
             if item_shape != expected:
                 served[index] = item_shape
                 if len(served) > _SERVED_KEPT:
@@ -387,11 +390,11 @@ class Reader:
             response = reply.response
             # One tensor per item, not views of one batch tensor: torch.stack (in the
             # DataLoader's collate) is ~30x slower on views that share a storage.
-            arrays = [np.empty(shape, dtype=dtype) for shape, dtype in zip(shapes(response), dtypes(response),
-                                                                             strict=True)]
+            item_shapes = shapes(response)
+            arrays = [np.empty(shape, dtype=dtype) for shape, dtype in zip(item_shapes, dtypes(response), strict=True)]
             conn.mapping(response.arena or reply.identity.arena).copy_many(response.offsets, response.lengths, arrays)
             conn.check(response, arrays)
-            self._note_served(response)
+            self._note_served(response, item_shapes)
             placed.extend(zip(response.item_ids, map(torch.from_numpy, arrays), response.labels, strict=True))
 
         transform, return_index = self.options.transform, self.options.return_index
