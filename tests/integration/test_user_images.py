@@ -24,6 +24,7 @@ import pytest
 from PIL import Image
 
 from joader.client.autostart import stop_servers
+from joader.errors import InvalidArgumentError
 from joader.sources.base import open_source
 from joader.stages import build_stage
 from tests.support.data import corrupt_jpeg
@@ -94,6 +95,11 @@ def test_upscale_false_keeps_small_images_small_and_names_the_file_a_batch_canno
         with pytest.raises(BatchShapeError) as raised:
             for _ in DataLoader(ds, batch_size=8):
                 pass
+        # A job that names that server by address says what it expects, as image_size= does.
+        with pytest.raises(InvalidArgumentError, match=r"images smaller than S served small, and this job expects "
+                                                       r"upscale=True\. Start joaderd with --upscale odd"):
+            JoaderDataset("odd", address=ds.address, upscale=True, threads=None)
+        JoaderDataset("odd", address=ds.address, upscale=False, image_size=S, threads=None).close()
     text = str(raised.value)
     named = re.findall(rf"item \d+ \(class '\w+', {re.escape(str(odd_tree))}/(\w+/[\w.]+)\): (\d+x\d+x\d+)", text)
     assert named and all(tuple(path.split("/")) in ODD and shape != "3x64x64" for path, shape in named), text
@@ -133,8 +139,6 @@ def test_len_leaves_out_a_file_that_does_not_decode_once_an_epoch_reached_it(bas
             assert len(indices) == len(ds) == 24 and len(loader) == 6, workers
 
 
-@pytest.mark.xfail(strict=True, reason="joaderd takes --exif-transpose NAME but server/main.py does not pass "
-                   "SourceConfig.exif_transpose to build_stage yet (issue 38)")
 def test_exif_transpose_turns_photos_upright_when_asked(base: Path) -> None:
     from joader import JoaderDataset
 
