@@ -207,7 +207,8 @@ def _what_if(job: JobWindow, prediction: Prediction) -> str:
 
 def format_report(report: dict[str, Any]) -> str:
     host, error = report["host"], report["stated_error"]
-    lines = [f"host: {host['cores']:.0f} cores, {host['decode_workers']} decode workers, "
+    workers = f"{host['decode_workers']} decode worker{'' if host['decode_workers'] == 1 else 's'}"
+    lines = [f"host: {host['cores']:.0f} cores, {workers}, "
              f"{host['decode_cpu_ms_per_item']:.2f} ms CPU per decode, {host['decodes_per_delivery']:.2f} "
              f"decodes per delivery, other processes {host['other_cores_busy']:.2f} cores; "
              f"limit now: {host['limit_now']}",
