@@ -178,12 +178,14 @@ def predict(jobs: list[JobWindow], host: HostWindow, *, workers: int | None = No
     `cache_bytes` (default: as now), calibrated on the measured rates."""
     measured = [j for j in jobs if j.stall is not None and (j.samples_per_s > 0 or j.step_s_per_sample)]
     demands = [1.0 / max(1e-9, _per_sample_floor(j)) for j in measured]
-    calibration = _calibration(measured, host)
+    calibration = _calibration(jobs, measured, host)
     m = cache_factor(host, cache_bytes) if cache_bytes is not None else host.decodes_per_delivery
-    cap, limit = capacity(host, workers if workers is not None else host.workers, m, len(measured))
+    cap, limit = capacity(host, workers if workers is not None else host.workers, m, len(jobs))
     cap *= calibration
-    rates = water_fill(demands, cap)
-    result = Prediction(capacity=cap, limit=limit if sum(demands) > cap * (1 + 1e-9) else "jobs")
+    # a job whose loop is not measured (DataLoader workers) is taken to keep its rate
+    unmeasured = sum(j.samples_per_s for j in jobs if j not in measured)
+    rates = water_fill(demands, max(0.0, cap - unmeasured))
+    result = Prediction(capacity=cap, limit=limit if sum(demands) + unmeasured > cap * (1 + 1e-9) else "jobs")
     for job, rate in zip(measured, rates, strict=True):
         step, _ = per_sample(job)
         result.samples_per_s[job.job_id] = rate
@@ -197,11 +199,11 @@ def predict(jobs: list[JobWindow], host: HostWindow, *, workers: int | None = No
     return result
 
 
-def _calibration(measured: list[JobWindow], host: HostWindow) -> float:
+def _calibration(jobs: list[JobWindow], measured: list[JobWindow], host: HostWindow) -> float:
     """The factor that makes the model's capacity at the current setting agree with the window:
     equal to what was delivered when a job waited for data, at least that when none did."""
-    delivered = sum(j.samples_per_s for j in measured)
-    modelled, _ = capacity(host, host.workers, host.decodes_per_delivery, len(measured))
+    delivered = sum(j.samples_per_s for j in jobs)
+    modelled, _ = capacity(host, host.workers, host.decodes_per_delivery, len(jobs))
     if delivered <= 0 or modelled <= 0 or math.isinf(modelled):
         return 1.0
     if any(classify(j) == "prep" for j in measured):

@@ -116,3 +116,14 @@ def test_joaderds_one_process_is_named_when_it_is_the_limit() -> None:
     heavy = dataclasses.replace(HOST, cores=8.0, rest_cores=0.0, server_cpu_per_sample=0.001)
     rate, limit = capacity(heavy, 4, 0.5)  # the workers could do 2,000/s, joaderd's core 1,000/s
     assert rate == pytest.approx(1000.0, rel=1e-6) and limit == "joaderd"
+
+
+def test_a_job_read_through_dataloader_workers_keeps_its_rate_and_its_share_of_the_capacity() -> None:
+    # one worker does 500/s (calibrated: 400/s were delivered); 150 of them go to the unmeasured job
+    jobs = [job("w", 150, None, None), job("a", 250, 0.001, 0.75)]
+    now = predict(jobs, HOST)
+    assert now.samples_per_s == {"w": 150, "a": pytest.approx(250)}
+    assert now.stall["a"] == pytest.approx(0.75) and now.limit == "decode workers"
+    # two workers: the cores allow 826/s, calibrated 661/s, of which 150 stay with "w"
+    two = predict(jobs, HOST, workers=2)
+    assert two.samples_per_s["a"] == pytest.approx(1.9 / 0.0023 * 0.8 - 150)
