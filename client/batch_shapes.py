@@ -40,6 +40,8 @@ _NAMED = 3  # odd items named in one message
 FIX_UPSCALE = ("pass upscale=True to JoaderDataset(root=...) (the default: every image is served at S, upscaled "
                "as torchvision's Resize + CenterCrop would), or run joaderd without --no-upscale {source}; or "
                "give the DataLoader a collate_fn that pads")
+FIX_VARIABLE = ("its stage serves items of different sizes (joaderd's description of the source says so): give "
+                "the DataLoader a collate_fn that pads, or a transform that ends in a fixed size")
 FIX_TRANSFORM = ("make the transform end in a fixed size (e.g. torchvision's CenterCrop), or give the "
                  "DataLoader a collate_fn that pads")
 
@@ -169,7 +171,9 @@ def batch_error(found: tuple[tuple[int, ...], list[tuple[int, tuple[int, ...], A
         served_odd |= served_shape is not None
         named.append(f"{what}: {_shape(served_shape or shape)}")
     more = f" and {len(odd) - _NAMED} more" if len(odd) > _NAMED else ""
-    if served_odd:
+    if served_odd and expected is None:
+        fix, why = FIX_VARIABLE, "as joaderd served them"
+    elif served_odd:
         fix = FIX_UPSCALE.format(source=source)
         why = "joaderd serves an image smaller than S at its own size when upscale is off"
     else:

@@ -77,3 +77,12 @@ def test_batched_refuses_an_item_of_another_shape_by_name() -> None:
     assert str(error).startswith("a batch of 'photos' cannot be formed: item 3 (class 'cat') was served as 3x10x10, "
                                  "not the stage's 3x64x64 (joaderd serves")
     assert str(error).endswith("or give the DataLoader a collate_fn that pads")
+
+
+def test_a_stage_of_variable_sizes_names_a_padding_collate_not_upscale() -> None:
+    fetcher = _Fetcher()
+    guard_shapes(fetcher, lambda n: [3, 4][-n:], {3: (3, 5, 7), 4: (3, 6, 6)}, ItemNames(), "boxes", None)
+    with pytest.raises(BatchShapeError) as raised:
+        fetcher.collate_fn(_batch([(3, 5, 7), (3, 6, 6)]))
+    assert "(as joaderd served them); its stage serves items of different sizes" in str(raised.value)
+    assert "upscale" not in str(raised.value)
