@@ -94,9 +94,9 @@ def measure(address: str | None, interval_s: float) -> tuple[list[JobWindow], Ho
     host = HostWindow(
         cores=float(psutil.cpu_count() or 1),
         workers=int(after.get("workers", {}).get("configured", 1)),
-        decode_cpu_s=workers_cpu / decoded if decoded else 0.0,
+        decode_cpu_s=workers_cpu / decoded if decoded else _since_start(after)[0],
         decodes_per_delivery=decoded / delivered if delivered else 1.0,
-        fresh_decodes_per_delivery=min(1.0, decoded / first) if decoded else 1.0,
+        fresh_decodes_per_delivery=min(1.0, decoded / first) if decoded else _since_start(after)[1],
         server_cpu_per_sample=server_cpu / delivered if delivered else 0.0,
         jobs_cpu_per_sample=jobs_cpu / delivered if delivered else 0.0,
         rest_cores=max(0.0, (busy_after - busy_before - workers_cpu - server_cpu - jobs_cpu) / elapsed),
@@ -105,8 +105,18 @@ def measure(address: str | None, interval_s: float) -> tuple[list[JobWindow], Ho
     )
     window = {"interval_s": round(elapsed, 3), "decoded": decoded, "delivered": delivered,
               "workers_cpu_s": round(workers_cpu, 3), "joaderd_cpu_s": round(server_cpu, 3),
-              "jobs_cpu_s": round(jobs_cpu, 3)}
+              "jobs_cpu_s": round(jobs_cpu, 3), "decode_figures": "window" if decoded else "since start"}
     return jobs, host, window
+
+
+def _since_start(status: dict[str, Any]) -> tuple[float, float]:
+    """(seconds per decode, decodes per first delivery) since joaderd started: for a window in
+    which nothing was decoded (a whole-dataset cache after its first epoch), so that a smaller
+    cache's what-if still costs its decodes. The workers' busy time, not their CPU time."""
+    decoded = status.get("items_decoded", 0)
+    busy_s = status.get("decodes", {}).get("decode_s", 0.0)
+    within = status.get("sharing", {}).get("within_epoch")
+    return (busy_s / decoded if decoded else 0.0), (min(1.0, 1.0 / within) if within else 1.0)
 
 
 def analyze(jobs: list[JobWindow], host: HostWindow, extra_workers: int = 2) -> dict[str, Any]:

@@ -4,7 +4,7 @@ fit on, and what it prints."""
 from __future__ import annotations
 
 from joader.analysis import STATED_ERROR, HostWindow, JobWindow
-from joader.client.analyze import analyze, format_report
+from joader.client.analyze import _since_start, analyze, format_report
 
 HOST = HostWindow(cores=2.0, workers=1, decode_cpu_s=0.004, decodes_per_delivery=0.5,
                   fresh_decodes_per_delivery=0.5, server_cpu_per_sample=0.0001, jobs_cpu_per_sample=0.0002,
@@ -35,3 +35,11 @@ def test_a_window_the_model_cannot_reproduce_is_flagged() -> None:
     assert not check["within_stated_error"] and check["error"] < -STATED_ERROR, check
     text = format_report(report)
     assert "misses this window's stall by 30%" in text and "longer --interval" in text, text
+
+
+def test_a_window_without_decodes_costs_a_smaller_caches_decodes_as_since_start() -> None:
+    """A whole-dataset cache after its first epoch decodes nothing: the 1/2x what-if still
+    needs decodes, priced at the workers' busy seconds per decode since joaderd started."""
+    status = {"items_decoded": 600, "decodes": {"decode_s": 3.0}, "sharing": {"within_epoch": 4.0}}
+    assert _since_start(status) == (0.005, 0.25)
+    assert _since_start({"items_decoded": 0, "decodes": {"decode_s": 0.0}, "sharing": {"within_epoch": None}}) == (0.0, 1.0)
