@@ -215,13 +215,17 @@ def _what_if(job: JobWindow, prediction: Prediction) -> str:
     return f"predicted {rate:.0f} samples/s{epoch}, stall {stall:.0%}"
 
 
+_LIMITS = {"jobs": "the jobs' own steps (data keeps up)", "decode workers": "the decode workers",
+           "joaderd": "joaderd's main process (one core)", "host CPU": "the host's cores"}
+
+
 def format_report(report: dict[str, Any]) -> str:
     host, error = report["host"], report["stated_error"]
     workers = f"{host['decode_workers']} decode worker{'' if host['decode_workers'] == 1 else 's'}"
     lines = [f"host: {host['cores']:.0f} cores, {workers}, "
              f"{host['decode_cpu_ms_per_item']:.2f} ms CPU per decode, {host['decodes_per_delivery']:.2f} "
              f"decodes per delivery, other processes {host['other_cores_busy']:.2f} cores; "
-             f"limit now: {host['limit_now']}",
+             f"limit now: {_LIMITS.get(host['limit_now'], host['limit_now'])}",
              f"model: fit on this window; for the setting measured it gives the measured stall within "
              f"{100 * error:.0f} percentage points, or says so (what-ifs: measured error in docs/analyze.md)", ""]
     for job in report["jobs"]:
