@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from joader.errors import JoaderError
+from joader.errors import BatchShapeError
 
 __all__ = ["BatchShapeError", "ItemNames", "guard_shapes", "shape_error"]
 
@@ -44,11 +44,6 @@ FIX_VARIABLE = ("its stage serves items of different sizes (joaderd's descriptio
                 "the DataLoader a collate_fn that pads, or a transform that ends in a fixed size")
 FIX_TRANSFORM = ("make the transform end in a fixed size (e.g. torchvision's CenterCrop), or give the "
                  "DataLoader a collate_fn that pads")
-
-
-class BatchShapeError(JoaderError, RuntimeError):
-    """The items of one batch differ in shape, so no batch tensor can hold them. A RuntimeError,
-    as torch's collate error it replaces."""
 
 
 @dataclass

@@ -103,12 +103,14 @@ def format_status(status: dict[str, Any]) -> str:
             lines.append(f"  {s['small_items']} images smaller than the stage's size, served at their own size")
     lines.append("")
     if status["jobs"]:
-        lines.append(f"{'JOB':<24} {'SOURCE':<12} {'ITEMS':>8} {'RANKS':>5} {'ORDER':<11} {'EPOCH':>6} {'PROGRESS':>13} "
+        # as wide as the longest name (default names are command lines: `train.py --lr 0.01`)
+        width = min(64, max(24, *(len(printable(j["name"])) for j in status["jobs"])))
+        lines.append(f"{'JOB':<{width}} {'SOURCE':<12} {'ITEMS':>8} {'RANKS':>5} {'ORDER':<11} {'EPOCH':>6} {'PROGRESS':>13} "
                      f"{'SAMPLES/S':>9} {'STALL':>6} {'DELIVERED':>10}")
         for j in status["jobs"]:
             ranks = f"{j.get('ranks_attached', 1)}/{j.get('world_size', 1)}"
             progress = f"{j['epoch_delivered']}/{j['epoch_items']}" if j["epoch"] else "not started"
-            lines.append(f"{printable(j['name'])[:24]:<24} {printable(j['source'])[:12]:<12} {j['num_items']:>8} {ranks:>5} "
+            lines.append(f"{printable(j['name'])[:width]:<{width}} {printable(j['source'])[:12]:<12} {j['num_items']:>8} {ranks:>5} "
                          f"{printable(j.get('order', 'shared'))[:11]:<11} {j['epoch']:>6} {progress:>13} {_number(j.get('samples_per_s')):>9} "
                          f"{format_percent((j.get('stall') or {}).get('fraction')):>6} {j['items_delivered']:>10}")
         lines.append("  ORDER: shared (correlated with the other jobs' orders, to share decodes) or "

@@ -156,6 +156,13 @@ class SharedMemoryFullError(JoaderError, OSError):
     status_code = "RESOURCE_EXHAUSTED"
 
 
+class BatchShapeError(JoaderError, RuntimeError):
+    """The items of one batch differ in shape, so no batch tensor can hold them (raised in the
+    client, `joader.client.batch_shapes`). A RuntimeError, as torch's collate error it replaces."""
+
+    status_code = "FAILED_PRECONDITION"
+
+
 # One table, both directions. The client picks the class from the `joader-error` trailing
 # metadata the server attaches, and falls back to the status code alone.
 ERROR_CLASSES: dict[str, type[JoaderError]] = {
@@ -180,6 +187,7 @@ ERROR_CLASSES: dict[str, type[JoaderError]] = {
         JobEndedError,
         ParentDiedError,
         SharedMemoryFullError,
+        BatchShapeError,
     )
 }
 

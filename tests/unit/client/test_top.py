@@ -155,3 +155,13 @@ def test_a_server_that_does_not_count_both_ways_shows_no_shared_column() -> None
     frame = _frame(NAMES)  # its jobs have no items_with_others
     assert "OTHERS" in frame and "SHARED" not in frame
     assert top.sharing(_sharing_job("old", 100, 0, 25, None)) == (None, 0.25)
+
+
+def test_status_shows_default_job_names_whole_so_trials_tell_apart() -> None:
+    """Default names are command lines (issue 38): `train.py --lr 0.01 --data loop` cut at 24
+    characters read the same for every trial of a bash loop."""
+    names = ("train.py --lr 0.1 --data loop", "train.py --lr 0.01 --data loop")
+    status = format_status(_snapshot(names, 30))
+    rows = [line for line in status.splitlines() if line.startswith("train.py")]
+    assert [row.split(" src[")[0].rstrip() for row in rows] == list(names)
+    assert len({row.index(" src[") for row in rows}) == 1  # one column width for both
