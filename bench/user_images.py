@@ -29,11 +29,18 @@ from PIL import Image
 from joader.client.autostart import stop_servers
 
 _TRIAL = """
-import sys, time
+import sys, threading, time
+from torch.utils.data import DataLoader
 from joader import JoaderDataset
 with JoaderDataset("photos", root=sys.argv[-1], image_size=64) as ds:  # no name=
     print(ds.job_id, flush=True)
-    sys.stdin.read()
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    while not stop.is_set():  # trains (a 50 ms step per batch) until its stdin closes
+        for images, labels in DataLoader(ds, batch_size=8):
+            time.sleep(0.05)
+            if stop.is_set():
+                break
 """
 
 
@@ -100,9 +107,11 @@ def bash_loop(base: Path, say: list[str]) -> None:
             trials.append(trial)
             assert trial.stdout is not None
             trial.stdout.readline()
-        done = subprocess.run([sys.executable, "-m", "joader.client.cli", "status", "--source", "photos"],
-                              capture_output=True, text=True, timeout=60)
-        say.append(f"$ joader status\n{done.stdout}")
+        time.sleep(4.0)  # a few epochs of each
+        for command in (["status"], ["top", "--once"]):
+            done = subprocess.run([sys.executable, "-m", "joader.client.cli", *command],
+                                  capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "140"})
+            say.append(f"$ joader {' '.join(command)}\n{done.stderr}{done.stdout}")
         listed = subprocess.run([sys.executable, "-m", "joader.client.cli", "status", "--json", "--source", "photos"],
                                 capture_output=True, text=True, timeout=60)
         names = [job["name"] for job in json.loads(listed.stdout)["jobs"]]

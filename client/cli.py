@@ -124,10 +124,11 @@ def format_status(status: dict[str, Any]) -> str:
     pairs = [p for p in status.get("sharing_pairs", []) if p.get("rounds") and p.get("live", True)]
     if pairs:
         lines.append("")
-        lines.append(f"{'SHARING (pairs of jobs)':<46} {'ROUNDS':>8} {'SHARED':>8} {'BOUND':>6}")
-        for p in pairs[:10]:
-            pair = f"{printable(p['name_a'])[:22]} + {printable(p['name_b'])[:21]}"
-            lines.append(f"{pair:<46} {p['rounds']:>8} {p['rate']:>8.0%} {p['bound']:>6.0%}")
+        shown = [f"{printable(p['name_a'])[:64]} + {printable(p['name_b'])[:64]}" for p in pairs[:10]]
+        width = max(46, *(len(pair) for pair in shown))  # whole names, as in the JOB column
+        lines.append(f"{'SHARING (pairs of jobs)':<{width}} {'ROUNDS':>8} {'SHARED':>8} {'BOUND':>6}")
+        for pair, p in zip(shown, pairs, strict=False):
+            lines.append(f"{pair:<{width}} {p['rounds']:>8} {p['rate']:>8.0%} {p['bound']:>6.0%}")
     c = status["cache"]
     lookups, ahead = c["lookups"], c["lookahead"]
     lines.append("")

@@ -464,6 +464,7 @@ class StallBook:
     (num_workers=0) measures it; DataLoader workers cannot see the training loop."""
 
     KEEP_EPOCHS = 8
+    STUCK_S = 1.0  # an epoch's wait with no step yet that already says the loop is stalled
 
     def __init__(self) -> None:
         # epoch -> reader -> (wait s, step s, items yielded)
@@ -494,9 +495,15 @@ class StallBook:
 
     @property
     def latest(self) -> int:
-        """The newest epoch with a measured second: an epoch just begun reports zeros with its
-        first request, and its stall is not known yet (status showed none, between epochs)."""
-        measured = [e for e in self.epochs if sum(self.epoch(e)[:2]) > 0]
+        """The newest epoch whose stall is known: one with a step measured, or one whose wait
+        alone passed `STUCK_S` (a loop stuck waiting). An epoch just begun reports zeros with its
+        first request (status showed none, between epochs), then its first batch's wait with
+        no step yet (status showed 100% stall for a job that never waited long: issue 38)."""
+        measured = []
+        for epoch in self.epochs:
+            wait_s, step_s, _ = self.epoch(epoch)
+            if step_s > 0 or wait_s >= self.STUCK_S:
+                measured.append(epoch)
         return max(measured, default=max(self.epochs, default=0))
 
 

@@ -165,3 +165,4 @@ def test_status_shows_default_job_names_whole_so_trials_tell_apart() -> None:
     rows = [line for line in status.splitlines() if line.startswith("train.py") and " src[" in line]
     assert [row.split(" src[")[0].rstrip() for row in rows] == list(names)
     assert len({row.index(" src[") for row in rows}) == 1  # one column width for both
+    assert f"{names[0]} + {names[1]}" in status  # the sharing pair, whole too

@@ -16,3 +16,17 @@ def test_the_newest_measured_epoch_is_the_latest() -> None:
     assert stall.latest == 1 and stall.epoch(1) == (2.0, 6.0, 64)
     stall.report(2, (0, 2), 0.5, 1.5, 8)
     assert stall.latest == 2
+
+
+def test_an_epoch_whose_first_batch_waited_is_not_shown_as_all_stall() -> None:
+    """Its first batch's wait came with no step yet: 100% "stall" for a loop that barely
+    waited (top during a bash loop of tiny epochs, issue 38). Once a second of waiting passed
+    with no step, the epoch is shown: the loop is stuck."""
+    stall = StallBook()
+    stall.report(1, (0, 1), 0.2, 4.0, 64)
+    stall.report(2, (0, 2), 0.01, 0.0, 8)
+    assert stall.latest == 1
+    stall.report(2, (0, 2), 0.01, 0.05, 16)
+    assert stall.latest == 2
+    stall.report(3, (0, 3), 1.5, 0.0, 0)
+    assert stall.latest == 3
