@@ -50,9 +50,9 @@ def test_top_once_shows_each_job_with_its_stall(demo_root: Path, start_joaderd: 
     for name in ("prepbound", "computebound"):
         row = next((line for line in frame.splitlines() if name in line), None)
         assert row is not None, frame
-        # columns: JOB RANKS EPOCH PROGRESS SAMPLES/S STALL SHARED DELIVERED
+        # columns: JOB RANKS EPOCH PROGRESS SAMPLES/S STALL SHARED FROM-OTHERS DELIVERED
         percents = re.findall(r"(\d+)%", row)
-        assert len(percents) == 2, row
+        assert len(percents) == 3, row
         stall[name] = int(percents[0])
     assert stall["prepbound"] >= 50 and stall["computebound"] <= 20, (stall, frame)
 

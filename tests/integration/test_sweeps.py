@@ -149,10 +149,16 @@ def test_optuna_trials_in_processes_on_one_sqlite_study(
         clients.wait(process, 120)
     trials, driver = _trials(out), _driver(out)
     attached = _check_trials(trials, driver, expected, server, {"0": EPOCHS, "1": 1, "2": EPOCHS})
+    # Three processes of one command line: the first keeps it as its name, the others are told
+    # at attach that a live job has it and take their pid (NOTE [ Default names that tell trials
+    # apart ] in client/placement.py), so joaderd logs that notice for them.
     names = [first["status_name"] for first in attached.values()]
-    assert sorted(names) == sorted(f"{first['script']}-{first['pid']}" for first in attached.values())
+    base = min(names, key=len)
+    assert base.startswith(f"{next(iter(attached.values()))['script']} optuna-process"), names
+    pids = {first["pid"] for first in attached.values()}
+    others = [n for n in names if n != base]
+    assert len(others) == 2 and set(others) <= {f"{base} (pid {pid})" for pid in pids}, names
     assert len(set(names)) == 3, names
-    assert "already attached" not in server.log()
 
 
 # ------------------------------------------------------------------------------------ the examples
