@@ -47,7 +47,7 @@ intersection of a long suffix of random subsets is nearly empty.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pyroaring import AbstractBitMap, BitMap
 
@@ -57,7 +57,7 @@ __all__ = ["build_chain", "chain_order"]
 _MAX_PAIR_SEARCH = 16
 
 
-def chain_order(remaining: dict[str, AbstractBitMap]) -> list[str]:
+def chain_order(remaining: Mapping[str, AbstractBitMap]) -> list[str]:
     """Job ids by ascending remaining size; equal sizes ordered to share the most (see above).
 
     Deterministic: a function of the sets and the ids alone.
@@ -80,7 +80,7 @@ def chain_order(remaining: dict[str, AbstractBitMap]) -> list[str]:
     return reversed_order[::-1]
 
 
-def _pick_last(group: list[str], remaining: dict[str, AbstractBitMap],
+def _pick_last(group: list[str], remaining: Mapping[str, AbstractBitMap],
                suffix: AbstractBitMap | None) -> str:
     if len(group) == 1:
         return group[0]

@@ -26,7 +26,7 @@ import os
 from array import array
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, overload, runtime_checkable
 
 import numpy as np
 
@@ -64,17 +64,26 @@ MAX_LABEL = 2**31 - 1
 class ItemSource(Protocol):
     """The items of one source: ids `0..n-1`, their labels and display names, and their bytes."""
 
-    kind: str  # "imagefolder" | "list" | "tar"
-    root: Path  # resolved; shown in status (the folder, the list file, the shard folder)
+    # Read-only members (properties): the sources are frozen dataclasses, and `paths` may be
+    # any Sequence[str] (PackedPaths).
+    @property
+    def kind(self) -> str: ...  # "imagefolder" | "list" | "tar"
+    @property
+    def root(self) -> Path: ...  # resolved; shown in status (the folder, the list file, the shard folder)
     # What a client sees as `ds.classes`, `ds.class_to_idx` and each item's label (Attach's
     # `classes`, `class_labels`, `targets`). Class names (folders, or names in a list or .cls):
     # classes sorted, label = index. Integer labels (list, .cls): delivered as written, classes
     # = the distinct integers that occur in numeric order, as text, each mapped to itself.
-    classes: tuple[str, ...]
-    class_to_idx: dict[str, int]  # class -> the label its items carry
-    paths: Sequence[str]  # display names; item id = position ("cls/x.jpg", "shard.tar/KEY.jpg")
-    labels: np.ndarray  # int32, one per item, 0..MAX_LABEL
-    num_skipped: int  # entries left out when listing (symlinks leaving the root, ...)
+    @property
+    def classes(self) -> tuple[str, ...]: ...
+    @property
+    def class_to_idx(self) -> dict[str, int]: ...  # class -> the label its items carry
+    @property
+    def paths(self) -> Sequence[str]: ...  # display names; item id = position ("cls/x.jpg", "shard.tar/KEY.jpg")
+    @property
+    def labels(self) -> np.ndarray: ...  # int32, one per item, 0..MAX_LABEL
+    @property
+    def num_skipped(self) -> int: ...  # entries left out when listing (symlinks leaving the root, ...)
 
     def __len__(self) -> int: ...
 
@@ -192,7 +201,13 @@ class PackedPaths(Sequence[str]):
     def __len__(self) -> int:
         return len(self._ends)
 
-    def __getitem__(self, index: int | slice) -> str | list[str]:  # type: ignore[override]
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+
+    def __getitem__(self, index: int | slice) -> str | list[str]:
         if isinstance(index, slice):
             return [self._path(i) for i in range(*index.indices(len(self._ends)))]
         count = len(self._ends)

@@ -57,6 +57,8 @@ class UserStage:
                 f"{display_path(str(exc))}; if the file is bad, replace or remove it, otherwise "
                 "fix the stage's prepare()"
             ) from exc
+        item: np.ndarray | None
+        problem: str | None
         try:
             item = result if isinstance(result, np.ndarray) else np.asarray(result)
         except Exception as exc:
