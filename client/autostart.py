@@ -412,7 +412,7 @@ def running_servers() -> list[dict[str, Any]]:
         socket_file = ready.with_suffix(".sock")
         info = read_ready_file(ready)
         server = _server_of(info)
-        if server is None or not listening(socket_file):
+        if info is None or server is None or not listening(socket_file):
             continue
         try:
             with os.fdopen(open_private(ready.with_suffix(".json"), os.O_RDONLY), "rb") as file:

@@ -37,7 +37,8 @@ class BatchPool:
             if len(self._idle) < self.keep:
                 self._idle.append(lease.mapping)
 
-        self._lease_type = type("BatchLease", (ctypes.c_uint8 * max(1, nbytes),), {"__del__": give_back})
+        # Any: a ctypes array class made at run time, whose instances also carry `.mapping`
+        self._lease_type: Any = type("BatchLease", (ctypes.c_uint8 * max(1, nbytes),), {"__del__": give_back})
 
     def take(self) -> np.ndarray:
         """A uint8 array of `nbytes` over a pooled mapping, held until its last user is gone."""

@@ -178,9 +178,10 @@ class Connection:
             return False
         now = time.monotonic()
         if board.generation == self.identity.generation and not board.reconnecting:
-            if unreachable_since[0] is None:
-                unreachable_since[0] = now
-            if now - unreachable_since[0] < _UNREACHABLE_GRACE_S:
+            since = unreachable_since[0]
+            if since is None:
+                since = unreachable_since[0] = now
+            if now - since < _UNREACHABLE_GRACE_S:
                 # The keeper's stream breaks as soon as joaderd dies; until it says so, or
                 # after joaderd came back, a refused call is worth repeating.
                 time.sleep(0.2)

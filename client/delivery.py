@@ -354,7 +354,7 @@ class Reader:
                     else:
                         yield value
         finally:
-            chunks.close()  # type: ignore[attr-defined]  # a generator: its cleanup runs now
+            chunks.close()  # type: ignore[union-attr]  # a generator: its cleanup runs now
         if not batched and progress.current is pass_:
             progress.finished = True  # items: once the loop took the last one (batches: `replies`)
         if timed:

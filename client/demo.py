@@ -107,7 +107,10 @@ def _loader(args: argparse.Namespace, indices: range) -> tuple[Any, Any, int]:
 
     if args.plain:
         plain = _PlainFolder(Path(args.data), indices)
-        return DataLoader(plain, batch_size=BATCH, shuffle=True, num_workers=PLAIN_WORKERS), None, len(plain)
+        # a map-style dataset by protocol (len, getitem), which DataLoader takes; not a Dataset
+        # subclass, so that importing this module does not import torch
+        loader: Any = DataLoader(plain, batch_size=BATCH, shuffle=True, num_workers=PLAIN_WORKERS)  # type: ignore[arg-type]
+        return loader, None, len(plain)
     from joader import JoaderDataset
 
     ds = JoaderDataset("demo", indices=indices, address=args.address, name=args.name, batch_size=BATCH)

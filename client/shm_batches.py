@@ -31,7 +31,8 @@ def shared_batch_tensor(shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor
         new_shared = getattr(torch.UntypedStorage, "_new_shared", None)  # what torch's own collate uses
         if new_shared is None:  # not in this torch: a shared copy of an empty tensor
             return torch.empty(shape, dtype=torch_dtype).share_memory_()
-        return torch.empty(0, dtype=torch_dtype).set_(new_shared(nbytes), 0, shape)
+        # torch's stubs want a stride; without one set_ makes the tensor contiguous, as wanted
+        return torch.empty(0, dtype=torch_dtype).set_(new_shared(nbytes), 0, shape)  # type: ignore[call-overload]
     except (OSError, RuntimeError) as error:
         full = shm_full_error(error, nbytes)
         if full is None:

@@ -39,7 +39,8 @@ from joader.client.cli import (
 def _rate(now: dict[str, Any], before: dict[str, Any] | None, dt: float, *path: str) -> float | None:
     if before is None or dt <= 0:
         return None
-    a, b = now, before
+    a: Any = now
+    b: Any = before
     for key in path:
         a, b = a[key], b[key]
     return (a - b) / dt
@@ -61,7 +62,7 @@ def _bar(done: int, total: int, width: int) -> Text:
 # paid for most decodes read "SHARED 17%", which reads as "hardly sharing" (issue 38). So SHARED
 # now counts both ways: of the images the job received (its first delivery of each copy; a
 # later epoch's re-read of a cached copy is neither), the share that another job received too,
-# whichever came first (`items_with_others`, server/item_cache.py). FROM OTHERS keeps the old
+# whichever came first (`items_with_others`, server/books/item_cache.py). FROM OTHERS keeps the old
 # figure, over the same images: the share served from a decode another job paid for. A server
 # that does not report `items_with_others` gets no SHARED column, rather than a wrong one.
 
