@@ -1,12 +1,12 @@
 """A job's order (`JoaderDataset(order=...)`, issue 29 item 3): what "shared" gives up and what
-"independent" keeps, through the real Scheduler and sampler (`server/scheduler.py`,
+"independent" keeps, through the real Scheduler and sampler (`server/scheduling/scheduler.py`,
 `DependentSampler`) on a job table without a registry (`tests/support/job_books.py`).
 
 The drive: three jobs on one 20-item dataset (identical: the strongest correlation DSA makes),
 each reading its rank's queue at a fixed speed (items per tick, a ratio): equal speeds, or
 unequal ones, where the slower jobs' queues fill and they sit rounds out; or drifting (0, 1 or
 2 items a tick, from a stream of the drive's own) with joaderd's in-step rules on
-(server/in_step.py: a job behind planned ahead, rounds held for it), whose decisions read the
+(server/scheduling/in_step.py: a job behind planned ahead, rounds held for it), whose decisions read the
 measured rates and queue lengths. Speeds never come from the sampler's streams, so the
 participation pattern never depends on a future draw (the condition of the proof in
 joader/sampling/dependent.py). Each tick runs `Scheduler.run_round` once and each job takes its
@@ -66,7 +66,7 @@ from joader.sampling.checks import (
     relative_positions,
     same_position_matches,
 )
-from joader.server.records import Source
+from joader.server.books.records import Source
 from tests.support.job_books import books
 
 pytestmark = pytest.mark.timeout(300)  # the module fixture drives 5 configurations
@@ -105,7 +105,7 @@ class Run:
     rounds_with_c: list[tuple[str, float, bool]] = field(default_factory=list)
     pair_rounds: dict[tuple[str, str], list[int]] = field(default_factory=dict)  # by job names
     planned_past_lookahead: int = 0  # rounds a job took part in with more than 2 x CAPACITY queued
-    holds: int = 0  # rounds held for a job behind (server/in_step.py)
+    holds: int = 0  # rounds held for a job behind (server/scheduling/in_step.py)
 
 
 def _drive(c_order: str, speeds: Speeds, *, seed: int = 0, epochs: int = EPOCHS,
@@ -196,9 +196,24 @@ def _record_rounds(source: Source, names: dict[str, str], run: Run) -> None:
     sampler.sample = sample  # type: ignore[method-assign]
 
 
+class _Runs(dict[str, Run]):
+    """Each configuration driven when a test first asks for it, once per process.
+
+    NOTE [ A module fixture under pytest-xdist ]
+    `make test` spreads a module's tests over its pytest processes, and every process that ran
+    one of them drove all seven configurations (about 100 CPU-s each time on this machine);
+    consecutive tests (one configuration's) mostly land in one process, which now drives only
+    the configurations its tests read. The figures are the same: `_drive` is seeded."""
+
+    def __missing__(self, name: str) -> Run:
+        order, speeds = CONFIGS[name]
+        run = self[name] = _drive(order, speeds)
+        return run
+
+
 @pytest.fixture(scope="module")
 def runs() -> dict[str, Run]:
-    return {name: _drive(order, speeds) for name, (order, speeds) in CONFIGS.items()}
+    return _Runs()
 
 
 def _agreement(run: Run, x: str, y: str) -> tuple[int, int]:
