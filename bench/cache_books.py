@@ -31,9 +31,9 @@ import numpy as np
 import psutil
 from pyroaring import BitMap
 
-from joader.server.item_cache import ItemCache
-from joader.server.records import Source
-from joader.server.registry import Registry, RegistryConfig
+from joader.server.books.item_cache import ItemCache
+from joader.server.books.records import Source
+from joader.server.registry.registry import Registry, RegistryConfig
 from joader.sources.imagefolder import SourceListing
 from joader.stages import ItemSpec
 

@@ -108,7 +108,7 @@ def modes(num_items: int) -> list[Mode]:
         # mid-epoch, so its first epoch is aligned (joaderd's default --epoch-align first).
         Mode("batched", f"0:{n * 2 // 3}", ("--batched",), 0.05, killable=True),
         # resize:S: each decode placed in exactly its bytes, known from the file's header
-        # (a probe) or prepared first and placed after (joader.server.item_cache).
+        # (a probe) or prepared first and placed after (joader.server.books.item_cache).
         Mode("transform", f"0:{n}:2", ("--transform", "--source", "sized"), 0.0, killable=True,
              source="sized"),
         Mode("workers", f"{n // 6}:{n * 5 // 6}", ("--workers", "2", "--follow-loader"), 0.03),

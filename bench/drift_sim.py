@@ -36,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from joader.server.next_protocol import NextArgs, NextCall
-from joader.server.records import Batch
-from joader.server.registry import Registry, RegistryConfig, Source
+from joader.server.books.records import Batch
+from joader.server.registry.next_protocol import NextArgs, NextCall
+from joader.server.registry.registry import Registry, RegistryConfig, Source
 from joader.sources.imagefolder import SourceListing
 
 ITEM_BYTES = 64

@@ -352,7 +352,7 @@ class Attachment:
         self.placement = found
         self.job_name = name
         if info.get("notice") and not self.noticed:
-            # NOTE [ Two live jobs of one name ] in server/jobs.py: said where the user looks.
+            # NOTE [ Two live jobs of one name ] in server/registry/jobs.py: said where the user looks.
             self.noticed = True
             logger.warning("JoaderDataset(%r), job %s: %s", self.source, info["job_id"], info["notice"])
         self.rank, self.world_size = found.rank, found.world_size

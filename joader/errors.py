@@ -89,7 +89,7 @@ class ServerExitingError(JoaderError, ConnectionError):
     """joaderd is exiting because it had no job for `--idle-exit-s`: the attach came in the
     moment between its decision and its socket going away. To a client the same as finding no
     joaderd (a `ConnectionError`): start one again (NOTE [ Deciding to exit refuses the next
-    attach ] in server/idle_exit.py)."""
+    attach ] in server/registry/idle_exit.py)."""
 
     status_code = "UNAVAILABLE"
 

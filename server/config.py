@@ -70,7 +70,7 @@ DEFAULT_STAGE = "center-crop"
 MODES = ("RGB", "L")
 DEFAULT_CACHE_SIZE = "1GiB"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-PACINGS = ("deadline", "rounds")  # joader.server.pacing
+PACINGS = ("deadline", "rounds")  # joader.server.books.pacing
 
 
 def default_num_workers() -> int:
@@ -115,7 +115,7 @@ class ServerConfig:
     allow_remote: bool = False
     ready_file: Path | None = None
     retry_failed_s: float = 60.0
-    decode_timeout_s: float | None = None  # None: auto (joader.server.decode_timeout)
+    decode_timeout_s: float | None = None  # None: auto (joader.server.pool.timeout)
     rank_attach_timeout_s: float = 60.0
     max_jobs: int = 1024
     pacing: str = "deadline"
@@ -123,7 +123,7 @@ class ServerConfig:
     plan_horizon: float = 0.0  # NOTE [ Planning a lagging job ahead ] in in_step.py
     max_hold_s: float = 0.0  # NOTE [ A leader waits only where it costs the sweep nothing ] in in_step.py
     metrics_listen: str | None = None  # HOST:PORT of Prometheus /metrics; None: off
-    idle_exit_s: float = 0.0  # exit after this long with no job attached (server/idle_exit.py); 0: never
+    idle_exit_s: float = 0.0  # exit after this long with no job attached (server/registry/idle_exit.py); 0: never
     exit_with: str | None = None  # PID:START_TICKS of a process joaderd exits with (a `joader.serve` driver)
 
 
@@ -199,7 +199,7 @@ def _non_negative_seconds(value: Any, where: str, example: str) -> float:
 
 
 def _timeout_seconds(value: Any, where: str, example: str) -> float | None:
-    """--decode-timeout-s: "auto" (None: fitted to the decode times, joader.server.decode_timeout)
+    """--decode-timeout-s: "auto" (None: fitted to the decode times, joader.server.pool.timeout)
     or a positive number of seconds."""
     if value == "auto":
         return None

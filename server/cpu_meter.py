@@ -1,6 +1,6 @@
 """joaderd's CPU meter: whether every core of the host is busy, and which jobs' training processes
 keep a core busy. A round may wait for a job behind only then (NOTE [ A leader waits only where it
-costs the sweep nothing ] in server/in_step.py).
+costs the sweep nothing ] in server/scheduling/in_step.py).
 
 A job's processes are the readers of its passes (their pids come with every `Next`) and their
 parents: with DataLoader workers the readers are the workers and the training loop is their

@@ -14,7 +14,7 @@ and exits with status 70 (EX_SOFTWARE): a server that keeps accepting requests w
 feeds its queues would hang every job without a word.
 
 Shutdown (SIGTERM, SIGINT, SIGHUP, a failure, or `--idle-exit-s` seconds with no job: the
-supervised `joaderd-idle` thread asks `Registry.exit_if_idle`, server/idle_exit.py) removes the
+supervised `joaderd-idle` thread asks `Registry.exit_if_idle`, server/registry/idle_exit.py) removes the
 arena, the socket and the ready file. A restart after a crash removes the arenas a dead joaderd
 left behind.
 
@@ -46,6 +46,7 @@ from joader.launch import read_ready_file, write_ready_file
 from joader.process_ref import ProcessRef
 from joader.server import cpu_meter, log_limits
 from joader.server.autoscale import AutoscaleConfig, Autoscaler, PeriodMeter
+from joader.server.books.item_sizes import bound_is_nominal
 from joader.server.cache_budget import BudgetClaim, CacheBudget
 from joader.server.cache_sizing import (
     CacheSize,
@@ -58,11 +59,10 @@ from joader.server.cache_sizing import (
     shm_size_bytes,
 )
 from joader.server.config import ServerConfig, load_config
-from joader.server.decode_pool import DecodePool, PoolConfig, SourceSpec
-from joader.server.idle_exit import check_period_s
-from joader.server.item_sizes import bound_is_nominal
 from joader.server.metrics import serve_metrics
-from joader.server.registry import Registry, RegistryConfig, Source
+from joader.server.pool.decode_pool import DecodePool, PoolConfig, SourceSpec
+from joader.server.registry.idle_exit import check_period_s
+from joader.server.registry.registry import Registry, RegistryConfig, Source
 from joader.server.source_watch import SourceChecker
 from joader.sources.base import open_source
 from joader.stages import build_stage
@@ -376,7 +376,7 @@ async def _serve(
 
 def _forward_results(pool: DecodePool, registry: Registry, stop: threading.Event) -> None:
     """The results thread: files the pool's finished decodes, whatever is queued at once
-    (NOTE [ Filing a batch under one lock ], server/filing.py)."""
+    (NOTE [ Filing a batch under one lock ], server/registry/filing.py)."""
     while not stop.is_set():
         results = pool.get_results(timeout_s=0.2)
         if results:
@@ -405,7 +405,7 @@ def _remove_stale_later(stopping: threading.Event) -> None:
 
 def _exit_when_idle(registry: Registry, idle_exit_s: float, stopping: threading.Event,
                     stop_serving: Callable[[], None]) -> None:
-    """`--idle-exit-s`: asks the registry about once a second (server/idle_exit.py) and stops
+    """`--idle-exit-s`: asks the registry about once a second (server/registry/idle_exit.py) and stops
     joaderd, as SIGTERM does, once it had no job for that long."""
     while not stopping.wait(check_period_s(idle_exit_s)):
         idle_s = registry.exit_if_idle()

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 
 class StatusCollector(Collector):
-    """Turns one status snapshot (`joader.server.status`) into metric families per scrape."""
+    """Turns one status snapshot (`joader.server.registry.status`) into metric families per scrape."""
 
     def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
         self._status = status

@@ -48,8 +48,8 @@ from joader.proto import (
     joader_pb2,
     joader_pb2_grpc,
 )
-from joader.server.records import Batch, NextArgs
-from joader.server.registry import Registry, max_indices_bytes
+from joader.server.books.records import Batch, NextArgs
+from joader.server.registry.registry import Registry, max_indices_bytes
 from joader.sources.safe_open import display_path
 
 logger = logging.getLogger(__name__)

@@ -284,7 +284,7 @@ class SourceChecker:
 
 def item_file(listing: Any, item_id: int) -> str:
     """The file on disk an item is read from (an `ItemSource`'s item): for a tar member, its
-    shard. What `file_stamp` stamps for the decode pool's quarantine (joader.server.quarantine)."""
+    shard. What `file_stamp` stamps for the decode pool's quarantine (joader.server.pool.quarantine)."""
     kind = getattr(listing, "kind", "imagefolder")
     if kind == "tar":
         return os.path.join(listing.root, listing.shards[int(listing.shard_ids[item_id])])

@@ -119,7 +119,7 @@ class RefCntPolicy:
 
         Plain RefCnt without `hazard`. With it (key -> how soon the item will be read again:
         the sum, over the jobs that still need it, of each job's rate over its remaining items;
-        see `joader.server.pacing`), an item nobody needs (refcount 0) still goes first;
+        see `joader.server.books.pacing`), an item nobody needs (refcount 0) still goes first;
         otherwise the `sample` oldest items of every refcount bucket are the candidates and the
         one read again last (lowest hazard) goes, ties to the lower refcount, then the older.
         So an item only a slow job still needs goes before one a fast job will read soon, even

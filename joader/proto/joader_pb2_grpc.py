@@ -71,7 +71,7 @@ class JoaderServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Status(self, request, context):
-        """A snapshot of sources, jobs and cache, as JSON (see joader.server.status).
+        """A snapshot of sources, jobs and cache, as JSON (see joader.server.registry.status).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

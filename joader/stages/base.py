@@ -115,7 +115,7 @@ class Stage(Protocol):
     int | None`, the exact bytes `prepare(data, ...)` will return, read cheaply (from a file
     header, without decoding), or None. joaderd reads it ahead of an item's first decode (the
     built-in image stages have it); without it, an item is placed once prepared (size first),
-    one round trip later (`joader.server.item_sizes`).
+    one round trip later (`joader.server.books.item_sizes`).
     """
 
     name: str  # e.g. "center-crop:256", "resize:256/L/turbo"

@@ -135,9 +135,9 @@ class ImageStage:
         same plan every decoder carries out), and every image format states those in its header:
         simplejpeg reads a JPEG's in about 1 us, Pillow's lazy `Image.open` any other format's
         in about 30 us, neither decoding a pixel. joaderd's decode workers call this ahead of
-        the decode (a *probe*, `joader.server.decode_worker`) so that the cache can give the
+        the decode (a *probe*, `joader.server.pool.worker`) so that the cache can give the
         decode exactly its bytes instead of the stage's bound (3 x S x 8S for resize), whose
-        freed tails were holes too small for the next bound (`joader.server.item_sizes`).
+        freed tails were holes too small for the next bound (`joader.server.books.item_sizes`).
         EXIF orientation (exif_transpose) need not be read: every plan is symmetric in width
         and height, so a turned image has the same number of bytes.
 

@@ -10,7 +10,7 @@ A user stage cannot say an item's size before preparing it (the built-in image s
 from the file's header, `ImageStage.item_nbytes`), and need not: joaderd sends the first decode
 of each item with no room in the cache (size first), the decode worker keeps what prepare()
 returned and says its size, and joaderd places it in exactly that many bytes; it remembers the
-size, so every later decode of the item is placed exactly at once (`joader.server.item_sizes`).
+size, so every later decode of the item is placed exactly at once (`joader.server.books.item_sizes`).
 max_item_bytes stays the bound every item is checked against.
 """
 

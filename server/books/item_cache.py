@@ -28,7 +28,7 @@ the item's bytes whenever they are known. When no hole fits, victims are evicted
 until one does; with everything pinned, decoding waits for acknowledgements. Victims are chosen
 by RefCnt weighted by the jobs' speeds when the registry sets `reuse_hazard` (`RefCntPolicy.victim`).
 
-Exact sizes (`joader.server.item_sizes`): a decode is given exactly its item's bytes whenever
+Exact sizes (`joader.server.books.item_sizes`): a decode is given exactly its item's bytes whenever
 they are known: from the size memory, from a probe of the file's header, or, size first, from a
 result that did not fit (the worker keeps the prepared item and the cache places it then).
 `dispatch` chooses each decode's range (`range_kind`); `_capacity` books what each decode in
@@ -53,9 +53,9 @@ from joader.cache.allocator import ByteAllocator
 from joader.cache.interning import Interner
 from joader.cache.policy import RefCntPolicy
 from joader.errors import InvariantError
-from joader.server.item_sizes import ItemSizes, bound_is_nominal, range_kind
-from joader.server.pacing import RateMeter
-from joader.server.records import NEVER_DUE, Item, ItemState, Source
+from joader.server.books.item_sizes import ItemSizes, bound_is_nominal, range_kind
+from joader.server.books.pacing import RateMeter
+from joader.server.books.records import NEVER_DUE, Item, ItemState, Source
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class DecodeSubmitter(Protocol):
 
     # Optional (a pool without them gets no probes and no size-first tasks: an item's first
     # decode is then given its stage's bound):
-    # sizes_first: bool   (submit takes capacity 0: the result says the size, `joader.server.item_sizes`)
+    # sizes_first: bool   (submit takes capacity 0: the result says the size, `joader.server.books.item_sizes`)
     # def probe(self, source_index: int, item_ids: Sequence[int]) -> None
     # def take_sizes(self) -> list[tuple[int, int, int]]   (source index, item id, bytes or 0)
 
@@ -144,7 +144,7 @@ class ItemCache:
         # `retry_failed_s` (not a lookup: its entry was counted when it was queued)
         self.retried_at_use = 0
         self.decode_s = 0.0
-        # Exact sizes (`joader.server.item_sizes`): the size memory, probes, misfits; and the
+        # Exact sizes (`joader.server.books.item_sizes`): the size memory, probes, misfits; and the
         # bytes each decode in flight was given.
         self.sizes = ItemSizes()
         self._capacity: dict[int, int] = {}  # key -> bytes allocated for its decode (DECODING items; 0: size first)
@@ -178,7 +178,7 @@ class ItemCache:
 
         `consumed`: the pick took the item out of a job's remaining set, so a cached item loses
         one reference (False for a padding copy, which no remaining set held). `due_s`: when
-        this queue will reach it (`joader.server.pacing`); decodes run earliest-due first, and
+        this queue will reach it (`joader.server.books.pacing`); decodes run earliest-due first, and
         an item several queues wait for is due at the earliest of their times. `ahead`: the
         entry is for an epoch after the one its job reads (counted apart, as lookahead).
         """
@@ -239,7 +239,7 @@ class ItemCache:
     def _retry_allowed(self, item: Item) -> bool:
         """Whether a FAILED item may be decoded again now: `retry_failed_s` has passed since it
         failed, and its file is not quarantined (it hung or crashed a decode worker twice and
-        has not changed on disk since: joader.server.quarantine)."""
+        has not changed on disk since: joader.server.pool.quarantine)."""
         return self._clock() - item.failed_s >= self.retry_failed_s and not self.quarantined(item)
 
     def quarantined(self, item: Item) -> bool:
@@ -506,7 +506,7 @@ class ItemCache:
 
         `refcount(item)` counts the jobs that still need it, for the policy; `shape`, `dtype`
         and `nbytes` describe what the worker wrote at the item's offset. A result that is not
-        ok with `nbytes` larger than the item was given did not fit (`joader.server.item_sizes`): the item
+        ok with `nbytes` larger than the item was given did not fit (`joader.server.books.item_sizes`): the item
         waits for a decode again, and None is returned (nothing settled).
         """
         item = self.items.get(key)
@@ -518,7 +518,7 @@ class ItemCache:
         capacity = self._capacity.pop(key)
         if not ok and nbytes > capacity:
             # Nothing was written: size first, or it outgrew the exact size it was given (its
-            # file changed since). Its worker keeps it; placed again at once (`joader.server.item_sizes`).
+            # file changed since). Its worker keeps it; placed again at once (`joader.server.books.item_sizes`).
             if capacity:
                 self.allocator.free(item.offset)
                 self.sizes.misfit(key)

@@ -5,7 +5,7 @@ the bound ]), found in one of three ways, cheapest first:
 
 - the size memory: every item's size, per source (a uint32 array), from the first time it is
   known; every later decode of it (after an eviction) is exact at once (`ItemSizes.known`).
-- a *probe* (`DecodePool.probe`, `joader.server.pool_probes`): when an item of a stage that can
+- a *probe* (`DecodePool.probe`, `joader.server.pool.probes`): when an item of a stage that can
   read its output size from a file header (`ImageStage.item_nbytes`) starts waiting for its
   decode (`ItemSizes.want`), a decode worker reads that header, off the registry's lock; the
   answer is taken at the next `ItemCache.dispatch` (`ItemSizes.probe`). Decodes go earliest due
@@ -51,7 +51,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from joader.server.records import Item, ItemState, Source
+from joader.server.books.records import Item, ItemState, Source
 
 __all__ = ["MISFITS", "NO_SIZE", "PROBES_AHEAD", "ItemSizes", "bound_is_nominal", "range_kind"]
 

@@ -22,7 +22,7 @@ import numpy as np
 from pyroaring import BitMap
 
 from joader.sampling import DependentSampler
-from joader.server.pacing import RateMeter
+from joader.server.books.pacing import RateMeter
 
 
 class ItemState(enum.Enum):
@@ -87,7 +87,7 @@ class Source:
     # pairs with a removed job, newest last: (name a, name b, rounds, shared, bound)
     pair_history: dict[tuple[str, str], tuple[str, str, int, int, float]] = field(default_factory=dict)
 
-    # Rounds held for a job behind (server/in_step.py): since when (None: not held), how
+    # Rounds held for a job behind (server/scheduling/in_step.py): since when (None: not held), how
     # often, and for how long in all (status: `holds`, `held_s`).
     held_since_s: float | None = None
     holds: int = 0
@@ -289,7 +289,7 @@ class Rank:
     # What joaderd told it when it attached (`AttachResponse.notice`): another live job has its
     # name (NOTE [ Two live jobs of one name ] in jobs.py); "" when nothing.
     notice: str = ""
-    # What its `Next` needs of the queue's head, kept as items settle (server/queue_heads.py).
+    # What its `Next` needs of the queue's head, kept as items settle (server/registry/queue_heads.py).
     heads: Any = None
     # The lowest `pinned` has been since `heads` last looked (see `Rank.pinned` below): an entry
     # unpinned meanwhile may have lost its item (evicted, decoded again).
@@ -389,7 +389,7 @@ class Job:
     # "Independent jobs")
     order: str = "shared"
     # Its training process kept a core busy lately (joaderd's CPU meter, server/cpu_meter.py):
-    # a round may wait for a job behind it (server/in_step.py).
+    # a round may wait for a job behind it (server/scheduling/in_step.py).
     cpu_bound: bool = False
     queue_capacity: int = 1  # per rank
     # Rounds fill a rank's queue up to this many entries (0: its capacity), beyond its capacity

@@ -5,9 +5,9 @@ Three process kinds, each in a module of its own:
 
 - **joaderd** (the pool, the owner) talks to every worker directly over a socket of its own,
   sends it tasks (`tasks_per_worker` ahead) and reads its results;
-- **the forker** (`joader.server.forker`) forks every worker, because joaderd must never fork
+- **the forker** (`joader.server.pool.forker`) forks every worker, because joaderd must never fork
   once gRPC runs;
-- **the workers** (`joader.server.decode_worker`) run the shared stage and write into the arena.
+- **the workers** (`joader.server.pool.worker`) run the shared stage and write into the arena.
 
 `DecodePool` is one object with one lock (`_lock`) and one consumer thread (the caller of
 `get_result`). Its parts, each a class of its own module that `DecodePool` is made of:
@@ -15,14 +15,14 @@ Three process kinds, each in a module of its own:
 - `pool_records.py`: the records they share (config, result, stats, tasks, probes, workers);
 - `pool_spawning.py` (`WorkerSpawning`): workers asked of the forker and adopted; a slow forker;
 - `pool_faults.py` (`FaultHandling`): dead and hung workers, suspects, the probation worker,
-  quarantine, the crash-loop policy (`joader.server.replacement`);
+  quarantine, the crash-loop policy (`joader.server.pool.replacement`);
 - `pool_resizing.py` (`Resizing`): the target size, growing, retiring the surplus;
 - `pool_probes.py` (`Probing`): exact sizes read from files' headers for the cache;
 - this module: the state they share, submitting, dispatching, reading results, stats, closing.
 
-Exact sizes (`joader.server.item_sizes`). A task of capacity 0 (*size first*) has no range yet:
+Exact sizes (`joader.server.books.item_sizes`). A task of capacity 0 (*size first*) has no range yet:
 its worker prepares the item, keeps the array and answers with its size (a result that did not
-fit: ok False, nbytes > 0, `joader.server.decode_worker`); the cache then allocates exactly that
+fit: ok False, nbytes > 0, `joader.server.pool.worker`); the cache then allocates exactly that
 and submits the item again. The pool sends that second task straight to the worker that keeps
 the array (`_staged`), past its queue limit (it is a copy of a few microseconds once it comes
 up), so the item is prepared once. If that worker has died or retired meanwhile, the task goes
@@ -44,11 +44,10 @@ from itertools import count
 from typing import Any, Self
 
 from joader.errors import InvalidArgumentError, JoaderError
-from joader.server.decode_timeout import AutoTimeout, DecodeTimes
-from joader.server.decode_worker import MAX_MESSAGE, SIZES
-from joader.server.pool_faults import FaultHandling
-from joader.server.pool_probes import Probing
-from joader.server.pool_records import (
+from joader.server.pool.faults import FaultHandling
+from joader.server.pool.probes import Probing
+from joader.server.pool.quarantine import Quarantine
+from joader.server.pool.records import (
     DecodeResult,
     DecodeTask,
     PoolConfig,
@@ -58,10 +57,11 @@ from joader.server.pool_records import (
     Worker,
     recv_nowait,
 )
-from joader.server.pool_resizing import RESIZE_LOG, Resizing
-from joader.server.pool_spawning import OwedSpawn, WorkerSpawning, reap, start_forker
-from joader.server.quarantine import Quarantine
-from joader.server.replacement import ReplacementPolicy
+from joader.server.pool.replacement import ReplacementPolicy
+from joader.server.pool.resizing import RESIZE_LOG, Resizing
+from joader.server.pool.spawning import OwedSpawn, WorkerSpawning, reap, start_forker
+from joader.server.pool.timeout import AutoTimeout, DecodeTimes
+from joader.server.pool.worker import MAX_MESSAGE, SIZES
 from joader.sources.safe_open import display_path
 
 __all__ = ["DecodePool", "DecodeResult", "PoolConfig", "PoolStats", "SourceSpec"]
@@ -151,7 +151,7 @@ class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
     @property
     def in_flight(self) -> int:
         """Tasks submitted whose result has not been taken yet, less the suspects
-        (`joader.server.pool_faults`, "Suspects": the healthy queue must not wait for the lane)."""
+        (`joader.server.pool.faults`, "Suspects": the healthy queue must not wait for the lane)."""
         return len(self._tasks) - len(self._suspect_ids)
 
     def submit(self, task_id: int, source_index: int, item_id: int, offset: int, capacity: int) -> None:
@@ -260,7 +260,7 @@ class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
 
     def is_quarantined(self, source_index: int, item_id: int) -> bool:
         """Whether the item's file hung or crashed a worker twice and has not changed on disk
-        since (joader.server.quarantine): asking for it again would only fail."""
+        since (joader.server.pool.quarantine): asking for it again would only fail."""
         with self._lock:
             return (source_index, item_id) in self._quarantine
 

@@ -8,15 +8,15 @@ Faults are found by `get_result` (the one consumer thread) and handled here:
 - a task running longer than the decode timeout (a hung NFS read, a pathological file): its
   worker is killed and replaced, and the task becomes a suspect too. The timeout is
   `--decode-timeout-s S`, or by default "auto", fitted to the decode times measured here
-  (`joader.server.decode_timeout`, NOTE [ A timeout that fits the data ]).
+  (`joader.server.pool.timeout`, NOTE [ A timeout that fits the data ]).
 - replacements are never given up: in a crash loop (more than ten deaths that nothing explains
   within a minute) each next one waits longer, 1 s doubling to 30 s, until a minute passes
-  without one (`joader.server.replacement`, NOTE [ Crash loops slow down, never stop ]).
+  without one (`joader.server.pool.replacement`, NOTE [ Crash loops slow down, never stop ]).
   Meanwhile tasks wait: a pool fault is not a file fault. Only when the forker itself is gone (no worker can ever be started again) do pending
   tasks fail.
-- a slow forker is not a gone one (`joader.server.pool_spawning`).
+- a slow forker is not a gone one (`joader.server.pool.spawning`).
 - a dead worker is replaced only while the pool is below its target (`num_workers`), and a
-  worker that was retiring (`joader.server.pool_resizing`) is not replaced at all: replacing
+  worker that was retiring (`joader.server.pool.resizing`) is not replaced at all: replacing
   keeps the size that was asked for, it never undoes a shrink.
 
 Suspects. A decode fault is either a file's or the pool's, and each is treated as such (see
@@ -28,7 +28,7 @@ NOTE [ Suspects run alone ]):
   healthy task or a probe, one task at a time so that its death names exactly one file).
 - a suspect that dies (or times out) there is quarantined: it fails with the reason, as a
   corrupt file does (`on_error="skip"` skips it, `"raise"` raises), after its second death. The
-  pool remembers it until the file changes on disk (`joader.server.quarantine`, NOTE
+  pool remembers it until the file changes on disk (`joader.server.pool.quarantine`, NOTE
   [ Quarantined until the file changes ]): asked for again meanwhile, it fails at once, and the
   item cache does not ask (`is_quarantined`), whatever `--retry-failed-s` says. Once the file
   changed, its next use runs it in the lane again: a second chance only (one more death or
@@ -53,14 +53,14 @@ import signal
 import time
 from itertools import count
 
-from joader.server.pool_records import DecodeResult, DecodeTask, Probe, Worker
-from joader.server.pool_spawning import NoWorker
+from joader.server.pool.records import DecodeResult, DecodeTask, Probe, Worker
+from joader.server.pool.spawning import NoWorker
 from joader.server.source_watch import file_stamp, item_file
 from joader.sources.safe_open import display_path
 
 __all__ = ["FaultHandling"]
 
-logger = logging.getLogger("joader.server.decode_pool")  # the pool's log, whichever part writes
+logger = logging.getLogger("joader.server.pool.decode_pool")  # the pool's log, whichever part writes
 
 # NOTE [ Suspects run alone ]
 # A task whose worker died is retried in the probation worker, alone, and never first in line
@@ -74,7 +74,7 @@ logger = logging.getLogger("joader.server.decode_pool")  # the pool's log, which
 class FaultHandling:
     """The `DecodePool`'s part that handles dead and hung workers and runs the suspect lane (see
     the module docstring). State it owns: `_suspects` (the lane's tasks not sent yet),
-    `_suspect_ids` (waiting or running), `_quarantine` (`joader.server.quarantine`: files that
+    `_suspect_ids` (waiting or running), `_quarantine` (`joader.server.pool.quarantine`: files that
     hung or crashed twice) and `_lifted` (quarantined keys whose file changed since, not tried
     yet), `_probation` (the probation worker), `_replacement` (the crash-loop policy),
     `_timeouts` (the decode timeout in force) and the counts `_replaced`, `_retried`,
@@ -168,7 +168,7 @@ class FaultHandling:
 
     def _quarantine_task(self, task: DecodeTask) -> None:
         """A suspect that killed the probation worker: fails as a file, and is remembered until
-        its file changes (joader.server.quarantine)."""
+        its file changes (joader.server.pool.quarantine)."""
         reason = (f"{task.reason}; quarantined, not decoded again until the file changes on disk - "
                   "fix or replace it (joaderd tries it again once its size or modification time "
                   "changes), or remove it from the source")
@@ -236,7 +236,7 @@ class FaultHandling:
             self._quarantine.discard(task.key)
 
     def _may_replace(self) -> bool:
-        """Whether a replacement may start now (`joader.server.replacement`); entering a crash
+        """Whether a replacement may start now (`joader.server.pool.replacement`); entering a crash
         loop is logged once, with when the pool will try again."""
         was = self._replacement.crash_loop
         allowed = self._replacement.allow(time.monotonic())

@@ -27,11 +27,11 @@ import signal
 import socket
 from collections.abc import Iterable
 
-from joader.server.decode_worker import WorkerContext, close_inherited, die_with_parent, worker_main
+from joader.server.pool.worker import WorkerContext, close_inherited, die_with_parent, worker_main
 
 __all__ = ["forker_main", "log_exit"]
 
-logger = logging.getLogger("joader.server.decode_pool")  # its notices belong to the pool's log
+logger = logging.getLogger("joader.server.pool.decode_pool")  # its notices belong to the pool's log
 
 
 def forker_main(control: socket.socket, ctx: WorkerContext, parent: int, keep: set[int]) -> None:

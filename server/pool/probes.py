@@ -1,8 +1,8 @@
 """Probes: the exact sizes of items the cache will decode soon, read from their files' headers.
 
 Besides decodes, the cache asks for the exact sizes of items it will decode soon (`probe`;
-`joader.server.item_sizes`); a worker reads their files' headers (`run_probe` in
-`joader.server.decode_worker`, no pixel decoded) and the sizes wait in the pool until the cache
+`joader.server.books.item_sizes`); a worker reads their files' headers (`run_probe` in
+`joader.server.pool.worker`, no pixel decoded) and the sizes wait in the pool until the cache
 takes them (`take_sizes`, under the registry's lock, when it next dispatches), so that each
 decode can be given exactly its bytes. Probes go to the workers before queued decodes (a probe
 of 16 files costs well under a millisecond, and the decodes behind it wait for its answer), are
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from joader.errors import InvalidArgumentError
-from joader.server.pool_records import Probe
+from joader.server.pool.records import Probe
 
 __all__ = ["PROBE_BATCH", "Probing"]
 

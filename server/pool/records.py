@@ -1,13 +1,13 @@
 """The records the decode pool's modules share: its configuration, results and statistics, and
 the tasks, probes and workers it keeps books of.
 
-The pool (`joader.server.decode_pool`) is split by concern; every part works on these records:
+The pool (`joader.server.pool.decode_pool`) is split by concern; every part works on these records:
 
 - `DecodeTask`: one item to prepare into a range of the arena (capacity 0: *size first*);
-- `Probe`: items whose exact sizes the cache asked for (`joader.server.pool_probes`);
+- `Probe`: items whose exact sizes the cache asked for (`joader.server.pool.probes`);
 - `Worker`: joaderd's end of one decode worker: its socket and the tasks sent to it, the head
   being the one it runs. A worker is a *member* of the pool (gets healthy tasks), *retiring*
-  (`joader.server.pool_resizing`), or the *probation worker* (`joader.server.pool_faults`).
+  (`joader.server.pool.resizing`), or the *probation worker* (`joader.server.pool.faults`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from joader.server.decode_worker import MAX_MESSAGE, PROBE
+from joader.server.pool.worker import MAX_MESSAGE, PROBE
 
 __all__ = ["DecodeResult", "DecodeTask", "PoolConfig", "PoolStats", "Probe", "SourceSpec", "Worker",
            "recv_nowait"]
@@ -34,7 +34,7 @@ class SourceSpec:
 
 
 class DecodeResult(NamedTuple):
-    """A decode's final result, as its worker sent it (`joader.server.decode_worker.run_task`).
+    """A decode's final result, as its worker sent it (`joader.server.pool.worker.run_task`).
 
     A named tuple, not a frozen dataclass: one is built per decode on the results thread, and
     a frozen dataclass's `__init__` (a `object.__setattr__` per field) cost 0.95 us against
@@ -58,7 +58,7 @@ class DecodeResult(NamedTuple):
 class PoolConfig:
     num_workers: int
     # a decode running longer kills its worker; None: "auto", fitted to the measured decode
-    # times, at most `decode_timeout_ceiling_s` (joader.server.decode_timeout; joaderd's default)
+    # times, at most `decode_timeout_ceiling_s` (joader.server.pool.timeout; joaderd's default)
     decode_timeout_s: float | None = 60.0
     decode_timeout_ceiling_s: float = 60.0
     tasks_per_worker: int = 2  # sent ahead, so that a worker never idles between tasks
@@ -67,7 +67,7 @@ class PoolConfig:
 
 @dataclass(frozen=True)
 class PoolStats:
-    """A snapshot for `joader status`. Retiring workers (`joader.server.pool_resizing`) are counted
+    """A snapshot for `joader status`. Retiring workers (`joader.server.pool.resizing`) are counted
     only in `workers_retiring`: `workers_alive`, `workers_busy` and `worker_pids` are the pool's
     members, `workers_configured` its target."""
 
@@ -84,16 +84,16 @@ class PoolStats:
     restart_in_s: float = 0.0  # when the next delayed replacement starts (0: none waiting)
     suspects: int = 0  # tasks in the suspect lane (waiting or running in the probation worker)
     # files that hung or killed a worker twice, the last time alone: they fail at once, and are
-    # not decoded again until they change on disk (joader.server.quarantine)
+    # not decoded again until they change on disk (joader.server.pool.quarantine)
     quarantined: int = 0
     probation_pid: int = 0  # the probation worker (0: none running)
-    decode_timeout_s: float = 0.0  # the timeout in force (joader.server.decode_timeout)
+    decode_timeout_s: float = 0.0  # the timeout in force (joader.server.pool.timeout)
     quarantine_lifted: int = 0  # quarantined files tried again because they changed on disk
 
 
 class DecodeTask:
     """One item to prepare into `capacity` bytes at `offset` of the arena (the message a worker
-    runs), with what its faults have shown so far (`joader.server.pool_faults`)."""
+    runs), with what its faults have shown so far (`joader.server.pool.faults`)."""
 
     __slots__ = ("attempts", "capacity", "item_id", "offset", "presumed", "reason", "source_index", "task_id")
 
@@ -119,7 +119,7 @@ class DecodeTask:
 
 class Probe:
     """Up to `PROBE_BATCH` items of one source whose exact sizes the cache asked for
-    (`joader.server.pool_probes`)."""
+    (`joader.server.pool.probes`)."""
 
     __slots__ = ("item_ids", "probe_id", "source_index")
 

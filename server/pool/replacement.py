@@ -9,7 +9,7 @@ replacement was needed for `healthy_after_s`; the tasks wait meanwhile.
 Only deaths that nothing explains count. A worker killed by a file (a native decoder's crash, a
 user stage's `os._exit`, a decode past its timeout) is the file's fault: the pool retries that
 file away from the healthy queue and quarantines it after its second death
-(`joader.server.pool_faults`, "Suspects"), and replaces the worker at once, without asking this
+(`joader.server.pool.faults`, "Suspects"), and replaces the worker at once, without asking this
 policy. When the file's retry succeeds after all, the death was not its fault after all: the
 pool charges it here afterwards (`charge`), so that deaths with no file to blame (an OOM killer,
 a broken environment) still slow replacements down however they are spread over the tasks

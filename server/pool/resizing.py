@@ -41,12 +41,12 @@ from collections.abc import Sequence
 from itertools import count
 
 from joader.errors import InvalidArgumentError, JoaderError
-from joader.server.pool_records import Worker
-from joader.server.pool_spawning import NoWorker
+from joader.server.pool.records import Worker
+from joader.server.pool.spawning import NoWorker
 
 __all__ = ["RESIZE_LOG", "Resizing", "retire_order"]
 
-logger = logging.getLogger("joader.server.decode_pool")  # the pool's log, whichever part writes
+logger = logging.getLogger("joader.server.pool.decode_pool")  # the pool's log, whichever part writes
 
 RESIZE_LOG = 20  # entries of the resize log kept for `stats()`
 
@@ -91,7 +91,7 @@ class Resizing:
     def _fill(self, *, replacing: bool, explained: bool = False) -> None:
         """Brings the members up to `num_workers`: takes back retiring workers first (oldest
         first), then starts new ones; rate-limited when `replacing` dead ones, except the first
-        when a suspect `explained` its death (`joader.server.pool_faults`, "Suspects")."""
+        when a suspect `explained` its death (`joader.server.pool.faults`, "Suspects")."""
         free = 1 if explained else 0
         while len(self._members()) < self.num_workers:
             retiring = [w for w in self._workers.values() if w.retiring]

@@ -1,7 +1,7 @@
 """Worker spawning and adoption: how the decode pool gets its workers from the forker.
 
 joaderd never forks once gRPC runs, so every worker (a member, a replacement, the probation
-worker) comes from the forker (`joader.server.forker`): `_spawn` asks it over the control
+worker) comes from the forker (`joader.server.pool.forker`): `_spawn` asks it over the control
 socket, and its answer carries the new worker's socket (SCM_RIGHTS). The forker is asked one
 request at a time, so each answer is the request's: one request, one reply, never a reply taken
 for another's.
@@ -41,14 +41,14 @@ from dataclasses import dataclass
 from itertools import count
 from typing import Literal
 
-from joader.server.decode_worker import MAX_MESSAGE, WorkerContext
-from joader.server.forker import forker_main, log_exit
-from joader.server.pool_records import SourceSpec, Worker
+from joader.server.pool.forker import forker_main, log_exit
+from joader.server.pool.records import SourceSpec, Worker
+from joader.server.pool.worker import MAX_MESSAGE, WorkerContext
 
 __all__ = ["SPAWN_TIMEOUT_S", "ForkerGone", "ForkerSlow", "NoWorker", "OwedSpawn", "WorkerSpawning",
            "adopt_as", "reap", "recv_with_fd", "start_forker"]
 
-logger = logging.getLogger("joader.server.decode_pool")  # the pool's log, whichever part writes
+logger = logging.getLogger("joader.server.pool.decode_pool")  # the pool's log, whichever part writes
 
 # How long `_spawn` waits for the forker's answer before going on without it (the answer is still
 # adopted when it comes: the module docstring, "A slow forker"). A module constant so that a test
@@ -86,7 +86,7 @@ class OwedSpawn:
 
 
 def start_forker(arena_path: str, sources: Sequence[SourceSpec]) -> tuple[socket.socket, int]:
-    """Forks the forker (`joader.server.forker`); returns joaderd's end of its control socket
+    """Forks the forker (`joader.server.pool.forker`); returns joaderd's end of its control socket
     and its pid. Call it before joaderd imports grpc."""
     control, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     parent = os.getpid()

@@ -2,7 +2,7 @@
 to the decode times the pool measures.
 
 NOTE [ A timeout that fits the data ]
-A decode that runs longer than the timeout kills its worker (`joader.server.pool_faults`), and a
+A decode that runs longer than the timeout kills its worker (`joader.server.pool.faults`), and a
 file that does it twice is quarantined until it changes on disk. Each such file costs two
 timeouts of wall time, the second in the probation worker, which runs suspects one at a time:
 with a fixed 60 s, 5% hanging files of a few hundred made the first epoch about 15 minutes,

@@ -3,7 +3,7 @@
 Each worker reads an item's bytes from its source (`ItemSource.read`), runs the source's stage
 (`Stage.prepare`), and writes the result into the byte range joaderd allocated for it, with the
 crc32 of what it wrote (a client may check its copy against it). The range is the item's exact
-size whenever joaderd knows it (`joader.server.item_sizes`). When it does not,
+size whenever joaderd knows it (`joader.server.books.item_sizes`). When it does not,
 the task comes with no range at all (capacity 0, *size first*), or with the stage's upper bound
 (shrunk by joaderd when the result arrives) from a pool that cannot do size first.
 
@@ -26,7 +26,7 @@ atomic, no framing); there is no shared task queue, because a process killed whi
 shared `multiprocessing.Queue` dies holding the queue's read lock, and every other worker then
 blocks forever.
 
-Workers are forked by the forker (`joader.server.forker`); this module is what runs in them, and
+Workers are forked by the forker (`joader.server.pool.forker`); this module is what runs in them, and
 the process hygiene both share: close every inherited descriptor (a `flock` belongs to the open
 file description, so a child that kept joaderd's arena descriptor would keep the arena "alive"
 after joaderd died), and die with the parent (`PR_SET_PDEATHSIG`).
@@ -72,7 +72,7 @@ class WorkerContext:
     """What every worker inherits through fork (never pickled)."""
 
     arena_path: str
-    sources: tuple[Any, ...]  # joader.server.pool_records.SourceSpec
+    sources: tuple[Any, ...]  # joader.server.pool.records.SourceSpec
 
 
 def worker_main(sock: socket.socket, ctx: WorkerContext, keep: set[int]) -> None:

@@ -12,20 +12,20 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from joader.server.containment import contained, is_bookkeeping_error
-from joader.server.records import Item, Job, Source
+from joader.server.books.containment import contained, is_bookkeeping_error
+from joader.server.books.records import Item, Job, Source
 
 if TYPE_CHECKING:
-    from joader.server.item_cache import ItemCache
-    from joader.server.jobs import JobTable
-    from joader.server.registry import RegistryConfig
-    from joader.server.scheduler import Scheduler
+    from joader.server.books.item_cache import ItemCache
+    from joader.server.registry.jobs import JobTable
+    from joader.server.registry.registry import RegistryConfig
+    from joader.server.scheduling.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 
 class FinishedDecode(Protocol):
-    """A finished decode as the pool reports it (`joader.server.pool_records.DecodeResult`)."""
+    """A finished decode as the pool reports it (`joader.server.pool.records.DecodeResult`)."""
 
     @property
     def task_id(self) -> int: ...
@@ -48,7 +48,7 @@ class FinishedDecode(Protocol):
 class ResultFiling:
     """The `Registry`'s filing calls (a part of it: the registry's one lock guards them)."""
 
-    # Set by `Registry.__init__` (server/registry.py) and guarded by its lock, `_cond`:
+    # Set by `Registry.__init__` (server/registry/registry.py) and guarded by its lock, `_cond`:
     config: RegistryConfig
     cache: ItemCache
     jobs: JobTable

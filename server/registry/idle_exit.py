@@ -10,7 +10,7 @@ counts from the moment it attached, like any other.
 What counts is *attached jobs*, not requests: a job whose training loop evaluates, checkpoints or
 sleeps between epochs holds its lease (its keeper's heartbeats) and keeps joaderd up, however
 long it reads nothing. A job ends when its last rank closes or its lease expires
-(`server/jobs.py`), and that is the moment idleness starts. A `describe` (a dataset learning its
+(`server/registry/jobs.py`), and that is the moment idleness starts. A `describe` (a dataset learning its
 classes and sizes before it attaches, as under Lightning's launcher) registers nothing and is no
 job: a setting shorter than the time from a script's start to its first attach is too short.
 

@@ -12,8 +12,8 @@ for a rank that closed) starts a new job.
 
 Who may read a job: whoever holds its secret, which `attach` returns to the lease holders only
 (`status` lists job ids, never secrets). What a rank reads is its passes' business
-(`server/passes.py`), and which epoch a pass reads after a checkpoint or a restart the resumes'
-(`server/resumes.py`).
+(`server/registry/passes.py`), and which epoch a pass reads after a checkpoint or a restart the resumes'
+(`server/registry/resumes.py`).
 
 NOTE [ A job with no rank attached ends ]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -56,11 +56,11 @@ from pyroaring import BitMap
 
 from joader.errors import InvalidArgumentError, TooManyJobsError, UnknownJobError
 from joader.sampling import check_order
-from joader.server.item_cache import ItemCache
-from joader.server.passes import release_outstanding
-from joader.server.records import Job, Rank, Source
-from joader.server.resumes import resume_waiting
-from joader.server.scheduler import Scheduler
+from joader.server.books.item_cache import ItemCache
+from joader.server.books.records import Job, Rank, Source
+from joader.server.registry.passes import release_outstanding
+from joader.server.registry.resumes import resume_waiting
+from joader.server.scheduling.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -22,19 +22,19 @@ import numpy as np
 from pyroaring import BitMap
 
 from joader.errors import InvalidArgumentError, UnknownJobError
-from joader.server import dealing
-from joader.server.containment import contained
-from joader.server.dealing import Turn
-from joader.server.queue_heads import heads
-from joader.server.records import Batch, ItemState, Job, NextArgs, NextCall, PassBook, Rank
+from joader.server.books.containment import contained
+from joader.server.books.records import Batch, ItemState, Job, NextArgs, NextCall, PassBook, Rank
+from joader.server.registry.queue_heads import heads
+from joader.server.scheduling import dealing
+from joader.server.scheduling.dealing import Turn
 from joader.server.source_watch import stopped_error
 
 if TYPE_CHECKING:
-    from joader.server.item_cache import ItemCache
-    from joader.server.jobs import JobTable
-    from joader.server.passes import PassTable
-    from joader.server.registry import RegistryConfig
-    from joader.server.scheduler import Scheduler
+    from joader.server.books.item_cache import ItemCache
+    from joader.server.registry.jobs import JobTable
+    from joader.server.registry.passes import PassTable
+    from joader.server.registry.registry import RegistryConfig
+    from joader.server.scheduling.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 class NextProtocol:
     """The `Registry`'s `Next` calls (a part of it: the registry's one lock guards them)."""
 
-    # Set by `Registry.__init__` (server/registry.py) and guarded by its lock, `_cond`:
+    # Set by `Registry.__init__` (server/registry/registry.py) and guarded by its lock, `_cond`:
     config: RegistryConfig
     cache: ItemCache
     jobs: JobTable

@@ -18,10 +18,10 @@ import logging
 from collections.abc import Callable, Iterable
 
 from joader.errors import InvalidArgumentError, PassSupersededError, superseded_message
-from joader.server.item_cache import ItemCache
-from joader.server.records import Job, NextArgs, PassBook, Rank
-from joader.server.resumes import Resumes
-from joader.server.scheduler import Scheduler
+from joader.server.books.item_cache import ItemCache
+from joader.server.books.records import Job, NextArgs, PassBook, Rank
+from joader.server.registry.resumes import Resumes
+from joader.server.scheduling.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

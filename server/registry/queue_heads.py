@@ -1,7 +1,7 @@
 """What a rank's `Next` needs of its queue's head, kept as items settle: never rescanned per poll.
 
 A waiting `Next` is polled again each time one of its items settles, and each poll asked two
-questions of the rank's queue (server/next_protocol.py): how many entries at its head are ready
+questions of the rank's queue (server/registry/next_protocol.py): how many entries at its head are ready
 to hand out (`ready`), and whether a failed item among the next entries is due for a retry
 (`retry_candidates`). Both walked the queue, up to 1,024 entries, on every poll: 60% of joaderd's
 GIL in a decoding epoch (issue 37). `HeadBook` answers both from what it learnt before.
@@ -37,10 +37,10 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
-from joader.server.records import Entry, Item, ItemState
+from joader.server.books.records import Entry, Item, ItemState
 
 if TYPE_CHECKING:
-    from joader.server.records import Rank
+    from joader.server.books.records import Rank
 
 _FAILED = ItemState.FAILED
 

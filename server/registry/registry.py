@@ -36,22 +36,22 @@ from joader.errors import (
     ServerFailedError,
     UnknownSourceError,
 )
-from joader.server.containment import contained
-from joader.server.filing import ResultFiling
-from joader.server.idle_exit import IdleExit, exiting_message
-from joader.server.item_cache import DecodeSubmitter, ItemCache
-from joader.server.jobs import JobTable, printable_name
-from joader.server.next_protocol import NextProtocol
-from joader.server.passes import PassTable
-from joader.server.records import (
+from joader.server.books.containment import contained
+from joader.server.books.item_cache import DecodeSubmitter, ItemCache
+from joader.server.books.records import (
     Item,
     Job,
     Source,
 )
-from joader.server.resumes import Resumes
-from joader.server.scheduler import Scheduler
-from joader.server.scheduler_thread import SchedulerThread
-from joader.server.status import snapshot
+from joader.server.registry.filing import ResultFiling
+from joader.server.registry.idle_exit import IdleExit, exiting_message
+from joader.server.registry.jobs import JobTable, printable_name
+from joader.server.registry.next_protocol import NextProtocol
+from joader.server.registry.passes import PassTable
+from joader.server.registry.resumes import Resumes
+from joader.server.registry.scheduler_thread import SchedulerThread
+from joader.server.registry.status import snapshot
+from joader.server.scheduling.scheduler import Scheduler
 
 __all__ = ["DecodeSubmitter", "Registry", "RegistryConfig", "Source", "max_indices_bytes", "printable_name"]
 
@@ -90,7 +90,7 @@ class RegistryConfig:
     retry_failed_s: float = 60.0  # a failed file is decoded again at its next use after this
     max_jobs: int = 1024
     max_items_per_request: int = 4096
-    # Decode earliest-due first and evict by expected time to next use (joader.server.pacing);
+    # Decode earliest-due first and evict by expected time to next use (joader.server.books.pacing);
     # False: decode in round order, plain RefCnt (for side-by-side benches).
     deadline_pacing: bool = True
     # A job that starts reading waits this long for its source's other attached jobs to start
@@ -108,7 +108,7 @@ class RegistryConfig:
     # (NOTE [ A leader waits only where it costs the sweep nothing ] in in_step.py); 0: never
     # (the default: see NOTE [ The in-step rules are opt-in ] there).
     max_hold_s: float = 0.0
-    # Exit after this long with no job attached (server/idle_exit.py); 0: never.
+    # Exit after this long with no job attached (server/registry/idle_exit.py); 0: never.
     idle_exit_s: float = 0.0
 
 
@@ -343,7 +343,7 @@ class Registry(NextProtocol, SchedulerThread, ResultFiling):
         return self._scheduler.needed(item.source, item.item_id) + self.cache.planned.get(item.key, 0)
 
     def contain(self, error: Exception, job_ids: Sequence[str], where: str) -> str:
-        """Ends `job_ids` after a bookkeeping error in `where` (server/containment.py); returns
+        """Ends `job_ids` after a bookkeeping error in `where` (server/books/containment.py); returns
         the reason their clients are given."""
         with self._cond:
             return self._contain(error, job_ids, where)
@@ -414,7 +414,7 @@ class Registry(NextProtocol, SchedulerThread, ResultFiling):
             )
 
     def status(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        """A JSON-ready snapshot (`joader.server.status`; the schema `joader status --json`
+        """A JSON-ready snapshot (`joader.server.registry.status`; the schema `joader status --json`
         documents)."""
         with self._cond:
             now = self._clock()

@@ -31,8 +31,8 @@ from collections.abc import Callable
 
 from pyroaring import BitMap
 
-from joader.server.records import Job, NextArgs, PassBook, Rank, Resume
-from joader.server.scheduler import Scheduler
+from joader.server.books.records import Job, NextArgs, PassBook, Rank, Resume
+from joader.server.scheduling.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -11,20 +11,20 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from joader.server.containment import is_bookkeeping_error
+from joader.server.books.containment import is_bookkeeping_error
 
 if TYPE_CHECKING:
-    from joader.server.item_cache import DecodeSubmitter, ItemCache
-    from joader.server.jobs import JobTable
-    from joader.server.records import Job
-    from joader.server.registry import RegistryConfig
-    from joader.server.scheduler import Scheduler
+    from joader.server.books.item_cache import DecodeSubmitter, ItemCache
+    from joader.server.books.records import Job
+    from joader.server.registry.jobs import JobTable
+    from joader.server.registry.registry import RegistryConfig
+    from joader.server.scheduling.scheduler import Scheduler
 
 
 class SchedulerThread:
     """The `Registry`'s scheduling turns (a part of it: the registry's one lock guards them)."""
 
-    # Set by `Registry.__init__` (server/registry.py) and guarded by its lock, `_cond`:
+    # Set by `Registry.__init__` (server/registry/registry.py) and guarded by its lock, `_cond`:
     config: RegistryConfig
     cache: ItemCache
     jobs: JobTable

@@ -27,11 +27,11 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING, Any
 
-from joader.server.records import Job, stall_fraction
+from joader.server.books.records import Job, stall_fraction
 from joader.sources.safe_open import display_path
 
 if TYPE_CHECKING:
-    from joader.server.registry import Registry
+    from joader.server.registry.registry import Registry
 
 SCHEMA = 2
 _FAILED_SHOWN = 50  # failures listed by name (`items_failed` counts them all)
@@ -57,7 +57,7 @@ def snapshot(registry: Registry, now: float) -> dict[str, Any]:
     return {
         "schema": SCHEMA,
         "uptime_s": round(now - registry._started_s, 3),
-        # --idle-exit-s (server/idle_exit.py): the setting (0: never), and the seconds with no job
+        # --idle-exit-s (server/registry/idle_exit.py): the setting (0: never), and the seconds with no job
         # attached (null while one is)
         "idle_exit_s": registry.idle.idle_exit_s,
         "idle_s": None if (idle := registry.idle.idle_s(now)) is None else round(idle, 3),
@@ -72,7 +72,7 @@ def snapshot(registry: Registry, now: float) -> dict[str, Any]:
                 "image_size": getattr(s.stage, "size", None),
                 "small_items": s.small_items,
                 "num_jobs": len(s.job_ids),
-                # rounds held for a CPU-bound job behind (server/in_step.py): episodes, seconds
+                # rounds held for a CPU-bound job behind (server/scheduling/in_step.py): episodes, seconds
                 "holds": s.holds,
                 "held_s": round(s.held_s + (now - s.held_since_s if s.held_since_s is not None else 0.0), 3),
                 # on disk (server/source_watch.py): ok, away (folder gone), changed (refused)
@@ -105,7 +105,7 @@ def snapshot(registry: Registry, now: float) -> dict[str, Any]:
             "cancelled": cache.decodes_cancelled,  # every job that wanted it left first
             "in_flight": cache.decodes_in_flight(),
             "retried": cache.items_retried,  # requests for an item that had failed
-            # how each decode's range was chosen (server/item_sizes.py): exactly
+            # how each decode's range was chosen (server/books/item_sizes.py): exactly
             # its item's bytes, known from a probe or an earlier decode (or a fixed-size stage);
             # size first (no range: the worker kept the item and said its size, then it was
             # placed); its stage's bound (shrunk when it landed). Refitted: outgrew an exact
@@ -154,7 +154,7 @@ def _job(job: Job, now: float, with_others: int) -> dict[str, Any]:
         "items_reused": job.items_reused,
         "items_shared": job.items_shared,
         # of its copies (first deliveries), those another job received too, either first or
-        # after it (server/item_cache.py): `joader top`'s SHARED, both ways
+        # after it (server/books/item_cache.py): `joader top`'s SHARED, both ways
         "items_with_others": with_others,
         "items_skipped": job.items_skipped,
         "samples_per_s": round(rate, 2) if rate is not None else None,

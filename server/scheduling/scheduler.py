@@ -9,7 +9,7 @@ batches ]); every job whose receiving rank is below twice its capacity takes par
 rounds out (it loses sharing, not speed). A job takes part once all its ranks attached and one
 of them asked for items, and not while a resumed epoch is still gathering its reports.
 
-Who takes part, and when a round waits for a job behind: server/in_step.py (NOTE [ Planning a
+Who takes part, and when a round waits for a job behind: server/scheduling/in_step.py (NOTE [ Planning a
 lagging job ahead ], NOTE [ A leader waits only where it costs the sweep nothing ]).
 
 Each pick of a job is dealt to one of its ranks (`EpochShare.receiver`): round-robin for a fresh
@@ -40,11 +40,11 @@ from collections.abc import Callable
 from pyroaring import BitMap
 
 from joader.errors import InvariantError
-from joader.server import in_step
-from joader.server.containment import is_bookkeeping_error
-from joader.server.item_cache import ItemCache
-from joader.server.pacing import UNKNOWN_RATE, due_time
-from joader.server.records import Entry, EpochShare, Job, Rank, Source
+from joader.server.books.containment import is_bookkeeping_error
+from joader.server.books.item_cache import ItemCache
+from joader.server.books.pacing import UNKNOWN_RATE, due_time
+from joader.server.books.records import Entry, EpochShare, Job, Rank, Source
+from joader.server.scheduling import in_step
 
 logger = logging.getLogger(__name__)
 
@@ -379,7 +379,7 @@ class Scheduler:
         return stop
 
     def _plan(self, source: Source, queued: list[tuple[Job, int]], now: float) -> in_step.Plan:
-        """Who takes part in this round, or whether it waits (server/in_step.py)."""
+        """Who takes part in this round, or whether it waits (server/scheduling/in_step.py)."""
         if not self._max_hold_s and all(job.plan_horizon <= 2 * job.queue_capacity for job, _ in queued):
             # The defaults: the rule within two lookaheads alone, without measuring anything
             # (this runs once per round).

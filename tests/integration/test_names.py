@@ -52,7 +52,7 @@ sys.stdin.read()  # attached until the test closes stdin
 
 
 def test_a_second_live_job_of_a_name_is_served_and_both_sides_say_so(demo_root: Path, start_joaderd: Any) -> None:
-    """NOTE [ Two live jobs of one name ] (server/jobs.py): accepted, but no longer silently."""
+    """NOTE [ Two live jobs of one name ] (server/registry/jobs.py): accepted, but no longer silently."""
     server = start_joaderd({"demo": demo_root}, cache_items=32)
     holders = []
     try:

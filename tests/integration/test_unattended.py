@@ -1,7 +1,7 @@
 """A joaderd that runs unattended, as a client that starts it for itself will run it: it exits by
 itself once it has had no job for `--idle-exit-s` (cleanly: exit code 0, socket, arena and ready
 file gone), never while a job is attached, however long that job reads nothing; and
-`--cache-size auto` sizes its arena from the data and serves from it (server/idle_exit.py,
+`--cache-size auto` sizes its arena from the data and serves from it (server/registry/idle_exit.py,
 server/cache_sizing.py)."""
 
 from __future__ import annotations

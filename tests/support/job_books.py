@@ -1,5 +1,5 @@
 """A cache, a scheduler and a job table over one small source, without a registry: what the
-tests of server/jobs.py and server/scheduler.py drive directly."""
+tests of server/registry/jobs.py and server/scheduling/scheduler.py drive directly."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from joader.server.item_cache import ItemCache
-from joader.server.jobs import JobTable
-from joader.server.records import Source
-from joader.server.scheduler import Scheduler
+from joader.server.books.item_cache import ItemCache
+from joader.server.books.records import Source
+from joader.server.registry.jobs import JobTable
+from joader.server.scheduling.scheduler import Scheduler
 
 ITEM_BYTES = 192
 STAGE = SimpleNamespace(name="center-crop:8", size=8,

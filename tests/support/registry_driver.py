@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from joader.server.records import Batch, Job
-from joader.server.registry import Registry, RegistryConfig, Source
+from joader.server.books.records import Batch, Job
+from joader.server.registry.registry import Registry, RegistryConfig, Source
 from joader.sources.imagefolder import SourceListing
 
 NUM_ITEMS = 60

@@ -1,6 +1,6 @@
 """`joader.client.attachment`: the default names of one process's jobs (NOTE [ Default names
 that tell trials apart ] in placement.py) and joaderd's notice of a name another live job has
-(NOTE [ Two live jobs of one name ] in server/jobs.py), on a real joaderd."""
+(NOTE [ Two live jobs of one name ] in server/registry/jobs.py), on a real joaderd."""
 
 from __future__ import annotations
 

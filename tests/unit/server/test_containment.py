@@ -1,4 +1,4 @@
-"""Containment (server/containment.py): a bookkeeping error in one job's part of joaderd ends
+"""Containment (server/books/containment.py): a bookkeeping error in one job's part of joaderd ends
 that job, loudly, and every other job goes on with correct books; it never stops the server.
 
 Driven like test_registry.py (fake pool, fake clock), with the error injected where the field
@@ -10,7 +10,7 @@ import pytest
 from pyroaring import BitMap
 
 from joader.errors import InvariantError, JobEndedError, UnknownJobError
-from joader.server.scheduler import Scheduler
+from joader.server.scheduling.scheduler import Scheduler
 from tests.support.registry_driver import attach, make_registry, nxt, pump, read_epoch
 
 pytestmark = pytest.mark.timeout(60)

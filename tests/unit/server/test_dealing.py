@@ -1,4 +1,4 @@
-"""Dealing (server/dealing.py): its rules and reply sizes, against obviously-correct models.
+"""Dealing (server/scheduling/dealing.py): its rules and reply sizes, against obviously-correct models.
 
 The models say each rule the long way round: the loop's turn by walking the DataLoader's order
 batch by batch, a reply's size by trying every number of whole batches, `copy_now` by copying
@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from joader.server import dealing
-from joader.server.dealing import Turn
+from joader.server.scheduling import dealing
+from joader.server.scheduling.dealing import Turn
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,8 +20,8 @@ import pytest
 from joader.cache.arena import Arena
 from joader.client.demo_data import make_demo_data
 from joader.errors import InvalidArgumentError, JoaderError
-from joader.server import pool_spawning
-from joader.server.decode_pool import DecodePool, DecodeResult, PoolConfig, SourceSpec
+from joader.server.pool import spawning as pool_spawning
+from joader.server.pool.decode_pool import DecodePool, DecodeResult, PoolConfig, SourceSpec
 from joader.sources.imagefolder import SourceListing, list_image_folder
 from joader.stages import build_stage
 from tests.support.data import corrupt_jpeg
@@ -585,7 +585,7 @@ def test_resize_validates_and_logs_every_change(listing: SourceListing, caplog: 
             for bad in (0, -1):
                 with pytest.raises(ValueError, match="at least 1"):
                     pool.resize(bad)
-            with caplog.at_level(logging.INFO, logger="joader.server.decode_pool"):
+            with caplog.at_level(logging.INFO, logger="joader.server.pool.decode_pool"):
                 pool.resize(2, "more")
                 pool.resize(2, "the same")  # not a change: not logged
                 pool.resize(1)
@@ -628,7 +628,7 @@ def test_a_slow_forker_is_waited_for_and_the_pool_recovers(
     spec = spec_of(listing)
     with (
         Arena.create(4 * NBYTES, NBYTES) as arena,
-        caplog.at_level(logging.INFO, logger="joader.server.decode_pool"),
+        caplog.at_level(logging.INFO, logger="joader.server.pool.decode_pool"),
     ):
         fds = _open_fds()
         pool = _pool(arena, spec)
@@ -669,7 +669,7 @@ def test_a_late_worker_the_pool_no_longer_needs_is_stopped(
     spec = spec_of(listing)
     with (
         Arena.create(4 * NBYTES, NBYTES) as arena,
-        caplog.at_level(logging.INFO, logger="joader.server.decode_pool"),
+        caplog.at_level(logging.INFO, logger="joader.server.pool.decode_pool"),
     ):
         fds = _open_fds()
         pool = _pool(arena, spec)
@@ -703,8 +703,8 @@ def test_a_late_worker_the_pool_no_longer_needs_is_stopped(
 _FAULTS_SCRIPT = """
 import sys
 from joader.cache.arena import Arena
-from joader.server import decode_worker
-from joader.server.decode_pool import DecodePool, PoolConfig, SourceSpec
+from joader.server.pool import worker as decode_worker
+from joader.server.pool.decode_pool import DecodePool, PoolConfig, SourceSpec
 from joader.sources.imagefolder import list_image_folder
 from joader.stages import build_stage
 

@@ -1,4 +1,4 @@
-"""The decode pool's results in batches (`DecodePool.get_results`, server/decode_pool.py): every
+"""The decode pool's results in batches (`DecodePool.get_results`, server/pool/decode_pool.py): every
 message a worker's socket holds is read at once, in order, and taken in one call."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from collections import OrderedDict, deque
 
 import pytest
 
-from joader.server.decode_pool import DecodePool
-from joader.server.decode_timeout import DecodeTimes
-from joader.server.pool_records import DecodeTask, Worker
+from joader.server.pool.decode_pool import DecodePool
+from joader.server.pool.records import DecodeTask, Worker
+from joader.server.pool.timeout import DecodeTimes
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,4 @@
-"""The decode pool's quarantine (joader.server.quarantine): a file that hung its worker twice
+"""The decode pool's quarantine (joader.server.pool.quarantine): a file that hung its worker twice
 fails at once when it is asked for again, without a decode, until it changes on disk; once it
 changed it is tried again, alone, and a fixed file decodes."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from joader.cache.arena import Arena
 from joader.client.demo_data import make_demo_data
-from joader.server.decode_pool import DecodePool, DecodeResult, PoolConfig, SourceSpec
+from joader.server.pool.decode_pool import DecodePool, DecodeResult, PoolConfig, SourceSpec
 from joader.sources.imagefolder import SourceListing
 from tests.support.hang_stage import HANG_MARK, HangOn
 

@@ -14,8 +14,8 @@ import pytest
 
 from joader.cache.arena import Arena
 from joader.client.demo_data import make_demo_data
-from joader.server.decode_pool import DecodePool, DecodeResult, PoolConfig, SourceSpec
-from joader.server.decode_worker import Staging
+from joader.server.pool.decode_pool import DecodePool, DecodeResult, PoolConfig, SourceSpec
+from joader.server.pool.worker import Staging
 from joader.sources.imagefolder import SourceListing
 from joader.stages import ItemSpec, build_stage
 

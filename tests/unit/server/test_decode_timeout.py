@@ -1,4 +1,4 @@
-"""The decode timeout in force (joader.server.decode_timeout): "auto" by default, fitted to the
+"""The decode timeout in force (joader.server.pool.timeout): "auto" by default, fitted to the
 measured decode times; an explicit --decode-timeout-s as given."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from joader.server.decode_timeout import (
+from joader.server.pool.timeout import (
     FLOOR_S,
     MIN_SAMPLES,
     START_S,

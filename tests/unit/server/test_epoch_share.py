@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from joader.server.records import EpochShare
+from joader.server.books.records import EpochShare
 
 
 def _model(target: list[int], assigned: list[int]) -> int | None:

@@ -1,5 +1,5 @@
 """Filing finished decodes: failed items skipped, reported and retried after the retry time;
-images smaller than the stage counted (server/filing.py, through the registry)."""
+images smaller than the stage counted (server/registry/filing.py, through the registry)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Filing finished decodes in batches (`Registry.file_results`, server/filing.py): a batch filed
+"""Filing finished decodes in batches (`Registry.file_results`, server/registry/filing.py): a batch filed
 under one acquisition of the lock leaves the same books as its items filed one by one, and one
 result that cannot be filed loses none of the others."""
 
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from pyroaring import BitMap
 
-from joader.server.registry import Registry
+from joader.server.registry.registry import Registry
 from tests.support.registry_driver import (
     ITEM_BYTES,
     NUM_ITEMS,

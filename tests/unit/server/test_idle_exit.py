@@ -1,11 +1,11 @@
-"""`--idle-exit-s`'s rule (server/idle_exit.py) with a fake clock: idle since the start, since
+"""`--idle-exit-s`'s rule (server/registry/idle_exit.py) with a fake clock: idle since the start, since
 the last job left, never while a job is attached, never with 0; and how often joaderd asks."""
 
 from __future__ import annotations
 
 import pytest
 
-from joader.server.idle_exit import IdleExit, check_period_s, exiting_message
+from joader.server.registry.idle_exit import IdleExit, check_period_s, exiting_message
 
 
 def test_with_no_job_ever_idleness_counts_from_the_start() -> None:

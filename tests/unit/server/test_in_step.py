@@ -1,4 +1,4 @@
-"""Keeping jobs in step (server/in_step.py): who takes part in a round and when a round waits for
+"""Keeping jobs in step (server/scheduling/in_step.py): who takes part in a round and when a round waits for
 a job behind. Pure: candidates in, a plan out; scenario tests for each clause and seeded random
 cases against the rules written out plainly."""
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from joader.server.in_step import SIMILAR_SPEED, Candidate, plan_round
+from joader.server.scheduling.in_step import SIMILAR_SPEED, Candidate, plan_round
 
 pytestmark = pytest.mark.timeout(60)
 

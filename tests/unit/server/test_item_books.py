@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 from pyroaring import BitMap
 
-from joader.server.item_cache import ItemCache
-from joader.server.records import NEVER_DUE, Item, Source
+from joader.server.books.item_cache import ItemCache
+from joader.server.books.records import NEVER_DUE, Item, Source
 from joader.stages import ItemSpec
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""Exact sizes in the item cache (server/item_sizes.py): probes, size first, the
+"""Exact sizes in the item cache (server/books/item_sizes.py): probes, size first, the
 size memory, files that change size, and the bound for pools and stages that can do neither.
 
 Driven with a fake decode pool that answers probes and "decodes" (files results) only when the
@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from joader.errors import InvariantError
-from joader.server.item_cache import ItemCache
-from joader.server.item_sizes import MISFITS
-from joader.server.records import ItemState, Source
+from joader.server.books.item_cache import ItemCache
+from joader.server.books.item_sizes import MISFITS
+from joader.server.books.records import ItemState, Source
 from joader.stages import ItemSpec
 
 pytestmark = pytest.mark.timeout(60)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from joader.server.item_cache import ItemCache
-from joader.server.records import ItemState, Source
+from joader.server.books.item_cache import ItemCache
+from joader.server.books.records import ItemState, Source
 from tests.unit.server.test_item_cache import LISTING, Pool, Stage
 
 pytestmark = pytest.mark.timeout(30)

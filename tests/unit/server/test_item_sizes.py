@@ -1,4 +1,4 @@
-"""Exact sizes (joader.server.item_sizes) on their own: how a decode's range is chosen
+"""Exact sizes (joader.server.books.item_sizes) on their own: how a decode's range is chosen
 (`range_kind`, pure), the size memory and misfits. The cache's use of them is tested in
 tests/unit/server/test_item_cache.py."""
 
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from joader.server.item_sizes import MISFITS, NO_SIZE, ItemSizes, range_kind
-from joader.server.records import Source
+from joader.server.books.item_sizes import MISFITS, NO_SIZE, ItemSizes, range_kind
+from joader.server.books.records import Source
 from joader.stages import ItemSpec
 
 BOUND = 4096

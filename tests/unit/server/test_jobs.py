@@ -1,4 +1,4 @@
-"""The job table (server/jobs.py): ranks joining a job by name, leases, why a job ends, and who
+"""The job table (server/registry/jobs.py): ranks joining a job by name, leases, why a job ends, and who
 may reach it. Driven directly, without a registry."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from pyroaring import BitMap
 
 from joader.errors import InvalidArgumentError, TooManyJobsError, UnknownJobError
-from joader.server.jobs import printable_name
+from joader.server.registry.jobs import printable_name
 from tests.support.job_books import books
 
 pytestmark = pytest.mark.timeout(60)
@@ -134,7 +134,7 @@ def test_a_second_live_job_of_a_name_is_served_and_told_with_the_fix(caplog: pyt
     table, _, source, _ = books()
     first, first_rank = table.attach(source, BitMap(range(20)), "sweep", 4)
     assert first_rank.notice == ""
-    with caplog.at_level("INFO", logger="joader.server.jobs"):  # INFO: any client can attach a name
+    with caplog.at_level("INFO", logger="joader.server.registry.jobs"):  # INFO: any client can attach a name
         second, second_rank = table.attach(source, BitMap(range(20)), "sweep", 4)
     assert second is not first and len(table.jobs) == 2  # accepted: two jobs, both served
     assert second_rank.notice == (

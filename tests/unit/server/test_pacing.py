@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from joader.server.item_cache import ItemCache
-from joader.server.pacing import UNKNOWN_RATE, RateMeter, due_time
-from joader.server.records import ItemState, Source
+from joader.server.books.item_cache import ItemCache
+from joader.server.books.pacing import UNKNOWN_RATE, RateMeter, due_time
+from joader.server.books.records import ItemState, Source
 
 STAGE = SimpleNamespace(name="center-crop:8", size=8, spec=SimpleNamespace(shape=(3, 8, 8), dtype="uint8",
                                                                           max_nbytes=192))

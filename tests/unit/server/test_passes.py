@@ -1,5 +1,5 @@
 """Passes: a new pass supersedes an unfinished one and starts a whole epoch; a continuation never
-supersedes a newer pass (server/passes.py, through the registry)."""
+supersedes a newer pass (server/registry/passes.py, through the registry)."""
 
 from __future__ import annotations
 

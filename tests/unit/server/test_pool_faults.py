@@ -1,4 +1,4 @@
-"""The decode pool's suspect lane (joader.server.decode_pool, "Suspects"): a file that kills its
+"""The decode pool's suspect lane (joader.server.pool.decode_pool, "Suspects"): a file that kills its
 worker is retried alone and quarantined after its second death; deaths it explains are replaced
 at once; healthy decodes never wait behind it; a suspect that decodes was innocent."""
 
@@ -15,7 +15,7 @@ import pytest
 
 from joader.cache.arena import Arena
 from joader.client.demo_data import make_demo_data
-from joader.server.decode_pool import DecodePool, DecodeResult, PoolConfig, SourceSpec
+from joader.server.pool.decode_pool import DecodePool, DecodeResult, PoolConfig, SourceSpec
 from joader.sources.imagefolder import SourceListing
 from joader.stages import build_stage
 
@@ -113,7 +113,7 @@ def test_healthy_decodes_never_wait_behind_a_suspect_and_an_innocent_one_is_not_
     is not failed, and its death is charged as one nothing explains."""
     gate = tmp_path / "gate"
     stage = _Stage(hang_on=listing.paths[0], gate=gate)
-    caplog.set_level(logging.INFO, logger="joader.server.decode_pool")
+    caplog.set_level(logging.INFO, logger="joader.server.pool.decode_pool")
     with (Arena.create(NUM_ITEMS * NBYTES, NBYTES) as arena,
           DecodePool(PoolConfig(2), str(arena.path), [SourceSpec(listing, stage)]) as pool):
         pool.submit(0, 0, 0, 0, NBYTES)

@@ -1,11 +1,11 @@
-"""Which members a shrink retires (joader.server.pool_resizing.retire_order): pure, no processes."""
+"""Which members a shrink retires (joader.server.pool.resizing.retire_order): pure, no processes."""
 
 from __future__ import annotations
 
 import socket
 
-from joader.server.pool_records import DecodeTask, Worker
-from joader.server.pool_resizing import retire_order
+from joader.server.pool.records import DecodeTask, Worker
+from joader.server.pool.resizing import retire_order
 
 
 def _worker(index: int, born: int, tasks: int) -> Worker:

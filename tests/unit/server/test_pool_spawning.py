@@ -1,10 +1,10 @@
-"""What a worker the forker sent late becomes (joader.server.pool_spawning.adopt_as): pure."""
+"""What a worker the forker sent late becomes (joader.server.pool.spawning.adopt_as): pure."""
 
 from __future__ import annotations
 
 import pytest
 
-from joader.server.pool_spawning import adopt_as
+from joader.server.pool.spawning import adopt_as
 
 
 @pytest.mark.parametrize("asked_probation", [False, True])

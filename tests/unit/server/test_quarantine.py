@@ -1,4 +1,4 @@
-"""The decode pool's quarantine books (joader.server.quarantine): stamped at once, restamped
+"""The decode pool's quarantine books (joader.server.pool.quarantine): stamped at once, restamped
 every period (a bounded number per period, longest unchecked first), lifted when the stamp
 changes; the clock is the test's."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from joader.server.quarantine import Quarantine
+from joader.server.pool.quarantine import Quarantine
 
 pytestmark = pytest.mark.timeout(30)
 

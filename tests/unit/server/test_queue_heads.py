@@ -1,4 +1,4 @@
-"""A rank's ready head and failed entries, kept as items settle (server/queue_heads.py), against
+"""A rank's ready head and failed entries, kept as items settle (server/registry/queue_heads.py), against
 the brute-force walks they replace (`reference_count_ready`, `reference_recheck_failures`: the
 Next protocol's code before issue 37), on seeded random sequences of events; and a poll that
 looks at each waiting entry about once, not at the whole queue every time."""
@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from joader.server.next_protocol import NextProtocol
-from joader.server.pacing import RateMeter
-from joader.server.records import Entry, Item, ItemState, PassBook, Rank
+from joader.server.books.pacing import RateMeter
+from joader.server.books.records import Entry, Item, ItemState, PassBook, Rank
+from joader.server.registry.next_protocol import NextProtocol
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -3,7 +3,7 @@ that has a measured second, not one whose first request just reported zeros."""
 
 from __future__ import annotations
 
-from joader.server.records import StallBook
+from joader.server.books.records import StallBook
 
 
 def test_the_newest_measured_epoch_is_the_latest() -> None:

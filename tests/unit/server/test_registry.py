@@ -16,7 +16,7 @@ from joader.errors import (
     UnknownJobError,
     UnknownSourceError,
 )
-from joader.server.registry import Registry, RegistryConfig, Source, max_indices_bytes
+from joader.server.registry.registry import Registry, RegistryConfig, Source, max_indices_bytes
 from tests.support.registry_driver import (
     ITEM_BYTES,
     NUM_ITEMS,

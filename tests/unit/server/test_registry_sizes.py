@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from pyroaring import BitMap
 
-from joader.server.registry import Registry, RegistryConfig, Source
+from joader.server.registry.registry import Registry, RegistryConfig, Source
 from joader.stages import ItemSpec
 from tests.support.registry_driver import NUM_ITEMS, FakeClock, attach, make_registry, nxt
 

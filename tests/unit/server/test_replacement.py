@@ -1,10 +1,10 @@
-"""The decode pool's replacement policy (joader.server.replacement), with an injected clock."""
+"""The decode pool's replacement policy (joader.server.pool.replacement), with an injected clock."""
 
 from __future__ import annotations
 
 import random
 
-from joader.server.replacement import ReplacementConfig, ReplacementPolicy
+from joader.server.pool.replacement import ReplacementConfig, ReplacementPolicy
 
 
 def test_ten_replacements_a_minute_then_slower_never_none() -> None:

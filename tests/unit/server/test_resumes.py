@@ -1,5 +1,5 @@
 """Resumes: an epoch resumed from a checkpoint delivers exactly what was not consumed; after a
-joaderd restart, the keepers' reports decide what continues (server/resumes.py, through the
+joaderd restart, the keepers' reports decide what continues (server/registry/resumes.py, through the
 registry)."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import pytest
 from pyroaring import BitMap
 
 from joader.errors import InvalidArgumentError
-from joader.server.records import Job
-from joader.server.registry import Registry
-from joader.server.resumes import decide_restart
+from joader.server.books.records import Job
+from joader.server.registry.registry import Registry
+from joader.server.registry.resumes import decide_restart
 from tests.support.registry_driver import (
     FakePool,
     attach,

@@ -1,4 +1,4 @@
-"""The scheduler (server/scheduler.py): DSA rounds dealt to the ranks' queues, epoch shares and
+"""The scheduler (server/scheduling/scheduler.py): DSA rounds dealt to the ranks' queues, epoch shares and
 padding, pinning within a rank's share, and how far ahead it prepares. Driven directly, without
 a registry: a job table attaches the jobs, the test sets what the registry would."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from pyroaring import BitMap
 
-from joader.server.records import Job
+from joader.server.books.records import Job
 from tests.support.job_books import books
 
 pytestmark = pytest.mark.timeout(60)
@@ -244,7 +244,7 @@ def _world(seed: int, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyp
     """Three jobs (two datasets overlapping by half, one job of two ranks) with ids that do
     not depend on the run, so two worlds built alike sample alike."""
     counter = iter(range(1000))
-    monkeypatch.setattr("joader.server.jobs.secrets.token_hex", lambda n: f"{next(counter):08x}")
+    monkeypatch.setattr("joader.server.registry.jobs.secrets.token_hex", lambda n: f"{next(counter):08x}")
     table, scheduler, source, clock = books(num_items=90, slots=400, max_jobs=8)
     jobs = [
         table.attach(source, BitMap(range(0, 60)), "a", 4, seed=seed)[0],

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from pyroaring import BitMap
 
-from joader.server.records import ItemState
-from joader.server.registry import Registry
+from joader.server.books.records import ItemState
+from joader.server.registry.registry import Registry
 from tests.support.registry_driver import NUM_ITEMS, attach, make_registry, nxt, pump
 
 pytestmark = pytest.mark.timeout(60)
