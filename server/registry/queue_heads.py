@@ -28,7 +28,7 @@ FAILED) except for a retry (FAILED -> WAITING, counted in `ItemCache.items_retri
 
 Any doubt (another queue object, another head entry, an unpinned entry among those looked at, a
 retry, another epoch) starts the books over from the head: never wrong, at worst one walk.
-The exact rules these keep are the brute-force walks tests/unit/server/test_queue_heads.py
+The exact rules these keep are the brute-force walks tests/unit/server/registry/test_queue_heads.py
 keeps as its reference (the old `_count_ready` and `_recheck_failures`).
 """
 

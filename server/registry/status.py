@@ -18,7 +18,7 @@ Each figure is named for what it counts, so that it reads right without the docs
 
 Pure: reads the registry's records under its lock (the caller holds it). O(jobs, sources and
 pairs of jobs): the cache's figures are counters it keeps as items change (item_cache.py), never
-a walk of the cached items (0.58 s at 128k items, issue 37); tests/unit/server/
+a walk of the cached items (0.58 s at 128k items, issue 37); tests/unit/server/registry/
 test_status_counters.py recounts them from scratch.
 """
 

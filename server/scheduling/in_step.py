@@ -1,5 +1,5 @@
 """Keeping jobs in step: who takes part in a DSA round, and when a leader waits. Pure: numbers in,
-decisions out (the scheduler gathers the numbers; tests/unit/server/test_in_step.py models them).
+decisions out (the scheduler gathers the numbers; tests/unit/server/scheduling/test_in_step.py models them).
 
 Two jobs share a decode only when one round gives both the same item and the cache still holds it
 when the second reads it. Jobs of a sweep start together and drift: step times jitter, the jobs

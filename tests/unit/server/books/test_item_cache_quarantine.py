@@ -9,7 +9,7 @@ import pytest
 
 from joader.server.books.item_cache import ItemCache
 from joader.server.books.records import ItemState, Source
-from tests.unit.server.test_item_cache import LISTING, Pool, Stage
+from tests.unit.server.books.test_item_cache import LISTING, Pool, Stage
 
 pytestmark = pytest.mark.timeout(30)
 

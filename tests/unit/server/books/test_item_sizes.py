@@ -1,6 +1,6 @@
 """Exact sizes (joader.server.books.item_sizes) on their own: how a decode's range is chosen
 (`range_kind`, pure), the size memory and misfits. The cache's use of them is tested in
-tests/unit/server/test_item_cache.py."""
+tests/unit/server/books/test_item_cache.py."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from joader.server.books.item_cache import ItemCache
-from tests.unit.server.test_item_books import _cached, _decode
+from tests.unit.server.books.test_item_books import _cached, _decode
 
 pytestmark = pytest.mark.timeout(60)
 
