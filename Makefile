@@ -62,7 +62,7 @@ test-fast: $(EXTRA)test
 
 demo: $(BASE)
 	$(COMPILE)
-	$(PY) -m joader.client.demo --data $(DEMO_DIR) --items $(DEMO_ITEMS)
+	$(PY) -m joader.client.tools.demo --data $(DEMO_DIR) --items $(DEMO_ITEMS)
 
 # Quick: a few minutes, fewer repetitions and sizes. Full: about an hour.
 bench: $(EXTRA)bench

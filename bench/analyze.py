@@ -53,7 +53,7 @@ CONFIGS: dict[str, tuple[str, list[tuple[str, float, float]]]] = {
 
 
 def analyze(server: Server, window_s: float) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "joader.client.cli", "analyze", "--json", "--interval", str(window_s),
+    out = subprocess.run([sys.executable, "-m", "joader.client.tools.cli", "analyze", "--json", "--interval", str(window_s),
                           "--address", server.address], capture_output=True, text=True, timeout=120, check=True,
                          env=bench_env())
     return json.loads(out.stdout)

@@ -283,7 +283,7 @@ def main() -> int:
     os.environ["XDG_RUNTIME_DIR"] = str(run_dir)
     os.environ.pop("JOADER_IDLE_EXIT_S", None)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    from joader.client.demo_data import make_demo_data
+    from joader.client.tools.demo_data import make_demo_data
 
     root = workdir / "images"
     make_demo_data(root, 24, num_classes=3, seed=1, progress=False)

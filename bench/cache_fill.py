@@ -9,7 +9,7 @@ real joaderd (`joader.launch.JoaderdProcess`) for a few (stage, cache size) scen
 the Status RPC after every few items and at the end of each epoch.
 
 Data: `--items` (400) photo-like JPEGs of varied sizes and aspect ratios (the demo generator's
-content, `joader.client.demo_data`, resized with Pillow to a mix of landscape, portrait, square and
+content, `joader.client.tools.demo_data`, resized with Pillow to a mix of landscape, portrait, square and
 panorama shapes, short sides 120 to 640 px), generated once under $JOADER_BENCH_DATA
 (/tmp/joader-bench-data).
 
@@ -90,7 +90,7 @@ def varied_data(num_items: int, seed: int = 0) -> Path:
     """An ImageFolder of `num_items` photo-like JPEGs of varied sizes (made once, then reused)."""
     from PIL import Image
 
-    from joader.client.demo_data import make_demo_data
+    from joader.client.tools.demo_data import make_demo_data
 
     root = DATA_DIR / f"varied-{num_items}-{seed}"
     marker = root / ".complete"
@@ -142,8 +142,8 @@ def snapshot(status: dict[str, Any], read: int) -> dict[str, Any]:
 
 def run_job(args: argparse.Namespace) -> int:
     """One plain job: `--epochs` passes over the whole source, status read as it goes."""
-    from joader.client.cli import fetch_status
     from joader.client.dataset import JoaderDataset
+    from joader.client.tools.cli import fetch_status
 
     dataset = JoaderDataset(args.source, address=args.address, name="cache-fill", return_index=True,
                             batch_size=32, verify=True, threads=1)

@@ -53,7 +53,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from joader.client.demo_data import make_demo_data
+from joader.client.tools.demo_data import make_demo_data
 from joader.launch import JoaderdProcess
 from tests.support.integrity import (
     Findings,
@@ -358,7 +358,7 @@ class Soak:
         assert self.server is not None
         try:
             status = json.loads(subprocess.run(
-                [sys.executable, "-m", "joader.client.cli", "status", "--json", "--address", self.address],
+                [sys.executable, "-m", "joader.client.tools.cli", "status", "--json", "--address", self.address],
                 capture_output=True, text=True, timeout=30, env=self.env).stdout)
         except (json.JSONDecodeError, subprocess.TimeoutExpired):
             return False
@@ -390,7 +390,7 @@ class Soak:
     def status(self) -> dict[str, object]:
         try:
             out = subprocess.run(
-                [sys.executable, "-m", "joader.client.cli", "status", "--json", "--address", self.address],
+                [sys.executable, "-m", "joader.client.tools.cli", "status", "--json", "--address", self.address],
                 capture_output=True, text=True, timeout=30, env=self.env).stdout
             return json.loads(out)
         except (json.JSONDecodeError, subprocess.TimeoutExpired):

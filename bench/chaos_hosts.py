@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.chaos import Summary
-from joader.client.demo_data import make_demo_data
+from joader.client.tools.demo_data import make_demo_data
 from joader.launch import JoaderdProcess
 from tests.support.integrity import Findings, check_records, read_records, reference
 from tests.support.processes import free_port

@@ -52,7 +52,7 @@ def bench_env() -> dict[str, str]:
 
 def demo_data(num_items: int) -> Path:
     """A demo ImageFolder of exactly `num_items` 500x375 JPEGs (generated once, then reused)."""
-    from joader.client.demo_data import make_demo_data
+    from joader.client.tools.demo_data import make_demo_data
 
     root = DATA_DIR / f"demo-{num_items}"
     marker = root / ".complete"
@@ -119,7 +119,7 @@ class Server:
     def status(self) -> dict[str, Any]:
         before = children_cpu_s()
         out = subprocess.run(
-            [sys.executable, "-m", "joader.client.cli", "status", "--json", "--address", self.address],
+            [sys.executable, "-m", "joader.client.tools.cli", "status", "--json", "--address", self.address],
             capture_output=True, text=True, timeout=60, check=True, env=bench_env(),
         )
         self.status_cpu_s += children_cpu_s() - before

@@ -78,7 +78,7 @@ def start_server(root: Path, crash_on: list[str], cache_bytes: int, workers: int
 
 
 def read_status(address: str) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "joader.client.cli", "status", "--json", "--address", address],
+    out = subprocess.run([sys.executable, "-m", "joader.client.tools.cli", "status", "--json", "--address", address],
                          capture_output=True, text=True, timeout=60, check=True, env=bench_env())
     return json.loads(out.stdout)
 

@@ -77,7 +77,7 @@ def _env() -> dict[str, str]:
 
 
 def read_status(address: str) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "joader.client.cli", "status", "--json", "--address", address],
+    out = subprocess.run([sys.executable, "-m", "joader.client.tools.cli", "status", "--json", "--address", address],
                          capture_output=True, text=True, timeout=60, check=True, env=bench_env())
     return json.loads(out.stdout)
 

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from joader.client.demo_data import make_demo_data
+from joader.client.tools.demo_data import make_demo_data
 from joader.launch import JoaderdProcess
 from tests.support.integrity import Findings, check_records, read_records, reference
 

@@ -148,7 +148,7 @@ class Probe:
         self.pid = pid
 
     def status(self) -> dict[str, Any]:
-        from joader.client.cli import fetch_status
+        from joader.client.tools.cli import fetch_status
 
         return fetch_status(self.address, timeout_s=120)
 
@@ -572,7 +572,7 @@ def cli_status_s(address: str, calls: int = 3) -> float:
     times = []
     for _ in range(calls):
         started = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "joader.client.cli", "status", "--json", "--address", address],
+        subprocess.run([sys.executable, "-m", "joader.client.tools.cli", "status", "--json", "--address", address],
                        capture_output=True, check=True, env=bench_env(), timeout=120)
         times.append(time.perf_counter() - started)
     return round(median(times), 3)

@@ -142,7 +142,7 @@ def _without_out(argv: list[str]) -> list[str]:
 def run_inside(stages: list[str], *, batch_bytes: int, batches: int, budget: bool,
                items: int = DEMO_ITEMS, together: bool = False, auto: bool = False) -> dict[str, Any]:
     """The servers, the DataLoader, the ledger: in this process's /dev/shm (the private one)."""
-    from joader.client.demo_data import make_demo_data
+    from joader.client.tools.demo_data import make_demo_data
     from joader.launch import JoaderdProcess
 
     work = Path(tempfile.mkdtemp(prefix="shm-budget-"))  # 0700: the budget's directory too

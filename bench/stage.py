@@ -4,7 +4,7 @@
     ImageFolder + Resize + CenterCrop exactly; pil-draft; turbo with simplejpeg's fast integer
     DCT; turbo with the exact one; the default is joader.stages.image.TURBO_OPTIONS)
     x stage (center-crop:256, resize:256, max-side:512), on the 500x375 demo JPEGs
-    (joader.client.demo_data, quality 90, about 100 KB) and on large 2000x1500 photo-like JPEGs
+    (joader.client.tools.demo_data, quality 90, about 100 KB) and on large 2000x1500 photo-like JPEGs
     (quality 90, about 650 KB; generated once). The encoded files are read into memory first:
     this is the stage alone. Median of several repetitions, decoders interleaved.
 (b) Pixel differences pil-draft and turbo vs pil per stage and data set: mean, 99th percentile

@@ -163,7 +163,7 @@ def job_main(args: argparse.Namespace) -> int:
 def poll_main(args: argparse.Namespace) -> int:
     """The timeline: joaderd's counters every `--interval` s (one process, one channel) until
     `--stop-file` appears."""
-    from joader.client.cli import fetch_status
+    from joader.client.tools.cli import fetch_status
 
     samples = []
     while not args.stop_file.exists():

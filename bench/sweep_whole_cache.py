@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from joader.client.demo_data import make_demo_data
+from joader.client.tools.demo_data import make_demo_data
 from joader.launch import JoaderdProcess
 from tests.support.integrity import Findings, check_records, read_records, reference
 
@@ -71,7 +71,7 @@ class RunResult:
 
 
 def _status(address: str, env: dict[str, str]) -> dict[str, object]:
-    out = subprocess.run([sys.executable, "-m", "joader.client.cli", "status", "--json", "--address", address],
+    out = subprocess.run([sys.executable, "-m", "joader.client.tools.cli", "status", "--json", "--address", address],
                          capture_output=True, text=True, timeout=60, env=env).stdout
     try:
         return json.loads(out)

@@ -191,13 +191,13 @@ def run_sweep(tool: str, side: str, root: Path, args: argparse.Namespace) -> dic
 
 
 def _servers(runtime: Path) -> list[dict[str, Any]]:
-    out = subprocess.run([sys.executable, "-m", "joader.client.cli", "servers", "--json"], env=_env(runtime),
+    out = subprocess.run([sys.executable, "-m", "joader.client.tools.cli", "servers", "--json"], env=_env(runtime),
                          capture_output=True, text=True, timeout=30)
     return json.loads(out.stdout) if out.returncode == 0 and out.stdout.strip() else []
 
 
 def _status(address: str, runtime: Path) -> dict[str, Any] | None:
-    out = subprocess.run([sys.executable, "-m", "joader.client.cli", "status", "--json", "--address", address],
+    out = subprocess.run([sys.executable, "-m", "joader.client.tools.cli", "status", "--json", "--address", address],
                          env=_env(runtime), capture_output=True, text=True, timeout=30)
     return json.loads(out.stdout) if out.returncode == 0 else None
 

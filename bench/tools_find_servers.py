@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from joader.client.autostart import stop_servers
-from joader.client.demo_data import make_demo_data
+from joader.client.tools.demo_data import make_demo_data
 
 _JOB = """
 import sys, time, torch
@@ -38,7 +38,7 @@ for epoch in range(int(sys.argv[4])):
 
 def _tool(env: dict[str, str], *args: str) -> str:
     command = ["joader", *args]
-    done = subprocess.run([sys.executable, "-m", "joader.client.cli", *args], env=env, stdout=subprocess.PIPE,
+    done = subprocess.run([sys.executable, "-m", "joader.client.tools.cli", *args], env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=120)
     return f"$ {' '.join(command)}\n{done.stdout}(exit {done.returncode})\n"
 
@@ -49,7 +49,7 @@ def _wait_jobs(env: dict[str, str], source: str, jobs: int, deadline_s: float = 
 
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        done = subprocess.run([sys.executable, "-m", "joader.client.cli", "status", "--json", "--source", source],
+        done = subprocess.run([sys.executable, "-m", "joader.client.tools.cli", "status", "--json", "--source", source],
                               env=env, capture_output=True, text=True, timeout=60)
         if done.returncode == 0:
             status = json.loads(done.stdout)

@@ -109,10 +109,10 @@ def bash_loop(base: Path, say: list[str]) -> None:
             trial.stdout.readline()
         time.sleep(4.0)  # a few epochs of each
         for command in (["status"], ["top", "--once"]):
-            done = subprocess.run([sys.executable, "-m", "joader.client.cli", *command],
+            done = subprocess.run([sys.executable, "-m", "joader.client.tools.cli", *command],
                                   capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "140"})
             say.append(f"$ joader {' '.join(command)}\n{done.stderr}{done.stdout}")
-        listed = subprocess.run([sys.executable, "-m", "joader.client.cli", "status", "--json", "--source", "photos"],
+        listed = subprocess.run([sys.executable, "-m", "joader.client.tools.cli", "status", "--json", "--source", "photos"],
                                 capture_output=True, text=True, timeout=60)
         names = [job["name"] for job in json.loads(listed.stdout)["jobs"]]
         say.append(f"the job names (joader status --json): {names}; the trials' pids {[t.pid for t in trials]}\n")

@@ -1,6 +1,6 @@
 """The data-stall model behind `joader analyze` (DS-Analyzer's questions, for a shared joaderd).
 
-Pure: it takes what was measured over a window and answers what-ifs; `joader.client.analyze`
+Pure: it takes what was measured over a window and answers what-ifs; `joader.client.tools.analyze`
 does the measuring. The model and its assumptions (docs/analyze.md has the long form):
 
 - Time per sample. Job j's wall time per delivered sample is `1 / x_j`; its measured stall `s_j`

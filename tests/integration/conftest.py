@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from joader.client.demo_data import make_demo_data
+from joader.client.tools.demo_data import make_demo_data
 from joader.launch import JoaderdProcess, JoaderdStartError
 from tests.support.integrity import reference
 from tests.support.processes import IMAGE_SIZE, ITEM_NBYTES, NUM_DEMO_ITEMS, ROOT, Clients
@@ -67,7 +67,7 @@ class Joaderd:
 
     def status(self) -> dict[str, Any]:
         out = subprocess.run(
-            [sys.executable, "-m", "joader.client.cli", "status", "--json", "--address", self.address],
+            [sys.executable, "-m", "joader.client.tools.cli", "status", "--json", "--address", self.address],
             capture_output=True, text=True, timeout=60, check=True,
         )
         return json.loads(out.stdout)

@@ -35,7 +35,7 @@ def _analyze_beside(server: Any, step_s: str) -> dict[str, Any]:
                        and found[n]["items_delivered"] >= 48 for n in names)
 
         wait_for(measured, 120, "both jobs to report a stall", interval_s=0.5)
-        result = subprocess.run([sys.executable, "-m", "joader.client.cli", "analyze", "--json", "--interval", "3",
+        result = subprocess.run([sys.executable, "-m", "joader.client.tools.cli", "analyze", "--json", "--interval", "3",
                                  "--address", server.address], capture_output=True, text=True, timeout=90, check=False)
     finally:
         for job in jobs:

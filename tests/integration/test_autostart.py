@@ -194,7 +194,7 @@ def test_servers_stop_is_not_undone_by_running_jobs(demo_root: Path, tmp_path: P
                  "--epochs", "50", "--sleep", "0.05", "--workers", "2")]
     wait_for(lambda: all(any(r.get("kind") == "sample" for r in read_records(tmp_path / f"{n}.jsonl"))
                          for n in names), 120, "both jobs to read")
-    stopped = subprocess.run([sys.executable, "-m", "joader.client.cli", "servers", "--stop"], env=env,
+    stopped = subprocess.run([sys.executable, "-m", "joader.client.tools.cli", "servers", "--stop"], env=env,
                              capture_output=True, text=True, timeout=60)
     assert stopped.returncode == 0, stopped.stderr
     assert "stopped demo" in stopped.stdout and "no job starts them again" in stopped.stdout

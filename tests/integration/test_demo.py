@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from joader.client.demo import JobReport, summarize
+from joader.client.tools.demo import JobReport, summarize
 
 
 def _report(name: str, items: int, epochs: list[tuple[int, int]]) -> JobReport:
@@ -34,7 +34,7 @@ def test_an_epoch_with_a_repeat_or_a_gap_is_called_out() -> None:
 
 def test_the_demo_runs_and_ends_with_its_summary(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "joader.client.demo", "--data", str(tmp_path / "data"), "--items", "96",
+        [sys.executable, "-m", "joader.client.tools.demo", "--data", str(tmp_path / "data"), "--items", "96",
          "--epochs", "1"],
         capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

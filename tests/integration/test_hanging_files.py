@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from joader.client.demo_data import make_demo_data
+from joader.client.tools.demo_data import make_demo_data
 from tests.support.hang_stage import HANG_MARK
 from tests.support.integrity import check_records, read_records, reference
 from tests.support.processes import IMAGE_SIZE, finish, wait_for

@@ -29,7 +29,7 @@ def test_job_names_with_brackets_are_shown_as_written(demo_root: Path, start_joa
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "attached"
         for command in (["top", "--once", "--interval", "0.2"], ["status"]):
-            result = subprocess.run([sys.executable, "-m", "joader.client.cli", *command, "--address", server.address],
+            result = subprocess.run([sys.executable, "-m", "joader.client.tools.cli", *command, "--address", server.address],
                                     capture_output=True, text=True, timeout=60, env={"COLUMNS": "200", "PATH": ""})
             assert result.returncode == 0, result.stderr[-2000:]
             for name in NAMES:

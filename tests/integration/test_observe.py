@@ -31,7 +31,7 @@ def _run_beside_two_jobs(server: Any, command: list[str]) -> subprocess.Complete
             for name, step in (("prepbound", "0"), ("computebound", "0.25"))]
     try:
         wait_for(lambda: len(_stalls(server)) == 2, 120, "both jobs to report a stall", interval_s=0.5)
-        return subprocess.run([sys.executable, "-m", "joader.client.cli", *command, "--address", server.address],
+        return subprocess.run([sys.executable, "-m", "joader.client.tools.cli", *command, "--address", server.address],
                               capture_output=True, text=True, timeout=90, check=False)
     finally:
         for job in jobs:
@@ -159,7 +159,7 @@ def test_workers_auto_grows_for_a_stalling_job_and_shrinks_when_it_is_gone(demo_
                          "the pool to grow to two workers", interval_s=2.0)
         wait_for(lambda: server.status()["workers"]["alive"] == 2, 30, "the second worker to start", interval_s=1.0)
         assert any("waits" in line and "1 -> 2" in line for line in grown["workers"]["resizes"]), grown["workers"]
-        frame = subprocess.run([sys.executable, "-m", "joader.client.cli", "top", "--once", "--address",
+        frame = subprocess.run([sys.executable, "-m", "joader.client.tools.cli", "top", "--once", "--address",
                                 server.address], capture_output=True, text=True, timeout=60, check=False).stdout
         assert "decode pool changes" in frame and "1 -> 2" in frame, frame
     finally:

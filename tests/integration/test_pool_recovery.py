@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from joader.client.demo_data import make_demo_data
+from joader.client.tools.demo_data import make_demo_data
 from joader.sources.base import open_source
 from tests.support.integrity import check_records, read_records, reference
 from tests.support.processes import IMAGE_SIZE, finish, wait_for

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from joader.client.autostart import ServerSpec, ensure_server, stop_server
-from joader.client.cli import main
+from joader.client.tools.cli import main
 from joader.launch import read_ready_file
 from tests.support.processes import IMAGE_SIZE
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from joader.client.demo_data import make_demo_data
+from joader.client.tools.demo_data import make_demo_data
 from tests.support.integrity import check_records, read_records, reference
 from tests.support.processes import IMAGE_SIZE, NUM_DEMO_ITEMS, wait_for
 from tests.support.trust import client, end, joader_segments, read_line, rss_bytes, run_client

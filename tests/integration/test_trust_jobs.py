@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from joader.client.demo_data import make_demo_data
+from joader.client.tools.demo_data import make_demo_data
 from tests.support.data import corrupt_jpeg
 from tests.support.processes import NUM_DEMO_ITEMS, wait_for
 from tests.support.trust import client, end, read_line, rss_bytes, run_client
@@ -88,7 +88,7 @@ def test_non_utf8_class_and_file_names(tmp_path: Path, start_joaderd: Any) -> No
     status = server.status()
     assert status["items_failed"] == 1
     assert any("badzero\\xfe" in f["path"] for f in status["failed"])
-    table = subprocess.run([sys.executable, "-m", "joader.client.cli", "status", "--address", server.address],
+    table = subprocess.run([sys.executable, "-m", "joader.client.tools.cli", "status", "--address", server.address],
                            capture_output=True, text=True, timeout=60)
     assert table.returncode == 0 and "badzero\\xfe.jpg" in table.stdout, table.stderr
 

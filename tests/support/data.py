@@ -3,7 +3,7 @@
 `write_list_file` and `write_tar_shards` write the items of an ImageFolder as a list file or as
 WebDataset tar shards, in the listing's order: item `i` is the same image bytes and label in all
 three kinds of source (`joader.sources.open_source`). The ImageFolder is usually demo data
-(`joader.client.demo_data.make_demo_data`).
+(`joader.client.tools.demo_data.make_demo_data`).
 """
 
 from __future__ import annotations

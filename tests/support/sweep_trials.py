@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from joader import JoaderDataset
-from joader.client.cli import fetch_status
+from joader.client.tools.cli import fetch_status
 
 SOURCE = "demo"
 BATCH = 16

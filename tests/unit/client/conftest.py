@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from joader.client.channel import reset_channel
-from joader.client.demo_data import make_demo_data
+from joader.client.tools.demo_data import make_demo_data
 from joader.launch import JoaderdProcess
 
 ITEMS = 48

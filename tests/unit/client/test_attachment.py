@@ -12,8 +12,8 @@ import threading
 import pytest
 
 from joader.client import attachment, placement
-from joader.client.cli import fetch_status
 from joader.client.dataset import JoaderDataset
+from joader.client.tools.cli import fetch_status
 
 pytestmark = pytest.mark.timeout(120)
 

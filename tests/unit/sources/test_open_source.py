@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from joader.client.demo_data import make_demo_data
+from joader.client.tools.demo_data import make_demo_data
 from joader.errors import DecodeError, InvalidArgumentError
 from joader.sources import (
     ItemSource,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from joader.client.demo_data import make_demo_data
+from joader.client.tools.demo_data import make_demo_data
 from joader.errors import DecodeError
 from joader.stages import ItemSpec, Stage, build_stage
 from tests.support import reference_stage as today

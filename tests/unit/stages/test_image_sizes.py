@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from joader.client.demo_data import make_demo_data
+from joader.client.tools.demo_data import make_demo_data
 from joader.stages import build_stage
 from joader.stages.user import UserStage
 from tests.support.data import corrupt_jpeg

@@ -26,7 +26,7 @@ from joader.analysis import (
     per_sample,
     predict,
 )
-from joader.client.cli import fetch_status, format_bytes
+from joader.client.tools.cli import fetch_status, format_bytes
 
 
 def _cpu_seconds(pids: list[int]) -> dict[int, float]:
@@ -254,7 +254,7 @@ def _job_lines(job: dict[str, Any], workers_now: int, error: float) -> list[str]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from joader.client.cli import add_server_options, find_address
+    from joader.client.tools.cli import add_server_options, find_address
 
     parser = argparse.ArgumentParser(prog="joader analyze", description=__doc__.split("\n")[0])
     add_server_options(parser)

@@ -26,7 +26,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from joader.client.cli import (
+from joader.client.tools.cli import (
     add_server_options,
     fetch_status,
     find_address,

@@ -7,7 +7,7 @@
 
 With neither --source nor --address, status, top and analyze show $JOADER_ADDRESS's joaderd, else
 the one joaderd of yours that runs (at the default socket, or started by a job with root=), and
-list them when there are several (`joader.client.which_server`).
+list them when there are several (`joader.client.tools.which_server`).
     joader make-demo-data DIR --items N [--classes K] [--seed S]
     joader verify --job a=0:600 --job b=300:1300 ...   (see `joader verify --help`)
 """
@@ -27,15 +27,15 @@ SERVER_HELP = ("joaderd's address (default: $JOADER_ADDRESS, else the one joader
 
 
 def add_server_options(parser: argparse.ArgumentParser) -> None:
-    """`--source` and `--address`: which joaderd a tool shows (`joader.client.which_server`)."""
+    """`--source` and `--address`: which joaderd a tool shows (`joader.client.tools.which_server`)."""
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--source", metavar="NAME", help="show the joaderd serving source NAME (when several of yours run)")
     which.add_argument("--address", help=SERVER_HELP)
 
 
 def find_address(address: str | None, source: str | None, *, command: str) -> str:
-    """The address a tool shows (`joader.client.which_server.find_address`)."""
-    from joader.client.which_server import find_address as find
+    """The address a tool shows (`joader.client.tools.which_server.find_address`)."""
+    from joader.client.tools.which_server import find_address as find
 
     return find(address, source, command=command)
 
@@ -186,11 +186,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return verify_main(rest)
         if args.command == "top":
-            from joader.client.top import main as top_main
+            from joader.client.tools.top import main as top_main
 
             return top_main(rest)
         if args.command == "analyze":
-            from joader.client.analyze import main as analyze_main
+            from joader.client.tools.analyze import main as analyze_main
 
             return analyze_main(rest)
         if rest:
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "servers":
             return _servers(args.json, args.stop)
-        from joader.client.demo_data import make_demo_data
+        from joader.client.tools.demo_data import make_demo_data
 
         make_demo_data(args.dir, args.items, num_classes=args.classes, seed=args.seed, progress=True)
         return 0

@@ -11,8 +11,8 @@ Re-running is idempotent: existing files are kept (they would be byte-identical)
 are written, and a manifest (`.joader-demo.json`) records what the folder holds. A folder that
 is not empty and has no manifest is refused, so a real dataset is never written into.
 
-`python -m joader.client.demo_data DIR --items N` (or `joader make-demo-data DIR --items N`)
-does the same from a shell. `make demo` (`joader.client.demo`), the benches and the tests use it.
+`python -m joader.client.tools.demo_data DIR --items N` (or `joader make-demo-data DIR --items N`)
+does the same from a shell. `make demo` (`joader.client.tools.demo`), the benches and the tests use it.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def _make_scene(rng: np.random.Generator) -> np.ndarray:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m joader.client.demo_data",
+        prog="python -m joader.client.tools.demo_data",
         description="Write an ImageNet-like demo folder of 500x375 JPEGs (about 100 KB each).",
     )
     parser.add_argument("dir", help="folder to write (created; re-running completes it)")

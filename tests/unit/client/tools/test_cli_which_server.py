@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from joader.client import which_server
-from joader.client.which_server import AUTO, DEFAULT, ENV, Candidate, Looked, choose
+from joader.client.tools import which_server
+from joader.client.tools.which_server import AUTO, DEFAULT, ENV, Candidate, Looked, choose
 from joader.errors import InvalidArgumentError
 
 pytestmark = pytest.mark.timeout(30)

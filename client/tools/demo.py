@@ -15,7 +15,7 @@ What it shows, and why the settings are what they are (a newcomer reads this at 
   at the same size, so the difference in time is the sharing alone.
 
 It ends with a summary: images read against images decoded, the two times, and the next step.
-`python -m joader.client.demo --help` lists the knobs; `make demo` runs the defaults.
+`python -m joader.client.tools.demo --help` lists the knobs; `make demo` runs the defaults.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from joader.client.cli import fetch_status, format_status
+from joader.client.tools.cli import fetch_status, format_status
 from joader.launch import JoaderdProcess, JoaderdStartError
 
 IMAGE_SIZE = 256
@@ -120,7 +120,7 @@ def _loader(args: argparse.Namespace, indices: range) -> tuple[Any, Any, int]:
 def run_job(argv: list[str]) -> int:
     """One demo job: what a training script does, with a sleep for its step and a progress bar.
     It checksums every image it receives, so each epoch is checked: all its items, none twice."""
-    parser = argparse.ArgumentParser(prog="python -m joader.client.demo job")
+    parser = argparse.ArgumentParser(prog="python -m joader.client.tools.demo job")
     parser.add_argument("--address", help="joaderd's address (a joader job)")
     parser.add_argument("--plain", action="store_true", help="a plain DataLoader over --data instead")
     parser.add_argument("--data", help="the demo folder (a plain job)")
@@ -196,7 +196,7 @@ def run_jobs(runtime: Path, n: int, epochs: int, *, address: str | None = None,
     for position, (name, span, step_s, delay_s) in enumerate(_spans(n)):
         where = ["--address", address] if address else ["--plain", "--data", str(data)]
         procs.append(subprocess.Popen([
-            sys.executable, "-m", "joader.client.demo", "job", *where, "--indices", span, "--name", name,
+            sys.executable, "-m", "joader.client.tools.demo", "job", *where, "--indices", span, "--name", name,
             "--epochs", str(epochs), "--step-s", str(step_s), "--start-delay-s", str(delay_s),
             "--position", str(position), "--report", str(runtime / f"{name}.json"),
         ]))
@@ -255,14 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["job"]:
         return run_job(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m joader.client.demo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m joader.client.tools.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--data", type=Path, default=Path("demo-data"))
     parser.add_argument("--items", type=int, default=1200)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--no-plain", action="store_true", help="skip the run with plain DataLoaders")
     args = parser.parse_args(argv)
 
-    from joader.client.demo_data import make_demo_data
+    from joader.client.tools.demo_data import make_demo_data
 
     n = args.items
     cache_items = max(1, n // 4)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from joader.client.demo_data import main, make_demo_data
+from joader.client.tools.demo_data import main, make_demo_data
 from joader.errors import DecodeError, InvalidArgumentError
 from joader.stages import build_stage
 from tests.support.data import corrupt_jpeg

@@ -182,7 +182,7 @@ def _gather(env: str | None) -> list[Candidate]:
 
 def _described(address: str, origin: str) -> Candidate:
     """`address` with its sources and jobs from its status (left unknown if it does not answer)."""
-    from joader.client.cli import fetch_status
+    from joader.client.tools.cli import fetch_status
 
     try:
         status = fetch_status(address, timeout_s=_PROBE_TIMEOUT_S)

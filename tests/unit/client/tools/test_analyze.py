@@ -1,10 +1,10 @@
-"""`joader analyze`'s report (joader.client.analyze): the model's check against the window it was
+"""`joader analyze`'s report (joader.client.tools.analyze): the model's check against the window it was
 fit on, and what it prints."""
 
 from __future__ import annotations
 
 from joader.analysis import STATED_ERROR, HostWindow, JobWindow
-from joader.client.analyze import _since_start, analyze, format_report
+from joader.client.tools.analyze import _since_start, analyze, format_report
 
 HOST = HostWindow(cores=2.0, workers=1, decode_cpu_s=0.004, decodes_per_delivery=0.5,
                   fresh_decodes_per_delivery=0.5, server_cpu_per_sample=0.0001, jobs_cpu_per_sample=0.0002,

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from joader.client import top
-from joader.client.cli import format_status, printable
-from joader.client.top import render
+from joader.client.tools import top
+from joader.client.tools.cli import format_status, printable
+from joader.client.tools.top import render
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -115,7 +115,7 @@ def test_status_says_why_an_auto_cache_has_its_size() -> None:
     assert "sized by" not in fixed
 
 
-# --- SHARED and FROM OTHERS (NOTE [ What SHARED means ] in client/top.py) ---------------------
+# --- SHARED and FROM OTHERS (NOTE [ What SHARED means ] in client/tools/top.py) ---------------------
 
 
 def _sharing_job(name: str, delivered: int, reused: int, shared: int, with_others: int | None) -> dict[str, Any]:
