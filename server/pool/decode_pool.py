@@ -9,22 +9,25 @@ Three process kinds, each in a module of its own:
   once gRPC runs;
 - **the workers** (`joader.server.pool.worker`) run the shared stage and write into the arena.
 
-`DecodePool` is one object with one lock (`_lock`) and one consumer thread (the caller of
-`get_result`). Its parts, each a class of its own module that `DecodePool` is made of:
+`DecodePool` has one lock (the roster's) and one consumer thread (the caller of
+`get_result`). It is composed of parts, each a class of its own module that owns its own state
+and holds typed references to the roster and to the other parts it calls:
 
-- `pool_records.py`: the records they share (config, result, stats, tasks, probes, workers);
-- `pool_spawning.py` (`WorkerSpawning`): workers asked of the forker and adopted; a slow forker;
-- `pool_faults.py` (`FaultHandling`): dead and hung workers, suspects, the probation worker,
+- `records.py`: the records they share (config, result, stats, tasks, probes, workers);
+- `roster.py` (`Roster`): the workers, their sockets and the selector, the probation worker, the
+  target size, and the dispatch state (tasks in flight, the queue, results ready, kept arrays);
+- `spawning.py` (`WorkerSpawning`): workers asked of the forker and adopted; a slow forker;
+- `faults.py` (`FaultHandling`): dead and hung workers, suspects, the probation worker,
   quarantine, the crash-loop policy (`joader.server.pool.replacement`);
-- `pool_resizing.py` (`Resizing`): the target size, growing, retiring the surplus;
-- `pool_probes.py` (`Probing`): exact sizes read from files' headers for the cache;
-- this module: the state they share, submitting, dispatching, reading results, stats, closing.
+- `resizing.py` (`Resizing`): the target size, growing, retiring the surplus;
+- `probes.py` (`Probing`): exact sizes read from files' headers for the cache;
+- this module: composing them, submitting, dispatching, reading results, stats, closing.
 
 Exact sizes (`joader.server.books.item_sizes`). A task of capacity 0 (*size first*) has no range yet:
 its worker prepares the item, keeps the array and answers with its size (a result that did not
 fit: ok False, nbytes > 0, `joader.server.pool.worker`); the cache then allocates exactly that
 and submits the item again. The pool sends that second task straight to the worker that keeps
-the array (`_staged`), past its queue limit (it is a copy of a few microseconds once it comes
+the array (`Roster.staged`), past its queue limit (it is a copy of a few microseconds once it comes
 up), so the item is prepared once. If that worker has died or retired meanwhile, the task goes
 to any worker, which prepares it from scratch.
 """
@@ -35,18 +38,14 @@ import logging
 import os
 import pickle
 import select
-import selectors
-import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
-from itertools import count
 from typing import Any, Self
 
 from joader.errors import InvalidArgumentError, JoaderError
 from joader.server.pool.faults import FaultHandling
 from joader.server.pool.probes import Probing
-from joader.server.pool.quarantine import Quarantine
 from joader.server.pool.records import (
     DecodeResult,
     DecodeTask,
@@ -57,12 +56,10 @@ from joader.server.pool.records import (
     Worker,
     recv_nowait,
 )
-from joader.server.pool.replacement import ReplacementPolicy
-from joader.server.pool.resizing import RESIZE_LOG, Resizing
-from joader.server.pool.spawning import OwedSpawn, WorkerSpawning, reap, start_forker
-from joader.server.pool.timeout import AutoTimeout, DecodeTimes
+from joader.server.pool.resizing import Resizing
+from joader.server.pool.roster import Roster
+from joader.server.pool.spawning import WorkerSpawning
 from joader.server.pool.worker import MAX_MESSAGE, SIZES
-from joader.sources.safe_open import display_path
 
 __all__ = ["DecodePool", "DecodeResult", "PoolConfig", "PoolStats", "SourceSpec"]
 
@@ -78,12 +75,13 @@ def _load(worker: Worker) -> int:
     return len(worker.tasks)
 
 
-class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
+class DecodePool:
     """Worker processes preparing items into the arena; see the module docstring.
 
-    Its state is set up here, grouped by the part that owns it; each part's class (the bases)
-    says what it owns and holds the methods that change it. The internal methods (`_name`) run
-    with `_lock` held, taken by the public ones (or in `__init__`, before any other thread)."""
+    The roster and the parts are made here and wired to each other; each part's class says what
+    it owns and holds the methods that change it. The internal methods (`_name`, and the parts'
+    methods) run with the roster's lock held, taken by the public ones (or in `__init__`, before
+    any other thread)."""
 
     sizes_first = True  # `submit` takes capacity 0: prepare, keep, answer with the size
 
@@ -100,59 +98,41 @@ class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
         except FileNotFoundError:
             raise JoaderError(f"decode pool: arena {arena_path} does not exist") from None
         self.config = config
-        self.num_workers = config.num_workers
         self.arena_bytes = arena_bytes
-        self._sources = tuple(sources)
-        self._lock = threading.RLock()
-        self._closed = False
-        # dispatch and results (this module)
-        self._tasks: dict[int, DecodeTask] = {}  # submitted, no final result taken yet
-        self._pending: deque[DecodeTask] = deque()  # not sent to a worker yet
-        # (source index, item id) -> index of the worker keeping its prepared array (did not fit)
-        self._staged: OrderedDict[tuple[int, int], int] = OrderedDict()
-        self._ready: deque[DecodeResult] = deque()
-        self._workers: dict[int, Worker] = {}  # by worker index; retiring ones too, until stopped
-        self._selector = selectors.DefaultSelector()
-        # probes (pool_probes.py)
-        self._probes: deque[Probe] = deque()  # not sent to a worker yet (sent before `_pending`)
-        self._probe_ids = count()
-        self._sizes: list[tuple[int, int, int]] = []  # (source index, item id, bytes or 0), not taken yet
-        # resizing (pool_resizing.py; `num_workers` above)
-        self._resizes: deque[str] = deque(maxlen=RESIZE_LOG)
-        # faults (pool_faults.py)
-        self._replacement = ReplacementPolicy()
-        self._suspects: deque[DecodeTask] = deque()  # the suspect lane's tasks not sent yet
-        self._suspect_ids: set[int] = set()  # task ids in the lane, waiting or running
-        self._quarantine = Quarantine()  # (source index, item id) that hung or crashed twice
-        self._lifted: set[tuple[int, int]] = set()  # quarantined, then changed on disk: not tried yet
-        self._timeouts = DecodeTimes(config.decode_timeout_s, AutoTimeout(ceiling_s=config.decode_timeout_ceiling_s))
-        self._probation: Worker | None = None
-        self._replaced = 0
-        self._retried = 0
-        self._timed_out = 0
-        # spawning (pool_spawning.py)
-        self._born = 0  # workers started so far
-        self._forker_gone = False
-        self._owed: OwedSpawn | None = None  # a spawn request the forker has not answered yet
-        self._control, self._forker_pid = start_forker(arena_path, self._sources)
-        self._selector.register(self._control, selectors.EVENT_READ, None)
+        self._roster = roster = Roster(config, tuple(sources), arena_bytes)
+        self._probing = Probing(roster, self._dispatch)
+        self._spawning = WorkerSpawning(roster, self._dispatch)
+        self._faults = FaultHandling(roster, self._spawning, self._probing, self._dispatch)
+        self._resizing = Resizing(roster, self._spawning, self._faults, self._dispatch)
+        self._spawning.faults = self._faults
+        self._faults.resizing = self._resizing
+        self._spawning.start(arena_path)
         try:
             for index in range(config.num_workers):
-                self._spawn(index)
+                self._spawning.spawn(index)
         except BaseException:
             self.close()
             raise
         logger.info("decode pool: %d workers (forker pid %d) on arena %s; decode timeout %s", config.num_workers,
-                    self._forker_pid, arena_path, self._timeouts.describe())
-        self._timeouts.to_log()
+                    self._spawning.forker_pid, arena_path, self._faults.timeouts.describe())
+        self._faults.timeouts.to_log()
 
     # ----------------------------------------------------------------------------- use
+
+    @property
+    def num_workers(self) -> int:
+        """The target number of members (`resize` changes it)."""
+        return self._roster.num_workers
+
+    @num_workers.setter
+    def num_workers(self, n: int) -> None:  # the target alone, as the attribute it was (use `resize`)
+        self._roster.num_workers = n
 
     @property
     def in_flight(self) -> int:
         """Tasks submitted whose result has not been taken yet, less the suspects
         (`joader.server.pool.faults`, "Suspects": the healthy queue must not wait for the lane)."""
-        return len(self._tasks) - len(self._suspect_ids)
+        return len(self._roster.tasks) - len(self._faults.suspect_ids)
 
     def submit(self, task_id: int, source_index: int, item_id: int, offset: int, capacity: int) -> None:
         """Queue one item for preparation into `capacity` bytes at `offset`; never blocks.
@@ -160,33 +140,34 @@ class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
         Capacity 0: size first (the module docstring, "Exact sizes"): the result says how many bytes
         it needs.
         """
-        if not 0 <= source_index < len(self._sources):
+        roster, faults = self._roster, self._faults
+        if not 0 <= source_index < len(roster.sources):
             raise InvalidArgumentError(f"decode pool: no source with index {source_index}")
-        num_items = len(self._sources[source_index].source.paths)
+        num_items = len(roster.sources[source_index].source.paths)
         if not 0 <= item_id < num_items:
             raise InvalidArgumentError(f"decode pool: item id {item_id} out of range 0..{num_items - 1}")
         if offset < 0 or capacity < 0 or offset + capacity > self.arena_bytes:
             raise InvalidArgumentError(
                 f"decode pool: {capacity} bytes at {offset} are outside the arena ({self.arena_bytes} bytes)")
-        with self._lock:
-            if self._closed:
+        with roster.lock:
+            if roster.closed:
                 raise JoaderError("decode pool is closed")
-            if task_id in self._tasks:
+            if task_id in roster.tasks:
                 raise InvalidArgumentError(f"decode pool: task id {task_id} is already in flight")
             task = DecodeTask(task_id, source_index, item_id, offset, capacity)
-            self._tasks[task_id] = task
-            if task.key in self._quarantine:  # unchanged since it hung or crashed twice: not run
-                self._fail(task, self._quarantine.reason(task.key))
+            roster.tasks[task_id] = task
+            if task.key in faults.quarantine:  # unchanged since it hung or crashed twice: not run
+                roster.fail(task, faults.quarantine.reason(task.key))
                 return
-            if task.key in self._lifted:  # it changed on disk since: tried again, alone
-                self._lifted.discard(task.key)
+            if task.key in faults.lifted:  # it changed on disk since: tried again, alone
+                faults.lifted.discard(task.key)
                 task.attempts = self.config.max_attempts - 1
-                self._to_lane(task)
+                faults.to_lane(task)
                 self._dispatch()
                 return
-            keeper = self._workers.get(self._staged.pop((source_index, item_id), -1))
-            if keeper is None or keeper.retiring or keeper.probation or not self._send(keeper, task):
-                self._pending.append(task)
+            keeper = roster.workers.get(roster.staged.pop((source_index, item_id), -1))
+            if keeper is None or keeper.retiring or keeper.probation or not roster.send(keeper, task):
+                roster.pending.append(task)
             self._dispatch()
 
     def get_result(self, timeout_s: float | None) -> DecodeResult | None:
@@ -205,77 +186,94 @@ class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
         result is never held back to fill a batch); a batch is what queued while the last one
         was filed, and every message a worker's socket holds is read at once (`_read_worker`).
         """
+        roster, faults = self._roster, self._faults
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            with self._lock:
-                self._check_timeouts()
-                self._replace_deferred()
-                due = self._quarantine.due(time.monotonic())
+            with roster.lock:
+                faults.check_timeouts()
+                faults.replace_deferred()
+                due = faults.quarantine.due(time.monotonic())
             if due:  # before a quarantined file's failure is out: its stamp is the reference
-                self._restamp(due)  # stats off the lock
-            with self._lock:
-                if self._ready:
+                faults.restamp(due)  # stats off the lock
+            with roster.lock:
+                if roster.ready:
                     return self._take_ready(limit)
-                if self._closed:
+                if roster.closed:
                     return []
             wait = _SLICE_S if deadline is None else max(0.0, min(_SLICE_S, deadline - time.monotonic()))
-            events = self._selector.select(wait)
-            with self._lock:
-                if self._closed:
+            events = roster.selector.select(wait)
+            with roster.lock:
+                if roster.closed:
                     return []
                 for key, _ in events:
                     worker = key.data
                     if worker is None:
-                        self._read_control()
+                        self._spawning.read_control()
                     else:
                         self._read_worker(worker)
-                if self._ready and not self._quarantine.unstamped:
+                if roster.ready and not faults.quarantine.unstamped:
                     return self._take_ready(limit)
             if deadline is not None and time.monotonic() >= deadline:
                 return []
 
     def stats(self) -> PoolStats:
-        with self._lock:
-            workers = self._members()
-            probation = self._probation
+        roster, faults = self._roster, self._faults
+        with roster.lock:
+            workers = roster.members()
+            probation = roster.probation
             return PoolStats(
-                workers_configured=self.num_workers,
+                workers_configured=roster.num_workers,
                 workers_alive=len(workers),
                 workers_busy=sum(1 for w in workers if w.tasks),
-                workers_replaced=self._replaced,
-                tasks_retried=self._retried,
-                tasks_timed_out=self._timed_out,
+                workers_replaced=faults.replaced,
+                tasks_retried=faults.retried,
+                tasks_timed_out=faults.timed_out,
                 worker_pids=tuple(w.pid for w in workers),
-                workers_retiring=sum(1 for w in self._workers.values() if w.retiring),
-                resizes=tuple(self._resizes),
-                crash_loop=self._replacement.crash_loop,
-                restart_in_s=(max(0.0, round(self._replacement.retry_at() - time.monotonic(), 1))
-                              if len(workers) < self.num_workers and self._replacement.crash_loop else 0.0),
-                suspects=len(self._suspect_ids),
-                quarantined=len(self._quarantine),
+                workers_retiring=sum(1 for w in roster.workers.values() if w.retiring),
+                resizes=self._resizing.log,
+                crash_loop=faults.replacement.crash_loop,
+                restart_in_s=(max(0.0, round(faults.replacement.retry_at() - time.monotonic(), 1))
+                              if len(workers) < roster.num_workers and faults.replacement.crash_loop else 0.0),
+                suspects=len(faults.suspect_ids),
+                quarantined=len(faults.quarantine),
                 probation_pid=probation.pid if probation is not None else 0,
-                decode_timeout_s=self._timeouts.limit_s,
-                quarantine_lifted=self._quarantine.lifted,
+                decode_timeout_s=faults.timeouts.limit_s,
+                quarantine_lifted=faults.quarantine.lifted,
             )
 
     def is_quarantined(self, source_index: int, item_id: int) -> bool:
         """Whether the item's file hung or crashed a worker twice and has not changed on disk
         since (joader.server.pool.quarantine): asking for it again would only fail."""
-        with self._lock:
-            return (source_index, item_id) in self._quarantine
+        with self._roster.lock:
+            return (source_index, item_id) in self._faults.quarantine
 
     @property
     def worker_pids(self) -> list[int]:
         return list(self.stats().worker_pids)
 
+    def resize(self, n: int, reason: str = "") -> None:
+        """Sets the number of workers to `n` (at least 1), while the pool serves: `Resizing.resize`
+        (`joader.server.pool.resizing`)."""
+        self._resizing.resize(n, reason)
+
+    def probe(self, source_index: int, item_ids: Sequence[int]) -> None:
+        """Asks for the exact sizes of `item_ids`; they come back through `take_sizes`:
+        `Probing.probe` (`joader.server.pool.probes`)."""
+        self._probing.probe(source_index, item_ids)
+
+    def take_sizes(self) -> list[tuple[int, int, int]]:
+        """The probes' answers since the last call: (source index, item id, exact bytes or 0)."""
+        return self._probing.take_sizes()
+
     def close(self) -> None:
         """Stops every worker and the forker, and reaps them; idempotent."""
-        with self._lock:
-            if self._closed:
+        roster = self._roster
+        with roster.lock:
+            if roster.closed:
                 return
-            self._closed = True
-            workers = list(self._workers.values())
-            self._workers.clear()
+            roster.closed = True
+            workers = list(roster.workers.values())
+            roster.workers.clear()
         for worker in workers:
             try:
                 worker.sock.send(pickle.dumps(None))
@@ -292,9 +290,8 @@ class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
                     except OSError:
                         break
             worker.sock.close()
-        self._selector.close()
-        self._control.close()  # the forker sees EOF, kills what is left and exits
-        reap(self._forker_pid, _CLOSE_TIMEOUT_S)
+        roster.selector.close()
+        self._spawning.stop(_CLOSE_TIMEOUT_S)  # the forker sees EOF, kills what is left and exits
         logger.info("decode pool: stopped")
 
     def __enter__(self) -> Self:
@@ -306,105 +303,75 @@ class DecodePool(Probing, Resizing, FaultHandling, WorkerSpawning):
     # ----------------------------------------------------------------------------- internals
 
     def _take(self, result: DecodeResult) -> DecodeResult:
-        self._tasks.pop(result.task_id, None)
-        self._suspect_ids.discard(result.task_id)
+        self._roster.tasks.pop(result.task_id, None)
+        self._faults.suspect_ids.discard(result.task_id)
         return result
 
     def _take_ready(self, limit: int) -> list[DecodeResult]:
-        ready = self._ready
+        ready = self._roster.ready
         return [self._take(ready.popleft()) for _ in range(min(limit, len(ready)))]
-
-    def _path(self, task: DecodeTask | Probe) -> str:
-        if isinstance(task, Probe):
-            return str(self._sources[task.source_index].source.paths[task.item_ids[0]])
-        return str(self._sources[task.source_index].source.paths[task.item_id])
-
-    def _describe(self, task: DecodeTask | Probe) -> str:
-        path = display_path(self._path(task))
-        if isinstance(task, Probe):
-            return f"the headers of {len(task.item_ids)} files from {path} on"
-        return path
-
-    def _members(self) -> list[Worker]:
-        """The live workers that are neither retiring nor the probation worker: the ones that
-        get healthy tasks."""
-        return [w for w in self._workers.values() if not (w.retiring or w.probation)]
 
     def _dispatch(self) -> None:
         """Send the next suspect to the probation worker; then pending probes, then pending tasks,
         to the least loaded members (never to a retiring one)."""
-        self._run_suspect()
+        roster, faults, probes = self._roster, self._faults, self._probing.queue
+        faults.run_suspect()
         limit = self.config.tasks_per_worker
-        members = self._members() if self._probes or self._pending else []  # once per call, unless one dies
-        while self._probes or self._pending:
+        members = roster.members() if probes or roster.pending else []  # once per call, unless one dies
+        while probes or roster.pending:
             if not members:
                 break
             worker = members[0] if len(members) == 1 else min(members, key=_load)
             if len(worker.tasks) >= limit:
                 return
-            queue: deque[Any] = self._probes if self._probes else self._pending
+            queue: deque[Any] = probes if probes else roster.pending
             task = queue.popleft()
-            if not self._send(worker, task):
+            if not roster.send(worker, task):
                 queue.appendleft(task)
-                self._worker_died(worker, "its socket closed")
-                members = self._members()
-        if self._forker_gone:
+                faults.worker_died(worker, "its socket closed")
+                members = roster.members()
+        if self._spawning.forker_gone:
             reason = ("no decode worker is left and none can be started: the decode pool's forker "
                       "process is gone (see joaderd's log); restart joaderd")
-            if (self._probes or self._pending) and not self._members():
-                self._fail_all(reason)
-            if self._suspects and self._probation is None:
-                self._fail_suspects(reason)
-
-    def _forget_staged(self, worker: Worker) -> None:
-        """What a worker that is gone kept is gone too (and a new worker may get its index)."""
-        for key in [key for key, index in self._staged.items() if index == worker.index]:
-            del self._staged[key]
-
-    def _send(self, worker: Worker, task: DecodeTask | Probe) -> bool:
-        """Sends `task` to `worker`; False if its socket is closed (the caller handles the death)."""
-        try:
-            worker.sock.send(task.message())
-        except OSError:
-            return False
-        if not worker.tasks:
-            worker.started_s = time.monotonic()
-        worker.tasks.append(task)
-        return True
+            if (probes or roster.pending) and not roster.members():
+                faults.fail_all(reason)
+            if faults.suspects and roster.probation is None:
+                faults.fail_suspects(reason)
 
     def _read_worker(self, worker: Worker) -> None:
         """Reads every message `worker`'s socket holds (in order; its EOF after them)."""
-        while self._workers.get(worker.index) is worker:  # not yet handled, or not since
+        while self._roster.workers.get(worker.index) is worker:  # not yet handled, or not since
             data = recv_nowait(worker.sock)
             if data is None:
                 return
             if not data:
-                self._worker_died(worker, "its connection closed")
+                self._faults.worker_died(worker, "its connection closed")
                 return
             self._read_message(worker, pickle.loads(data))
 
     def _read_message(self, worker: Worker, message: tuple[Any, ...]) -> None:
+        roster = self._roster
         head = worker.tasks[0] if worker.tasks else None
         if message[0] == SIZES:
             _, probe_id, sizes = message
             if isinstance(head, Probe) and head.probe_id == probe_id:
                 worker.tasks.popleft()
-                self._sizes.extend((head.source_index, item_id, nbytes) for item_id, nbytes in sizes)
+                self._probing.answered(head, sizes)
         else:
             result = DecodeResult(*message)
             if result.ok or result.nbytes:  # decoded (a misfit too: it decoded, then did not fit)
-                self._measured(result.decode_s)
+                self._faults.measured(result.decode_s)
             if isinstance(head, DecodeTask) and head.task_id == result.task_id:
                 worker.tasks.popleft()
                 if worker.probation:
-                    self._settle_suspect(head, result)
+                    self._faults.settle_suspect(head, result)
                 elif not result.ok and result.nbytes > head.capacity:  # did not fit: the worker keeps it
-                    self._staged[(head.source_index, head.item_id)] = worker.index
-                    self._staged.move_to_end((head.source_index, head.item_id))
-                    while len(self._staged) > _STAGED_KEYS:
-                        self._staged.popitem(last=False)
-            self._ready.append(result)
+                    roster.staged[(head.source_index, head.item_id)] = worker.index
+                    roster.staged.move_to_end((head.source_index, head.item_id))
+                    while len(roster.staged) > _STAGED_KEYS:
+                        roster.staged.popitem(last=False)
+            roster.ready.append(result)
         worker.started_s = time.monotonic()  # the next queued task starts now
         if worker.retiring and not worker.tasks:
-            self._stop(worker)
+            roster.stop(worker)
         self._dispatch()

@@ -51,12 +51,23 @@ import logging
 import os
 import signal
 import time
+from collections import deque
+from collections.abc import Callable
 from itertools import count
+from typing import TYPE_CHECKING
 
+from joader.server.pool.probes import Probing
+from joader.server.pool.quarantine import Quarantine
 from joader.server.pool.records import DecodeResult, DecodeTask, Probe, Worker
-from joader.server.pool.spawning import NoWorker
+from joader.server.pool.replacement import ReplacementPolicy
+from joader.server.pool.roster import Roster
+from joader.server.pool.spawning import NoWorker, WorkerSpawning
+from joader.server.pool.timeout import AutoTimeout, DecodeTimes
 from joader.server.source_watch import file_stamp, item_file
 from joader.sources.safe_open import display_path
+
+if TYPE_CHECKING:
+    from joader.server.pool.resizing import Resizing
 
 __all__ = ["FaultHandling"]
 
@@ -73,212 +84,236 @@ logger = logging.getLogger("joader.server.pool.decode_pool")  # the pool's log, 
 
 class FaultHandling:
     """The `DecodePool`'s part that handles dead and hung workers and runs the suspect lane (see
-    the module docstring). State it owns: `_suspects` (the lane's tasks not sent yet),
-    `_suspect_ids` (waiting or running), `_quarantine` (`joader.server.pool.quarantine`: files that
-    hung or crashed twice) and `_lifted` (quarantined keys whose file changed since, not tried
-    yet), `_probation` (the probation worker), `_replacement` (the crash-loop policy),
-    `_timeouts` (the decode timeout in force) and the counts `_replaced`, `_retried`,
-    `_timed_out`."""
+    the module docstring). State it owns: `suspects` (the lane's tasks not sent yet),
+    `suspect_ids` (waiting or running), `quarantine` (`joader.server.pool.quarantine`: files that
+    hung or crashed twice) and `lifted` (quarantined keys whose file changed since, not tried
+    yet), `replacement` (the crash-loop policy), `timeouts` (the decode timeout in force) and the
+    counts `replaced`, `retried`, `timed_out`. The probation worker is on the roster
+    (`Roster.probation`). It calls on `spawning` (a probation worker, the forker's state),
+    `probing` (the probes a dead worker had), `resizing` (replacements) and `dispatch`."""
 
-    def _measured(self, decode_s: float) -> None:
+    resizing: Resizing  # set by `DecodePool` once it exists (it refers to this part too)
+
+    def __init__(self, roster: Roster, spawning: WorkerSpawning, probing: Probing,
+                 dispatch: Callable[[], None]) -> None:
+        config = roster.config
+        self._roster = roster
+        self._spawning = spawning
+        self._probing = probing
+        self._dispatch = dispatch
+        self.replacement = ReplacementPolicy()
+        self.suspects: deque[DecodeTask] = deque()  # the suspect lane's tasks not sent yet
+        self.suspect_ids: set[int] = set()  # task ids in the lane, waiting or running
+        self.quarantine = Quarantine()  # (source index, item id) that hung or crashed twice
+        self.lifted: set[tuple[int, int]] = set()  # quarantined, then changed on disk: not tried yet
+        self.timeouts = DecodeTimes(config.decode_timeout_s, AutoTimeout(ceiling_s=config.decode_timeout_ceiling_s))
+        self.replaced = 0
+        self.retried = 0
+        self.timed_out = 0
+
+    def measured(self, decode_s: float) -> None:
         """A decode's time, for the "auto" timeout (logged when its value moves)."""
-        self._timeouts.add(decode_s)
-        if self._timeouts.to_log() is not None:
-            logger.info("decode pool: decode timeout now %s", self._timeouts.describe())
+        self.timeouts.add(decode_s)
+        if self.timeouts.to_log() is not None:
+            logger.info("decode pool: decode timeout now %s", self.timeouts.describe())
 
-    def _check_timeouts(self) -> None:
+    def check_timeouts(self) -> None:
+        roster = self._roster
         now = time.monotonic()
-        limit = self._timeouts.limit_s
-        for worker in list(self._workers.values()):
+        limit = self.timeouts.limit_s
+        for worker in list(roster.workers.values()):
             if worker.tasks and now - worker.started_s > limit:
                 task = worker.tasks[0]
-                self._timed_out += 1
+                self.timed_out += 1
                 logger.error(
                     "decode pool: %sworker pid %d spent more than %.3g s (--decode-timeout-s%s) on %s; "
                     "killing it", "retiring " if worker.retiring else "", worker.pid, limit,
-                    " auto" if self._timeouts.auto else "", self._describe(task),
+                    " auto" if self.timeouts.auto else "", roster.describe(task),
                 )
                 try:
                     os.kill(worker.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                self._worker_died(worker, "killed after the decode timeout", failure=(
-                    f"decoding {display_path(self._path(task))} took longer than {limit:.3g} s "
-                    f"(--decode-timeout-s{' auto' if self._timeouts.auto else ''}) {self.config.max_attempts} "
+                self.worker_died(worker, "killed after the decode timeout", failure=(
+                    f"decoding {display_path(roster.path(task))} took longer than {limit:.3g} s "
+                    f"(--decode-timeout-s{' auto' if self.timeouts.auto else ''}) {roster.config.max_attempts} "
                     "times, the last time alone: the file or its storage hangs"
                 ))
 
-    def _worker_died(self, worker: Worker, how: str, *, failure: str | None = None) -> None:
+    def worker_died(self, worker: Worker, how: str, *, failure: str | None = None) -> None:
         """Replaces `worker` if the pool is below its target (never a retiring one); its running
         task is retried, or failed (with `failure` as the reason if given) once it was present at
         `max_attempts` deaths; its queued tasks go back to the queue."""
-        if self._workers.get(worker.index) is not worker:
+        roster = self._roster
+        if roster.workers.get(worker.index) is not worker:
             return
-        del self._workers[worker.index]
+        del roster.workers[worker.index]
         try:
-            self._selector.unregister(worker.sock)
+            roster.selector.unregister(worker.sock)
         except (KeyError, ValueError):
             pass
         worker.sock.close()
         if failure is None:
             logger.error("decode pool: %sworker pid %d died (%s)",
                          "retiring " if worker.retiring else "", worker.pid, how)
-        self._forget_staged(worker)
+        roster.forget_staged(worker)
         queued = list(worker.tasks)
         running = queued.pop(0) if queued else None
         if isinstance(running, Probe):
-            self._drop_probe(running)  # not retried: the decodes will read those files themselves
+            self._probing.drop(running)  # not retried: the decodes will read those files themselves
         # the rest was never started: first in line again, in their order
-        self._probes.extendleft(reversed([t for t in queued if isinstance(t, Probe)]))
+        self._probing.queue.extendleft(reversed([t for t in queued if isinstance(t, Probe)]))
         tasks = [t for t in queued if isinstance(t, DecodeTask)]
         # Whether a file explains the death (module docstring, "Suspects"); not presumed while
         # the pool is in a crash loop of deaths nothing explains. See NOTE [ Only deaths nothing
         # explains count ] in replacement.py.
-        explained = running is not None and not self._replacement.crash_loop
+        explained = running is not None and not self.replacement.crash_loop
         if isinstance(running, DecodeTask):
             running.attempts += 1
             running.reason = failure or (
                 f"the decode worker died {running.attempts} times while preparing "
-                f"{display_path(self._path(running))} ({how}), the last time alone: the file crashes "
+                f"{display_path(roster.path(running))} ({how}), the last time alone: the file crashes "
                 "the decoder or the stage"
             )
-            if worker.probation and running.attempts >= self.config.max_attempts:
+            if worker.probation and running.attempts >= roster.config.max_attempts:
                 self._quarantine_task(running)
             elif worker.probation:  # not its last chance yet: again, still alone
-                self._suspects.appendleft(running)
+                self.suspects.appendleft(running)
             else:
-                self._retried += 1
-                if running.task_id not in self._suspect_ids:
+                self.retried += 1
+                if running.task_id not in self.suspect_ids:
                     # never first in line again: see NOTE [ Suspects run alone ]
                     running.presumed = explained
-                    self._to_lane(running)
+                    self.to_lane(running)
                     logger.warning("decode pool: %s is a suspect now: retried alone, away from the "
-                                   "other decodes", self._describe(running))
+                                   "other decodes", roster.describe(running))
                 else:  # cannot happen: suspects run in the probation worker only
-                    self._suspects.appendleft(running)
+                    self.suspects.appendleft(running)
         elif worker.probation:  # idle: nothing explains it (a member's replacement asks the policy)
-            self._replacement.charge(time.monotonic())
+            self.replacement.charge(time.monotonic())
         if worker.probation:
-            self._probation = None
-        self._pending.extendleft(reversed(tasks))
-        if not self._closed and not worker.probation:
+            roster.probation = None
+        roster.pending.extendleft(reversed(tasks))
+        if not roster.closed and not worker.probation:
             # a no-op if it was retiring: the pool is at its target
-            self._fill(replacing=True, explained=explained and not worker.retiring)
+            self.resizing.fill(replacing=True, explained=explained and not worker.retiring)
         self._dispatch()
 
     def _quarantine_task(self, task: DecodeTask) -> None:
         """A suspect that killed the probation worker: fails as a file, and is remembered until
         its file changes (joader.server.pool.quarantine)."""
+        roster = self._roster
         reason = (f"{task.reason}; quarantined, not decoded again until the file changes on disk - "
                   "fix or replace it (joaderd tries it again once its size or modification time "
                   "changes), or remove it from the source")
-        spec = self._sources[task.source_index]
-        self._quarantine.add(task.key, item_file(spec.source, task.item_id), reason, time.monotonic())
+        spec = roster.sources[task.source_index]
+        self.quarantine.add(task.key, item_file(spec.source, task.item_id), reason, time.monotonic())
         logger.error("decode pool: quarantined %s: it hung or killed a decode worker %d times, the last "
                      "time alone; reported as a failed item, and not decoded again until the file "
-                     "changes on disk (%d quarantined)", self._describe(task), task.attempts,
-                     len(self._quarantine))
-        self._fail(task, reason)
+                     "changes on disk (%d quarantined)", roster.describe(task), task.attempts,
+                     len(self.quarantine))
+        roster.fail(task, reason)
 
-    def _restamp(self, due: list[tuple[tuple[int, int], int, str]]) -> None:
+    def restamp(self, due: list[tuple[tuple[int, int], int, str]]) -> None:
         """Stats the quarantined files `due` (off the lock: a stat may block) and lifts those
         that changed on disk: their next use tries them again, alone."""
         stamps = [(key, generation, file_stamp(path)) for key, generation, path in due]
-        with self._lock:
+        with self._roster.lock:
             for key, generation, stamp in stamps:
-                entry = self._quarantine.stamped(key, generation, stamp)
+                entry = self.quarantine.stamped(key, generation, stamp)
                 if entry is not None:
-                    self._lifted.add(key)
+                    self.lifted.add(key)
                     logger.warning("decode pool: %s changed on disk; no longer quarantined: tried "
                                    "again (alone) at its next use", display_path(entry.path))
 
-    def _to_lane(self, task: DecodeTask) -> None:
+    def to_lane(self, task: DecodeTask) -> None:
         """`task` is a suspect now: retried alone, in the probation worker (module docstring)."""
-        self._suspects.append(task)
-        self._suspect_ids.add(task.task_id)
+        self.suspects.append(task)
+        self.suspect_ids.add(task.task_id)
 
-    def _run_suspect(self) -> None:
+    def run_suspect(self) -> None:
         """Sends the lane's next suspect to the probation worker (forked if there is none, at
         once unless the pool is in a crash loop), or stops that worker when the lane is empty."""
-        worker = self._probation
-        if not self._suspects:
+        roster, spawning = self._roster, self._spawning
+        worker = roster.probation
+        if not self.suspects:
             if worker is not None and not worker.tasks:
-                self._stop(worker)
+                roster.stop(worker)
             return
-        if self._closed or (worker is not None and worker.tasks):
+        if roster.closed or (worker is not None and worker.tasks):
             return
         if worker is None:
-            if self._forker_gone or self._owed is not None:
-                return  # gone; or the owed answer comes first (`_late_worker`)
-            if self._replacement.crash_loop and not self._may_replace():
-                return  # `_replace_deferred` comes back when the policy allows
+            if spawning.forker_gone or spawning.owed is not None:
+                return  # gone; or the owed answer comes first (`WorkerSpawning._late_worker`)
+            if self.replacement.crash_loop and not self.may_replace():
+                return  # `replace_deferred` comes back when the policy allows
             try:
-                worker = self._spawn(next(i for i in count() if i not in self._workers), probation=True)
+                worker = spawning.spawn(next(i for i in count() if i not in roster.workers), probation=True)
             except NoWorker:
-                return  # logged; tried again later (`_late_worker`, `_dispatch`)
+                return  # logged; tried again later (`WorkerSpawning._late_worker`, `DecodePool._dispatch`)
             except OSError as error:
-                self._forker_lost(f"cannot start a probation worker: {error}")
+                spawning.forker_lost(f"cannot start a probation worker: {error}")
                 return
-        task = self._suspects.popleft()
-        if not self._send(worker, task):
-            self._suspects.appendleft(task)
-            self._worker_died(worker, "its socket closed")
+        task = self.suspects.popleft()
+        if not roster.send(worker, task):
+            self.suspects.appendleft(task)
+            self.worker_died(worker, "its socket closed")
 
-    def _settle_suspect(self, task: DecodeTask, result: DecodeResult) -> None:
+    def settle_suspect(self, task: DecodeTask, result: DecodeResult) -> None:
         """A suspect's result from the probation worker: it did not kill the worker this time
         (decoded, failed as a file, or did not fit its range), so its death was not its fault."""
         if task.presumed:
             task.presumed = False
-            self._replacement.charge(time.monotonic())
+            self.replacement.charge(time.monotonic())
             logger.warning("decode pool: %s did not kill the probation worker; the death while a "
-                           "member ran it counts as one nothing explains", self._describe(task))
-        if result.ok and task.key in self._quarantine:  # cannot happen: a quarantined file is not run
-            self._quarantine.discard(task.key)
+                           "member ran it counts as one nothing explains", self._roster.describe(task))
+        if result.ok and task.key in self.quarantine:  # cannot happen: a quarantined file is not run
+            self.quarantine.discard(task.key)
 
-    def _may_replace(self) -> bool:
+    def may_replace(self) -> bool:
         """Whether a replacement may start now (`joader.server.pool.replacement`); entering a crash
         loop is logged once, with when the pool will try again."""
-        was = self._replacement.crash_loop
-        allowed = self._replacement.allow(time.monotonic())
-        if not allowed and not was and self._replacement.crash_loop:
+        was = self.replacement.crash_loop
+        allowed = self.replacement.allow(time.monotonic())
+        if not allowed and not was and self.replacement.crash_loop:
             logger.critical(
                 "decode pool: %d workers replaced within %g s (a crash loop? see the deaths above); "
                 "replacing the next ones more slowly, from %g s up to %g s apart. %d of %d workers "
-                "left; decodes wait meanwhile", self._replacement.config.max_per_window,
-                self._replacement.config.window_s, self._replacement.config.first_backoff_s,
-                self._replacement.config.max_backoff_s, len(self._members()), self.num_workers)
+                "left; decodes wait meanwhile", self.replacement.config.max_per_window,
+                self.replacement.config.window_s, self.replacement.config.first_backoff_s,
+                self.replacement.config.max_backoff_s, len(self._roster.members()), self._roster.num_workers)
         return allowed
 
-    def _replace_deferred(self) -> None:
+    def replace_deferred(self) -> None:
         """Replacements (and a probation worker) a crash loop delayed, once their time has come
         (called every slice)."""
-        if self._replacement.update(time.monotonic()):
+        roster, spawning = self._roster, self._spawning
+        if self.replacement.update(time.monotonic()):
             logger.warning("decode pool: no worker died for %g s; the crash loop is over",
-                           self._replacement.config.healthy_after_s)
-        if self._closed or self._forker_gone:
+                           self.replacement.config.healthy_after_s)
+        if roster.closed or spawning.forker_gone:
             return
-        if self._owed is not None:  # nothing starts before its answer (`_late_worker`)
-            self._remind_owed()
+        if spawning.owed is not None:  # nothing starts before its answer (`WorkerSpawning._late_worker`)
+            spawning.remind_owed()
             return
-        if time.monotonic() < self._replacement.retry_at():
+        if time.monotonic() < self.replacement.retry_at():
             return
-        if len(self._members()) < self.num_workers:
-            self._fill(replacing=True)
+        if len(roster.members()) < roster.num_workers:
+            self.resizing.fill(replacing=True)
             self._dispatch()
-        elif self._suspects and self._probation is None:
+        elif self.suspects and roster.probation is None:
             self._dispatch()
 
-    def _fail(self, task: DecodeTask, reason: str) -> None:
-        self._ready.append(DecodeResult(task.task_id, False, reason, self._path(task), 0.0))
+    def fail_all(self, reason: str) -> None:
+        roster = self._roster
+        while self._probing.queue:
+            self._probing.drop(self._probing.queue.popleft())
+        while roster.pending:
+            task = roster.pending.popleft()
+            roster.fail(task, f"cannot decode {display_path(roster.path(task))}: {reason}")
 
-    def _fail_all(self, reason: str) -> None:
-        while self._probes:
-            self._drop_probe(self._probes.popleft())
-        while self._pending:
-            task = self._pending.popleft()
-            self._fail(task, f"cannot decode {display_path(self._path(task))}: {reason}")
-
-    def _fail_suspects(self, reason: str) -> None:
-        while self._suspects:
-            task = self._suspects.popleft()
-            self._fail(task, f"cannot decode {display_path(self._path(task))}: {reason}")
+    def fail_suspects(self, reason: str) -> None:
+        roster = self._roster
+        while self.suspects:
+            task = self.suspects.popleft()
+            roster.fail(task, f"cannot decode {display_path(roster.path(task))}: {reason}")

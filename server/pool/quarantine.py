@@ -76,7 +76,7 @@ class Quarantine:
         """(key, generation, path) of the files to stat now: every one not stamped yet, and
         those not checked for `period_s`, longest ago first, `max_checks` at most. Marked as
         checked now."""
-        picked = []
+        picked: list[tuple[tuple[int, int], int, str]] = []
         for key, entry in self._files.items():
             if len(picked) >= self.max_checks or (entry.stamp is not _NOT_STAMPED
                                                   and now - entry.checked_s < self.period_s):

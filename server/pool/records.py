@@ -1,7 +1,8 @@
 """The records the decode pool's modules share: its configuration, results and statistics, and
 the tasks, probes and workers it keeps books of.
 
-The pool (`joader.server.pool.decode_pool`) is split by concern; every part works on these records:
+The pool (`joader.server.pool.decode_pool`) is a roster of workers (`joader.server.pool.roster`)
+and parts split by concern; every part works on these records:
 
 - `DecodeTask`: one item to prepare into a range of the arena (capacity 0: *size first*);
 - `Probe`: items whose exact sizes the cache asked for (`joader.server.pool.probes`);
@@ -151,8 +152,8 @@ class Worker:
 def recv_nowait(sock: socket.socket) -> bytes | None:
     """One message, b"" at EOF (or a broken socket), None if there is none now.
 
-    Never blocks: `_spawn` (which may run on the submitting thread, when a send finds a worker
-    dead) can take the message select saw before the consumer thread got the lock.
+    Never blocks: `WorkerSpawning.spawn` (which may run on the submitting thread, when a send
+    finds a worker dead) can take the message select saw before the consumer thread got the lock.
     """
     try:
         return sock.recv(MAX_MESSAGE, socket.MSG_DONTWAIT)

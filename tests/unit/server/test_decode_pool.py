@@ -150,7 +150,7 @@ def test_workers_exit_when_the_parent_dies(listing: SourceListing, tmp_path: Pat
 
     def middle(arena_path: str) -> None:
         pool = DecodePool(PoolConfig(2), arena_path, [spec])
-        pid_file.write_text(" ".join(map(str, [*pool.worker_pids, pool._forker_pid])))
+        pid_file.write_text(" ".join(map(str, [*pool.worker_pids, pool._spawning.forker_pid])))
         os.kill(os.getpid(), 9)
 
     with Arena.create(2 * NBYTES, NBYTES) as arena:
@@ -306,7 +306,7 @@ def test_with_no_worker_to_be_had_pending_tasks_fail(listing: SourceListing) -> 
         os.kill(worker, signal.SIGSTOP)
         _submit(pool, 7, 0, 0)
         _submit(pool, 8, 1, 1)
-        os.kill(pool._forker_pid, 9)  # no replacement can be forked now
+        os.kill(pool._spawning.forker_pid, 9)  # no replacement can be forked now
         os.kill(worker, 9)
         results = _collect(pool, 2)
         assert not results[7].ok and not results[8].ok
@@ -381,7 +381,7 @@ def _forker_children(pool: DecodePool) -> set[int]:
                     fields = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[1]) == pool._forker_pid and fields[0] != "Z":
+            if int(fields[1]) == pool._spawning.forker_pid and fields[0] != "Z":
                 pids.add(int(entry))
     return pids
 
@@ -632,7 +632,7 @@ def test_a_slow_forker_is_waited_for_and_the_pool_recovers(
     ):
         fds = _open_fds()
         pool = _pool(arena, spec)
-        forker = pool._forker_pid
+        forker = pool._spawning.forker_pid
         try:
             dead = pool.worker_pids
             _halt(forker)
@@ -673,7 +673,7 @@ def test_a_late_worker_the_pool_no_longer_needs_is_stopped(
     ):
         fds = _open_fds()
         pool = _pool(arena, spec)
-        forker = pool._forker_pid
+        forker = pool._spawning.forker_pid
         try:
             victim, survivor = pool.worker_pids
             _halt(forker)

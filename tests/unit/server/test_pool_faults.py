@@ -139,4 +139,4 @@ def test_healthy_decodes_never_wait_behind_a_suspect_and_an_innocent_one_is_not_
         stats = pool.stats()
         assert stats.quarantined == 0 and stats.suspects == 0 and stats.tasks_retried == 1
         assert "did not kill the probation worker" in caplog.text
-        assert pool._replacement._recent  # charged: a death nothing explains
+        assert pool._faults.replacement._recent  # charged: a death nothing explains
