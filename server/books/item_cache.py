@@ -53,27 +53,16 @@ from joader.cache.allocator import ByteAllocator
 from joader.cache.interning import Interner
 from joader.cache.policy import RefCntPolicy
 from joader.errors import InvariantError
+from joader.server.books import cache_audit
 from joader.server.books.item_sizes import ItemSizes, bound_is_nominal, range_kind
 from joader.server.books.pacing import RateMeter
+from joader.server.books.recipients import CopyRecipients
 from joader.server.books.records import NEVER_DUE, Item, ItemState, Source
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _MAX_SHARED = 1 << 16  # distinct shapes, dtypes and sizes shared between items (beyond: each its own)
-
-# NOTE [ Who received a copy ]
-# A delivery counts as *reused* when the job received this very copy before (an earlier epoch
-# read it from the cache, or a padding copy), and as *shared* when another job received it first
-# (one decode served both): status's sharing figures. A job's copies that another job received
-# too, whichever came first, are counted per job as they become common (`with_others`: status's
-# `items_with_others`, top's SHARED; NOTE [ What SHARED means ] in client/top.py): the job that
-# paid for a decode counts it once another job receives the copy. Each `Item` used to keep the set of the
-# jobs it went to, which grew with every job that ever read it and never shrank (+200 MiB over
-# 31 jobs at 128k items). The cache keeps a bitmap of keys per live job instead, and one of
-# the keys some job received; an evicted key leaves them all (its next decode is a new copy),
-# and a job's bitmap goes with the job (`forget_job`).
-
 
 class DecodeSubmitter(Protocol):
     """What the registry needs of the decode pool (the real one is `DecodePool`)."""
@@ -160,12 +149,8 @@ class ItemCache:
         self.num_failed = 0  # items in state FAILED (a rank's failed entries are looked for only if some)
         self.num_pinned = 0
         self.num_pins = 0
-        # NOTE [ Who received a copy ]: keys whose current copy some job received, and per job
-        # the keys whose current copy it received (until the copy is evicted or the job ends).
-        self._served_any = BitMap()
-        self._served_to: dict[str, BitMap] = {}
-        self._served_many = BitMap()  # keys whose current copy two jobs or more received
-        self.with_others: dict[str, int] = {}  # per job: its copies another job received too
+        # which jobs received each cached copy (NOTE [ Who received a copy ] in recipients.py)
+        self.recipients = CopyRecipients()
         # Shapes, dtypes and sizes of cached items, one object per distinct value (NOTE [ An item's
         # footprint ] in records.py); at most _MAX_SHARED of them.
         self._shared_values = Interner(_MAX_SHARED)
@@ -331,21 +316,14 @@ class ItemCache:
         finally:
             self.policy.unpin_many(unpinned)
 
+    @property
+    def with_others(self) -> dict[str, int]:
+        """Per job, its copies another job received too (`CopyRecipients.with_others`)."""
+        return self.recipients.with_others
+
     def deliver(self, job_id: str, key: int) -> tuple[bool, bool]:
-        """A READY item's copy goes to a job: returns (reused, shared). Reused: the job received
-        this copy before (an earlier epoch, or a padding copy); shared: another job received it
-        first (one decode served both). NOTE [ Who received a copy ]."""
-        served = self._served_to.get(job_id)
-        if served is None:
-            served = self._served_to[job_id] = BitMap()
-        if key in served:
-            return True, False
-        served.add(key)
-        if key in self._served_any:
-            self._count_common(job_id, BitMap([key]))
-            return False, True
-        self._served_any.add(key)
-        return False, False
+        """A READY item's copy goes to a job: returns (reused, shared) (`CopyRecipients.deliver`)."""
+        return self.recipients.deliver(job_id, key)
 
     def deliver_ready(self, job_id: str, keys: list[int]) -> tuple[int, int]:
         """A reply's READY copies go to a job, and their queue entries end: `deliver` and
@@ -362,16 +340,7 @@ class ItemCache:
                 shared += was_shared
                 self.unplan(key)
             return reused, shared
-        served = self._served_to.get(job_id)
-        if served is None:
-            served = self._served_to[job_id] = BitMap()
-        reused = got.intersection_cardinality(served)
-        new = got - served
-        served |= new
-        common = new & self._served_any
-        if common:
-            self._count_common(job_id, common)
-        self._served_any |= new
+        reused, shared = self.recipients.deliver_many(job_id, got)
         planned = self.planned
         for key in keys:  # `unplan`'s count, inline (each key was planned: it was queued)
             count = planned.get(key, 0)
@@ -382,24 +351,11 @@ class ItemCache:
             else:
                 planned[key] = count - 1
         self.policy.add_refcounts(np.fromiter(keys, np.int64, len(keys)), -1)  # all READY
-        return reused, len(common)
-
-    def _count_common(self, job_id: str, common: BitMap) -> None:
-        """`common`: keys `job_id` has just received whose copy another job received first. Each
-        counts for `job_id`; a copy common for the first time counts also for the one job that
-        had it (NOTE [ Who received a copy ])."""
-        first = common - self._served_many
-        if first:
-            for other, served in self._served_to.items():
-                if other != job_id and (n := first.intersection_cardinality(served)):
-                    self.with_others[other] = self.with_others.get(other, 0) + n
-            self._served_many |= first
-        self.with_others[job_id] = self.with_others.get(job_id, 0) + len(common)
+        return reused, shared
 
     def forget_job(self, job_id: str) -> None:
         """A job ended: its record of the copies it received goes (nothing grows with jobs)."""
-        self._served_to.pop(job_id, None)
-        self.with_others.pop(job_id, None)
+        self.recipients.forget_job(job_id)
 
     def _shared(self, value: _T) -> _T:
         """One object per distinct shape, dtype or size (a tuple, a str and an int per item
@@ -489,11 +445,7 @@ class ItemCache:
         self.policy.remove(key)
         item = self.items.pop(key)
         self.ready_bytes -= item.nbytes
-        if key in self._served_any:  # the copy is gone: a new decode is a new copy
-            self._served_any.discard(key)
-            self._served_many.discard(key)
-            for served in self._served_to.values():
-                served.discard(key)
+        self.recipients.evicted(key)  # the copy is gone: a new decode is a new copy
         item.source.cached_ids.discard(item.item_id)
         self.allocator.free(item.offset)
         item.offset = -1  # an entry of its source's array, which the item's next copy reads
@@ -574,31 +526,9 @@ class ItemCache:
         return item
 
     def resync(self, expected_pins: dict[int, int], planned: dict[int, int], needed: Callable[[Item], int]) -> int:
-        """Rewrites every item's pins, the planned reads, and every cached item's refcount, from
-        the jobs' own books (`expected_pins`: key -> pinned queue entries and copies out;
-        `planned`: key -> queue entries; `needed(item)`: its refcount, the jobs that still need
-        it plus its planned reads). After a job whose bookkeeping broke was ended
-        (`Registry._contain`), the counts it left behind are wrong; the jobs' queues and
-        samplers are the truth. Returns how many items were corrected."""
-        self.planned = {key: count for key, count in planned.items() if count}
-        corrected = 0
-        policy = self.policy
-        for key, item in self.items.items():
-            pins = expected_pins.get(key, 0)
-            if item.state is ItemState.READY:
-                refcount = needed(item)
-                if (key not in policy or policy.pin_count(key) != pins
-                        or policy.refcount(key) != refcount or item.pins != pins):
-                    corrected += 1
-                    if key in policy:
-                        policy.remove(key)
-                    policy.insert(key, refcount, pinned=pins)
-            elif item.pins != pins:
-                corrected += 1
-            item.pins = pins
-        self.num_pins = sum(expected_pins.get(key, 0) for key in self.items)
-        self.num_pinned = sum(1 for key in self.items if expected_pins.get(key, 0))
-        return corrected
+        """Rewrites every item's pins, the planned reads and every cached item's refcount from
+        the jobs' own books; returns how many items were corrected (`cache_audit.resync`)."""
+        return cache_audit.resync(self, expected_pins, planned, needed)
 
     # ----------------------------------------------------------------------------- sources
 
@@ -657,63 +587,14 @@ class ItemCache:
     def pins(self) -> int:
         return self.num_pins
 
+    @property
+    def capacities(self) -> dict[int, int]:
+        """Key -> the bytes each decode in flight was given (0: size first); read-only."""
+        return self._capacity
+
     def check_invariants(self, expected_pins: dict[int, int] | None = None,
                          needed: Callable[[Item], int] | None = None,
                          planned: dict[int, int] | None = None) -> None:
-        """Raises AssertionError if the cache's books disagree (tests call it after every step).
-
-        - every READY item is in the policy with the same pin count and is listed in its
-          source's cached ids; no other item is in the policy;
-        - allocations are exactly the READY items' (their size, rounded) and the DECODING
-          items' (what each was given: its exact size or its source's bound, rounded), and the
-          allocator's books tile the arena; a known size is never above its source's bound;
-        - `expected_pins` (key -> pins, from the jobs' queues and outstanding copies), if given,
-          equals every item's pin count; `needed(item)`, if given, equals each READY item's
-          refcount; `planned` (key -> queue entries), if given, equals the planned reads.
-        """
-        allocator = self.allocator
-        allocator.check()
-        wanted: dict[int, int] = {}
-        for key, item in self.items.items():
-            assert item.key == key, (key, item.key)
-            assert item.pins >= 0, (item.item_id, item.pins)
-            if item.state is ItemState.READY:
-                assert key in self.policy, f"READY item {item.item_id} is not in the policy"
-                assert self.policy.pin_count(key) == item.pins, (
-                    f"item {item.item_id}: {item.pins} pins, the policy has {self.policy.pin_count(key)}")
-                assert item.item_id in item.source.cached_ids, item.item_id
-                if needed is not None:
-                    assert self.policy.refcount(key) == needed(item), (
-                        f"item {item.item_id}: refcount {self.policy.refcount(key)}, "
-                        f"{needed(item)} jobs need it")
-                wanted[item.offset] = allocator.rounded(max(item.nbytes, 1))
-            else:
-                assert key not in self.policy, f"{item.state.name} item {item.item_id} is in the policy"
-                assert item.item_id not in item.source.cached_ids, item.item_id
-                if item.state is ItemState.DECODING and self._capacity[key]:
-                    capacity = self._capacity[key]
-                    assert 0 < capacity <= item.source.max_item_bytes, (item.item_id, capacity)
-                    wanted[item.offset] = allocator.rounded(capacity)
-                else:  # WAITING, FAILED, or DECODING size first (no range yet)
-                    assert item.offset == -1, (item.item_id, item.state, item.offset)
-        assert allocator.allocations() == wanted, "the allocator's ranges are not the items'"
-        decoding = {key for key, item in self.items.items() if item.state is ItemState.DECODING}
-        assert set(self._capacity) == decoding, "the decodes in flight are not the DECODING items"
-        assert len(self.policy) == sum(1 for i in self.items.values() if i.state is ItemState.READY)
-        accounted = self.items_decoded + self.decode_failures + self.decodes_cancelled + self.decodes_in_flight()
-        assert self.decodes_requested == accounted, (
-            f"{self.decodes_requested} decodes requested, {accounted} decoded, failed, cancelled or in flight")
-        if planned is not None:
-            wanted_plans = {key: n for key, n in planned.items() if n}
-            assert self.planned == wanted_plans, f"planned reads differ: cache {self.planned}, queues {wanted_plans}"
-        items = self.items.values()
-        assert self.ready_bytes == sum(i.nbytes for i in items if i.state is ItemState.READY), "ready bytes"
-        assert self._unsettled == sum(1 for i in items if not i.state.settled), "items not settled"
-        assert self.num_failed == sum(1 for i in items if i.state is ItemState.FAILED), "failed items"
-        assert self.num_pins == sum(i.pins for i in items), "pins"
-        assert self.num_pinned == sum(1 for i in items if i.pins), "pinned items"
-        if expected_pins is not None:
-            actual = {key: item.pins for key, item in self.items.items() if item.pins}
-            wanted = {key: n for key, n in expected_pins.items() if n}
-            assert actual == wanted, f"pins differ: cache {actual}, jobs {wanted}"
-
+        """Raises AssertionError if the cache's books disagree (`cache_audit.check`; tests call
+        it after every step)."""
+        cache_audit.check(self, expected_pins, needed, planned)

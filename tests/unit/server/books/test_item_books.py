@@ -1,5 +1,5 @@
 """The cache's books per item at scale (issue 37): refcount changes in bulk, who received a
-copy (NOTE [ Who received a copy ] in item_cache.py), and what an `Item` holds (NOTE [ An
+copy (NOTE [ Who received a copy ] in recipients.py), and what an `Item` holds (NOTE [ An
 item's footprint ] in records.py)."""
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def test_what_a_job_received_goes_with_the_job() -> None:
         for item_id in range(10):
             cache.deliver(f"job-{job}", source.key_base + item_id)
         cache.forget_job(f"job-{job}")
-    assert not cache._served_to
+    assert not cache.recipients._served_to
     assert not any(hasattr(item, "served") or hasattr(item, "__dict__") for item in cache.items.values())
     assert cache.deliver("later", source.key_base) == (False, True)
 
