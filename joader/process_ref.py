@@ -7,6 +7,9 @@ for the process's life and, unlike a wall-clock start time (psutil's `create_tim
 the boot time, which moves when the clock is stepped), never off by a second. `send_signal` opens
 a pidfd first and checks the start through it, so the signal reaches the process that was
 recorded or nobody (a pidfd keeps naming its process even if the pid is reused after the check).
+
+`pid_alive` is the plain check where only a pid is known (the pid in an arena's file name, whose
+flock proves the rest: `joader.cache.arena.remove_stale_arenas`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-__all__ = ["ProcessRef"]
+__all__ = ["ProcessRef", "pid_alive"]
 
 
 def _stat(pid: int) -> tuple[str, int] | None:
@@ -112,3 +115,26 @@ class ProcessRef:
             return True
         self.send_signal(signal.SIGKILL)
         return self.wait_gone(5.0)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not: it holds nothing)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """A process that exited and was not reaped yet (its parent never waited): it holds nothing,
+    and a server killed -9 by its starter's child stays one as long as the starter lives."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[:1] == [b"Z"]
+    except OSError:
+        return False

@@ -44,6 +44,7 @@ from joader.errors import (
     JoaderError,
     UntrustedServerError,
 )
+from joader.process_ref import pid_alive
 
 __all__ = [
     "DEFAULT_SHM_DIR",
@@ -457,29 +458,6 @@ def _space_error(shm_dir: str | os.PathLike[str], size_bytes: int) -> CacheSpace
         f"cannot allocate a {format_size(size_bytes)} cache arena in {shm_dir} ({space}); "
         f"lower --cache-size, free space in {shm_dir}, or in Docker raise --shm-size"
     )
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie does not: it holds nothing)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return not _zombie(pid)
-
-
-def _zombie(pid: int) -> bool:
-    """A process that exited and was not reaped yet (its parent never waited): it holds nothing,
-    and a server killed -9 by its starter's child stays one as long as the starter lives."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rpartition(b")")[2].split()[:1] == [b"Z"]
-    except OSError:
-        return False
 
 
 def _unlink_quietly(path: Path) -> None:
