@@ -20,7 +20,7 @@ next. The lock and the socket live in the user's private socket directory (`joad
 NOTE [ A server that died ]
 A joaderd that was killed is started again by the next client that needs it: the lease keeper of
 a running job, whose registration carries the spec, calls `ensure_server` while it reconnects
-(`joader.client.keeper`), and the job resumes its epoch as after any restart. Several keepers
+(`joader.client.keeper_process`), and the job resumes its epoch as after any restart. Several keepers
 racing to restart it meet at the lock, as first jobs do.
 
 The explicit `joaderd` stays the way for shared hosts and systemd: `address=`, `JOADER_ADDRESS`

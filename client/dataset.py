@@ -7,7 +7,7 @@ of one pass share a token, so they read one epoch between them).
 
 Pixels are copied out of joaderd's shared-memory arena, mapped read-only; the copy is
 acknowledged in the next request, which lets the server reuse the slot. The job itself is
-registered, and its lease held, by a small child process (`joader.client.keeper`), so this process
+registered, and its lease held, by a small child process (`joader.client.keeper_process`), so this process
 creates gRPC channels only where it reads, lazily, after any fork.
 
 Real jobs (docs in the README, "Running real jobs"):

@@ -4,7 +4,7 @@ A pass is read by the training process alone, or by the DataLoader workers of on
 together (they share a token, and joaderd deals them one epoch between them). `Progress` is what
 this process yielded (for `state_dict` and `epoch_order`); `continued_epoch` is what a pass tells a
 restarted joaderd: the epoch it continues, or none (a new pass). What this rank already received
-of that epoch the restarted joaderd learns from the lease keeper (`joader.client.keeper`).
+of that epoch the restarted joaderd learns from the lease keeper (`joader.client.keeper_process`).
 """
 
 from __future__ import annotations

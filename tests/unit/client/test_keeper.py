@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from joader.client import keeper as keeper_module
 from joader.client.board import Board
 from joader.client.keeper import Keeper
 from joader.errors import InvalidArgumentError
@@ -98,13 +96,3 @@ def test_the_real_keeper_with_no_joaderd_says_so_at_once(tmp_path: Path) -> None
     with pytest.raises(ConnectionError, match="no joaderd is answering"):
         Keeper.spawn(registration)
     assert time.monotonic() - started < 30  # no socket file: no retries
-
-
-def test_the_first_request_carries_the_order() -> None:
-    """A lease keeper's first message, also when it attaches again after a restart: the
-    job's order travels with it (joaderd refuses a rank whose order differs from its job's)."""
-    base = {"source": "demo", "indices": "", "name": "j"}
-    stop = threading.Event()
-    first = next(keeper_module._requests(base | {"order": "independent"}, stop, [1.0]))
-    assert first.order == "independent"
-    assert next(keeper_module._requests(base, stop, [1.0])).order == "shared"
