@@ -40,7 +40,8 @@ Why so strict: a misspelt key (`cache-size`) that is silently ignored leaves joa
 with a default the user thinks they changed, and a wrong type used to surface as a traceback
 from deep inside the server. So every unknown key is an error that names the closest valid one,
 and every value is checked here, once, with a message that names the key, the expected form and
-an example. The same checks serve the flags, whose types argparse has already converted.
+an example (the checks: `joader.server.config_values`). The same checks serve the flags, whose
+types argparse has already converted.
 
 A non-loopback `listen` needs `--allow-remote`: joaderd has no authentication, so anyone who
 can reach the port can read the served data; that must be a decision, not a typo.
@@ -50,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import math
 import os
 import tomllib
 from collections.abc import Callable
@@ -61,15 +61,15 @@ from typing import Any
 from joader.address import is_loopback, resolve_address
 from joader.cache.arena import parse_size
 from joader.errors import InvalidArgumentError
-from joader.process_ref import ProcessRef
 from joader.sampling.dependent import ALIGN_MODES
+from joader.server import config_values as values
+from joader.server.config_values import LOG_LEVELS
 from joader.stages import DECODERS, DEFAULT_DECODER
 
 DEFAULT_IMAGE_SIZE = 256
 DEFAULT_STAGE = "center-crop"
 MODES = ("RGB", "L")
 DEFAULT_CACHE_SIZE = "1GiB"
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 PACINGS = ("deadline", "rounds")  # joader.server.books.pacing
 
 
@@ -127,145 +127,9 @@ class ServerConfig:
     exit_with: str | None = None  # PID:START_TICKS of a process joaderd exits with (a `joader.serve` driver)
 
 
-# --- value checks: (value, where, example) -> the value; where names the key or the flag ---
-
-
-def _process_ref(value: Any, where: str, example: str) -> str:
-    try:
-        ProcessRef.parse(str(value))
-    except ValueError:
-        raise InvalidArgumentError(f"{where} = {value!r} is not PID:START_TICKS; e.g. {where} {example}") from None
-    return str(value)
-
-
-Check = Callable[[Any, str, str], Any]
-
-
-def _fraction(value: Any, where: str, example: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise _fail(where, "a number from 0 to 1", value, example)
-    return float(value)
-
-
-def _fail(where: str, form: str, value: Any, example: str) -> InvalidArgumentError:
-    return InvalidArgumentError(f"{where}: expected {form}, got {value!r}; write e.g. {example}")
-
-
 def initial_auto_workers() -> int:
     """`--workers auto` starts with half the CPUs it may use (at least one) and adapts."""
     return max(1, (default_num_workers() + 1) // 2)
-
-
-def _workers(value: Any, where: str, example: str) -> int | str:
-    if value == "auto":
-        return "auto"
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if not _is_int(value) or value < 1:
-        raise _fail(where, '"auto" or a positive integer', value, example)
-    return int(value)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive_int(value: Any, where: str, example: str) -> int:
-    if not _is_int(value) or value < 1:
-        raise _fail(where, "a positive integer", value, example)
-    return int(value)
-
-
-def _non_negative_int(value: Any, where: str, example: str) -> int:
-    if not _is_int(value) or value < 0:
-        raise _fail(where, "an integer >= 0", value, example)
-    return int(value)
-
-
-def _seconds(value: Any, where: str, example: str, *, zero_ok: bool) -> float:
-    number = float(value) if _is_int(value) or isinstance(value, float) else math.nan
-    if not math.isfinite(number) or number < 0 or (number == 0 and not zero_ok):
-        form = "a number of seconds >= 0" if zero_ok else "a positive number of seconds"
-        raise _fail(where, form, value, example)
-    return number
-
-
-def _positive_seconds(value: Any, where: str, example: str) -> float:
-    return _seconds(value, where, example, zero_ok=False)
-
-
-def _non_negative_seconds(value: Any, where: str, example: str) -> float:
-    return _seconds(value, where, example, zero_ok=True)
-
-
-def _timeout_seconds(value: Any, where: str, example: str) -> float | None:
-    """--decode-timeout-s: "auto" (None: fitted to the decode times, joader.server.pool.timeout)
-    or a positive number of seconds."""
-    if value == "auto":
-        return None
-    if isinstance(value, str):
-        raise _fail(where, '"auto" or a positive number of seconds', value, example)
-    return _seconds(value, where, example, zero_ok=False)
-
-
-def _seconds_or_auto(text: str) -> float | str:
-    """argparse's type of --decode-timeout-s (checked by `_timeout_seconds`)."""
-    return text if text == "auto" else float(text)
-
-
-def _cache_size(value: Any, where: str, example: str) -> int | str:
-    if value == "auto":
-        return "auto"
-    return _size(value, where, example)
-
-
-def _size(value: Any, where: str, example: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise _fail(where, 'a size such as 2GiB, 512MB or a number of bytes, or "auto"', value, example)
-    if _is_int(value) and value < 1:
-        raise _fail(where, "a positive size", value, example)
-    try:
-        size = parse_size(value)
-    except InvalidArgumentError as error:
-        raise InvalidArgumentError(f"{where}: {error}; or \"auto\" to size it from the data") from None
-    if size < 1:
-        raise _fail(where, "a positive size", value, example)
-    return size
-
-
-def _string(value: Any, where: str, example: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise _fail(where, "a non-empty string", value, example)
-    return value
-
-
-def _path(value: Any, where: str, example: str) -> Path:
-    return Path(_string(value, where, example)).expanduser()
-
-
-def _choice(value: Any, where: str, example: str, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise _fail(where, " or ".join(repr(c) for c in choices), value, example)
-    return str(value)
-
-
-def _table(value: Any, where: str, example: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise _fail(where, "a table", value, example)
-    return dict(value)
-
-
-def _bool(value: Any, where: str, example: str) -> bool:
-    if not isinstance(value, bool):
-        raise _fail(where, "true or false", value, example)
-    return value
-
-
-def _log_level(value: Any, where: str, example: str) -> str:
-    level = value.upper() if isinstance(value, str) else value
-    if level not in LOG_LEVELS:
-        raise _fail(where, f"one of {', '.join(LOG_LEVELS)}", value, example)
-    return str(level)
 
 
 @dataclass(frozen=True)
@@ -273,7 +137,7 @@ class _Key:
     """One setting: its flag, its check, and an example value as TOML writes it."""
 
     flag: str
-    check: Check
+    check: values.Check
     example: str
 
     def cli_example(self) -> str:
@@ -283,40 +147,40 @@ class _Key:
 
 
 _KEYS: dict[str, _Key] = {
-    "listen": _Key("--listen", _string, '"127.0.0.1:7070"'),
-    "allow_remote": _Key("--allow-remote", _bool, "true"),
-    "cache_size": _Key("--cache-size", _cache_size, '"2GiB"'),
-    "cache_budget_dir": _Key("--cache-budget-dir", _path, '"/run/user/1000/joader"'),
-    "workers": _Key("--workers", _workers, '"auto"'),
-    "lease_s": _Key("--lease-s", _positive_seconds, "10"),
-    "lookahead_batches": _Key("--lookahead-batches", _positive_int, "4"),
-    "image_size": _Key("--image-size", _positive_int, "256"),
-    "seed": _Key("--seed", _non_negative_int, "0"),
-    "log_level": _Key("--log-level", _log_level, '"INFO"'),
-    "retry_failed_s": _Key("--retry-failed-s", _non_negative_seconds, "60"),
-    "decode_timeout_s": _Key("--decode-timeout-s", _timeout_seconds, '"auto"'),
-    "rank_attach_timeout_s": _Key("--rank-attach-timeout-s", _positive_seconds, "60"),
-    "max_jobs": _Key("--max-jobs", _positive_int, "1024"),
-    "pacing": _Key("--pacing", lambda v, w, e: _choice(v, w, e, PACINGS), '"deadline"'),
-    "epoch_align": _Key("--epoch-align", lambda v, w, e: _choice(v, w, e, ALIGN_MODES), '"first"'),
-    "plan_horizon": _Key("--plan-horizon", _fraction, "0.5"),
-    "max_hold_s": _Key("--max-hold-s", _non_negative_seconds, "1"),
-    "ready_file": _Key("--ready-file", _path, '"/run/user/1000/joaderd.ready"'),
-    "metrics_listen": _Key("--metrics-listen", _string, '"127.0.0.1:9400"'),
-    "idle_exit_s": _Key("--idle-exit-s", _non_negative_seconds, "600"),
-    "exit_with": _Key("--exit-with", _process_ref, '"4242:183456"'),
+    "listen": _Key("--listen", values.string, '"127.0.0.1:7070"'),
+    "allow_remote": _Key("--allow-remote", values.boolean, "true"),
+    "cache_size": _Key("--cache-size", values.cache_size, '"2GiB"'),
+    "cache_budget_dir": _Key("--cache-budget-dir", values.path, '"/run/user/1000/joader"'),
+    "workers": _Key("--workers", values.workers, '"auto"'),
+    "lease_s": _Key("--lease-s", values.positive_seconds, "10"),
+    "lookahead_batches": _Key("--lookahead-batches", values.positive_int, "4"),
+    "image_size": _Key("--image-size", values.positive_int, "256"),
+    "seed": _Key("--seed", values.non_negative_int, "0"),
+    "log_level": _Key("--log-level", values.log_level, '"INFO"'),
+    "retry_failed_s": _Key("--retry-failed-s", values.non_negative_seconds, "60"),
+    "decode_timeout_s": _Key("--decode-timeout-s", values.timeout_seconds, '"auto"'),
+    "rank_attach_timeout_s": _Key("--rank-attach-timeout-s", values.positive_seconds, "60"),
+    "max_jobs": _Key("--max-jobs", values.positive_int, "1024"),
+    "pacing": _Key("--pacing", lambda v, w, e: values.choice(v, w, e, PACINGS), '"deadline"'),
+    "epoch_align": _Key("--epoch-align", lambda v, w, e: values.choice(v, w, e, ALIGN_MODES), '"first"'),
+    "plan_horizon": _Key("--plan-horizon", values.fraction, "0.5"),
+    "max_hold_s": _Key("--max-hold-s", values.non_negative_seconds, "1"),
+    "ready_file": _Key("--ready-file", values.path, '"/run/user/1000/joaderd.ready"'),
+    "metrics_listen": _Key("--metrics-listen", values.string, '"127.0.0.1:9400"'),
+    "idle_exit_s": _Key("--idle-exit-s", values.non_negative_seconds, "600"),
+    "exit_with": _Key("--exit-with", values.process_ref, '"4242:183456"'),
 }
-_KEYS["decoder"] = _Key("--decoder", lambda v, w, e: _choice(v, w, e, DECODERS), '"turbo"')
+_KEYS["decoder"] = _Key("--decoder", lambda v, w, e: values.choice(v, w, e, DECODERS), '"turbo"')
 _TOML_KEYS = (*_KEYS, "sources")
 _SOURCE_KEYS = {
-    "path": _Key("--source", _string, '"/data/train"'),
+    "path": _Key("--source", values.string, '"/data/train"'),
     "image_size": _KEYS["image_size"],
-    "stage": _Key("--stage", _string, '"resize"'),
-    "mode": _Key("--mode", lambda v, w, e: _choice(v, w, e, MODES), '"L"'),
-    "upscale": _Key("--no-upscale", _bool, "false"),
-    "exif_transpose": _Key("--exif-transpose", _bool, "true"),
+    "stage": _Key("--stage", values.string, '"resize"'),
+    "mode": _Key("--mode", lambda v, w, e: values.choice(v, w, e, MODES), '"L"'),
+    "upscale": _Key("--no-upscale", values.boolean, "false"),
+    "exif_transpose": _Key("--exif-transpose", values.boolean, "true"),
     "decoder": _KEYS["decoder"],
-    "options": _Key("options", _table, "{ n_mels = 64 }"),
+    "options": _Key("options", values.table, "{ n_mels = 64 }"),
 }
 
 
@@ -373,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--log-level", help=f"{', '.join(LOG_LEVELS)} (default INFO)")
     add("--retry-failed-s", type=float, metavar="S",
         help="retry a file that failed to decode at its next use after S seconds (default 60)")
-    add("--decode-timeout-s", type=_seconds_or_auto, metavar="S|auto",
+    add("--decode-timeout-s", type=values.seconds_or_auto, metavar="S|auto",
         help="kill and replace a decode worker stuck on one file for S seconds; a file that does it "
              "twice is quarantined until it changes on disk (default auto: max(2 s, 20 x the p99 "
              "of the measured decode times), at most 60 s)")
@@ -476,12 +340,12 @@ def _read_toml(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
 def _toml_sources(tables: Any, path: Path) -> dict[str, dict[str, Any]]:
     example = '[sources.imagenet] with path = "/data/imagenet/train"'
     if not isinstance(tables, dict):
-        raise _fail(f"sources in {path}", "tables [sources.NAME]", tables, example)
+        raise values.fail(f"sources in {path}", "tables [sources.NAME]", tables, example)
     sources = {}
     for name, table in tables.items():
         where = f"[sources.{name}] in {path}"
         if not isinstance(table, dict):
-            raise _fail(where, "a table with path (and stage, image_size, mode, ...)", table, example)
+            raise values.fail(where, "a table with path (and stage, image_size, mode, ...)", table, example)
         _refuse_unknown(table, tuple(_SOURCE_KEYS), f"in {where}")
         sources[name] = {
             key: _SOURCE_KEYS[key].check(value, f"{key} of {where}", f"{key} = {_SOURCE_KEYS[key].example}")
@@ -513,7 +377,7 @@ def _apply_image_sizes(specs: list[str], default_size: int, sources: dict[str, d
         if sep and name not in sources:
             raise InvalidArgumentError(f"--image-size {spec!r}: no source named {name!r}; "
                                        f"known: {', '.join(sources) or 'none'}")
-        value = _positive_int(int(size) if size.strip().isdigit() else size, "--image-size",
+        value = values.positive_int(int(size) if size.strip().isdigit() else size, "--image-size",
                               "--image-size 224 or --image-size NAME=224")
         if sep:
             sources[name]["image_size"] = value
@@ -542,12 +406,12 @@ def _stage_value(text: str) -> dict[str, Any]:
     """`--stage resize:256` -> stage and image_size; `--stage pkg.mod:factory` -> stage."""
     kind, sep, size = text.rpartition(":")
     if sep and size.isdigit() and "." not in kind:
-        return {"stage": kind, "image_size": _positive_int(int(size), "--stage", "--stage resize:256")}
+        return {"stage": kind, "image_size": values.positive_int(int(size), "--stage", "--stage resize:256")}
     return {"stage": text}
 
 
 def _mode_value(text: str) -> dict[str, Any]:
-    return {"mode": _choice(text, "--mode", "--mode L or --mode NAME=L", MODES)}
+    return {"mode": values.choice(text, "--mode", "--mode L or --mode NAME=L", MODES)}
 
 
 def _apply_per_source(specs: list[str], flag: str, sources: dict[str, dict[str, Any]],
