@@ -67,25 +67,25 @@ demo: $(BASE)
 # Quick: a few minutes, fewer repetitions and sizes. Full: about an hour.
 bench: $(EXTRA)bench
 	$(COMPILE)
-	$(PY) -m bench.sampler --quick
-	$(PY) -m bench.multi_job --quick
-	$(PY) -m bench.async_jobs --quick
-	$(PY) -m bench.delivery --quick
-	$(PY) -m bench.identical_jobs --reps 1
-	$(PY) -m bench.analyze --quick
-	$(PY) -m bench.autoscale --quick
-	$(PY) -m bench.four_jobs --reps 1 --name four_jobs-quick
+	$(PY) -m bench.micro.sampler --quick
+	$(PY) -m bench.system.multi_job --quick
+	$(PY) -m bench.system.async_jobs --quick
+	$(PY) -m bench.micro.delivery --quick
+	$(PY) -m bench.system.identical_jobs --reps 1
+	$(PY) -m bench.system.analyze --quick
+	$(PY) -m bench.system.autoscale --quick
+	$(PY) -m bench.system.four_jobs --reps 1 --name four_jobs-quick
 
 bench-full: $(EXTRA)bench
 	$(COMPILE)
-	$(PY) -m bench.sampler
-	$(PY) -m bench.multi_job --decoder pil
-	$(PY) -m bench.async_jobs
-	$(PY) -m bench.delivery
-	$(PY) -m bench.identical_jobs
-	$(PY) -m bench.analyze
-	$(PY) -m bench.autoscale
-	$(PY) -m bench.four_jobs
+	$(PY) -m bench.micro.sampler
+	$(PY) -m bench.system.multi_job --decoder pil
+	$(PY) -m bench.system.async_jobs
+	$(PY) -m bench.micro.delivery
+	$(PY) -m bench.system.identical_jobs
+	$(PY) -m bench.system.analyze
+	$(PY) -m bench.system.autoscale
+	$(PY) -m bench.system.four_jobs
 
 lint: $(EXTRA)dev
 	$(VENV)/bin/ruff check joader server client tests bench

@@ -1,3 +1,4 @@
-"""joader's benchmarks: each module is a script, run from the repository root as
-`python -m bench.NAME` (`make bench` runs the quick forms). `bench.common` holds what they share;
-`bench.simjob` is the emulated training job they (and the integration tests) start."""
+"""joader's benchmarks, grouped by kind: `micro`, `system`, `soak`, `field`, `peers`. Each module
+is a script, run from the repository root as `python -m bench.GROUP.NAME` (`make bench` runs the
+quick forms). `bench.common` holds what they share; what they share with the tests (the emulated
+training job `simjob`, the pixel oracle, the chaos soak, ...) is `joader.testing`."""

@@ -1,6 +1,6 @@
 """Shared pieces of the joader benchmarks: demo data, a joaderd subprocess, emulated jobs, CPU.
 
-Every job runs as its own process through `bench/simjob.py`, as a training
+Every job runs as its own process through `joader/testing/simjob.py`, as a training
 script would, with one torch thread and OMP_NUM_THREADS=1 (on a busy two-core machine, OpenMP
 spinning makes torch.stack in collate about 30x slower). The bench process itself never opens a
 gRPC channel: the status is read by `joader status --json` in a subprocess.
@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.simjob import tree_cpu_s
 from joader.launch import JoaderdProcess
+from joader.testing.simjob import tree_cpu_s
 
 RESULTS = Path(__file__).resolve().parent / "results"
 IMAGE_SIZE = 256
@@ -93,7 +93,7 @@ class Server:
     def __init__(self, root: Path, cache_bytes: int, *, workers: int | str = 2, extra: Sequence[str] = (),
                  source: str = "demo", settings: Sequence[str] | None = None) -> None:
         """`settings` replaces the demo's (image size, `workers`, log level): joaderd's own
-        defaults for the rest, as a user's `joaderd --source NAME=ROOT` (bench/field.py)."""
+        defaults for the rest, as a user's `joaderd --source NAME=ROOT` (bench/field/field.py)."""
         self.dir = Path(tempfile.mkdtemp(prefix="jb-", dir="/tmp"))  # short: sun_path is 108 bytes
         self.log_path = self.dir / "joaderd.log"
         self.status_cpu_s = 0.0
@@ -142,7 +142,7 @@ def simjob_command(name: str, *, address: str | None = None, baseline: Path | No
                    num_workers: int = 0, start_at: float = 0.0, start_delay_s: float = 0.0,
                    record: bool = False, batched: bool = False, threads: int = 1,
                    decoder: str | None = None, augment: int = 0, step_cpu_s: float = 0.0) -> list[str]:
-    command = [sys.executable, "-m", "bench.simjob", "--name", name, "--epochs", str(epochs),
+    command = [sys.executable, "-m", "joader.testing.simjob", "--name", name, "--epochs", str(epochs),
                "--batch-size", str(batch_size), "--step-s", str(step_s), "--num-workers", str(num_workers),
                "--image-size", str(IMAGE_SIZE), "--threads", str(threads)]
     if baseline is not None:

@@ -2,7 +2,7 @@
 
 The pytest process itself never opens a gRPC channel: the unit tests fork decode workers, and a
 fork with a live channel can crash. Status is read through `joader status --json` in a
-subprocess, and jobs run through `python -m bench.simjob`, as a training script would.
+subprocess, and jobs run through `python -m joader.testing.simjob`, as a training script would.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import pytest
 
 from joader.client.tools.demo_data import make_demo_data
 from joader.launch import JoaderdProcess, JoaderdStartError
-from tests.support.integrity import reference
+from joader.testing.integrity import reference
 from tests.support.processes import IMAGE_SIZE, ITEM_NBYTES, NUM_DEMO_ITEMS, ROOT, Clients
 
-SIMJOB = ("-m", "bench.simjob")  # the emulated training job: a test and bench helper, not shipped
+SIMJOB = ("-m", "joader.testing.simjob")  # the emulated training job, shared with the benches
 
 
 
@@ -77,7 +77,7 @@ class Joaderd:
         command = [sys.executable, *SIMJOB, "--address", self.address,
                    "--image-size", str(IMAGE_SIZE), "--name", name, "--record",
                    "--out", str(self.report_path(name)), *args]
-        # The repository on the path: `bench` is found from any working directory.
+        # The repository on the path: this checkout's joader.testing, from any working directory.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         return subprocess.Popen(command, stderr=open(self.dir / f"{name}.err", "wb"), start_new_session=True, env=env)
 

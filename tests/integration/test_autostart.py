@@ -1,7 +1,7 @@
 """A joaderd that jobs start themselves (`JoaderDataset(..., root=...)`, `joader.serve`), with
 real processes: concurrent first jobs start one server, a server killed -9 under running jobs is
 started again by them, a job that expects another stage than the server's is refused by name.
-Every sample is checked against a decode made here (`tests.support.integrity`)."""
+Every sample is checked against a decode made here (`joader.testing.integrity`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 
 from joader.client.autostart import ServerSpec, listening, stop_server
 from joader.launch import read_ready_file
-from tests.support.integrity import Findings, check_records, read_records
+from joader.testing.integrity import Findings, check_records, read_records
 from tests.support.processes import IMAGE_SIZE, NUM_DEMO_ITEMS, ROOT, finish, wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -51,7 +51,7 @@ def _env(runtime_dir: Path, **extra: str) -> dict[str, str]:
 
 
 def _job(tmp: Path, name: str, env: dict[str, str], *args: str) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "tests.support.integrity_job", "--records", str(tmp / f"{name}.jsonl"),
+    command = [sys.executable, "-m", "joader.testing.integrity_job", "--records", str(tmp / f"{name}.jsonl"),
                "--name", name, *args]
     return subprocess.Popen(command, stderr=open(tmp / f"{name}.err", "wb"), env=env, start_new_session=True)
 

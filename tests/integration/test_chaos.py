@@ -1,4 +1,4 @@
-"""The chaos soak's short form (`python -m bench.chaos`): jobs in every client mode, joaderd killed -9
+"""The chaos soak's short form (`bench/soak/chaos.py`): jobs in every client mode, joaderd killed -9
 and restarted (also at an epoch's end), jobs killed and resumed from checkpoints, decode workers
 killed; every delivered sample's pixels and label checked against a decode made here, every
 epoch of every job exactly once. The full form runs 20 minutes or more (see the README)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import chaos
+from joader.testing import chaos
 
 pytestmark = pytest.mark.timeout(330)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.integrity import check_records, read_records, reference
+from joader.testing.integrity import check_records, read_records, reference
 from tests.support.processes import IMAGE_SIZE, finish, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +52,7 @@ def _workers(parent: int) -> list[int]:
 
 def _integrity_job(server: Any, records: Path, *options: str, env: dict[str, str] | None = None
                    ) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "tests.support.integrity_job", "--address", server.address,
+    return subprocess.Popen([sys.executable, "-m", "joader.testing.integrity_job", "--address", server.address,
                              "--records", str(records), *options],
                             cwd=ROOT, stderr=open(f"{records}.err", "wb"), start_new_session=True,
                             env={**os.environ, **(env or {})})

@@ -13,8 +13,8 @@ import pytest
 from PIL import Image
 
 from joader.stages import build_stage
+from joader.testing.torchvision_reference import encode
 from tests.integration.test_stages_sources import dump
-from tests.unit.stages.test_torchvision_parity import encode
 
 pytestmark = pytest.mark.timeout(180)
 

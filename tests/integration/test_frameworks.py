@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.integrity import check_records, read_records
+from joader.testing.integrity import check_records, read_records
 from tests.support.processes import NUM_DEMO_ITEMS, Client, Clients, free_port
 
 pytestmark = pytest.mark.slow

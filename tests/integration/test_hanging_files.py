@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from joader.client.tools.demo_data import make_demo_data
-from tests.support.hang_stage import HANG_MARK
-from tests.support.integrity import check_records, read_records, reference
+from joader.testing.hang_stage import HANG_MARK
+from joader.testing.integrity import check_records, read_records, reference
 from tests.support.processes import IMAGE_SIZE, finish, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +29,7 @@ HANGING = (5, 17)
 def _run_job(server: Any, tmp_path: Path, name: str, epochs: int) -> list[dict[str, Any]]:
     records = tmp_path / f"{name}.jsonl"
     job = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.integrity_job", "--address", server.address, "--records",
+        [sys.executable, "-m", "joader.testing.integrity_job", "--address", server.address, "--records",
          str(records), "--epochs", str(epochs), "--indices", f"0:{NUM_ITEMS}", "--timeout-s", "120"],
         cwd=ROOT, stderr=open(tmp_path / f"{name}.err", "wb"), start_new_session=True)
     assert finish(job, 200) == 0, (tmp_path / f"{name}.err").read_text()[-3000:]
@@ -45,7 +45,7 @@ def test_a_file_that_hung_twice_is_not_decoded_again_until_it_is_fixed(tmp_path:
     for target, data in zip(targets, good, strict=True):
         target.write_bytes(HANG_MARK + data)
     config = tmp_path / "joaderd.toml"
-    config.write_text(f'[sources.demo]\npath = "{root}"\nstage = "tests.support.hang_stage:factory"\n'
+    config.write_text(f'[sources.demo]\npath = "{root}"\nstage = "joader.testing.hang_stage:factory"\n'
                       f"options = {{ size = {IMAGE_SIZE} }}\n")
     server = start_joaderd({}, cache_items=8, extra=[
         "--config", str(config), "--decode-timeout-s", "0.5", "--retry-failed-s", "0"], env={"PYTHONPATH": str(ROOT)})

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from joader.sampling.checks import same_position_matches
-from tests.support.integrity import check_records, read_records
+from joader.testing.integrity import check_records, read_records
 from tests.support.processes import NUM_DEMO_ITEMS, finish, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +50,7 @@ def test_an_independent_job_beside_two_shared_ones(
     orders = {"shared1": "shared", "shared2": "shared", "alone": "independent"}
     jobs = {
         name: subprocess.Popen(
-            [sys.executable, "-m", "tests.support.integrity_job", "--address", server.address,
+            [sys.executable, "-m", "joader.testing.integrity_job", "--address", server.address,
              "--records", str(tmp_path / f"{name}.jsonl"), "--epochs", str(EPOCHS), "--timeout-s", "120",
              "--name", name, "--order", order, "--start-file", str(go), "--sleep", "0.01"],
             cwd=ROOT, stderr=open(tmp_path / f"{name}.err", "wb"))

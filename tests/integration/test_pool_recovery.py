@@ -18,7 +18,7 @@ import pytest
 
 from joader.client.tools.demo_data import make_demo_data
 from joader.sources.base import open_source
-from tests.support.integrity import check_records, read_records, reference
+from joader.testing.integrity import check_records, read_records, reference
 from tests.support.processes import IMAGE_SIZE, finish, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(300)
 def _crash_config(tmp_path: Path, root: Path, crash_on: list[str]) -> Path:
     config = tmp_path / "joaderd.toml"
     names = ", ".join(f'"{p}"' for p in crash_on)
-    config.write_text(f'[sources.demo]\npath = "{root}"\nstage = "tests.support.crash_stage:factory"\n'
+    config.write_text(f'[sources.demo]\npath = "{root}"\nstage = "joader.testing.crash_stage:factory"\n'
                       f"options = {{ size = {IMAGE_SIZE}, crash_on = [{names}] }}\n")
     return config
 
@@ -36,7 +36,7 @@ def _crash_config(tmp_path: Path, root: Path, crash_on: list[str]) -> Path:
 def _run_job(server: Any, tmp_path: Path, indices: str, epochs: int, deadline_s: float) -> list[dict[str, Any]]:
     records = tmp_path / "job.jsonl"
     job = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.integrity_job", "--address", server.address, "--records",
+        [sys.executable, "-m", "joader.testing.integrity_job", "--address", server.address, "--records",
          str(records), "--epochs", str(epochs), "--indices", indices, "--timeout-s", "120"],
         cwd=ROOT, stderr=open(tmp_path / "job.err", "wb"), start_new_session=True)
     assert finish(job, deadline_s) == 0, (tmp_path / "job.err").read_text()[-3000:]

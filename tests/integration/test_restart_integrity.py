@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.integrity import Findings, check_records, read_records
+from joader.testing.integrity import Findings, check_records, read_records
 from tests.support.processes import IMAGE_SIZE, NUM_DEMO_ITEMS, finish, wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -38,7 +38,7 @@ def _start(server: Any, name: str, indices: str, options: list[str], epochs: int
     """Starts a job; its records and stderr go to the first server's directory (a restarted
     joaderd has a directory of its own)."""
     records = server.dir / f"{name}.jsonl"
-    command = [sys.executable, "-m", "tests.support.integrity_job", "--address", server.address,
+    command = [sys.executable, "-m", "joader.testing.integrity_job", "--address", server.address,
                "--records", str(records), "--name", name, "--indices", indices, "--epochs", str(epochs),
                "--sleep", str(sleep), *options]
     return subprocess.Popen(command, stderr=open(server.dir / f"{name}.err", "wb"), start_new_session=True)
@@ -115,7 +115,7 @@ def test_a_restart_after_a_checkpoint_resume_deals_nothing_twice(demo_root: Path
     server = start_joaderd({"demo": demo_root}, cache_items=48)
     home = server.dir
     state = home / "ckpt.state"
-    command = [sys.executable, "-m", "tests.support.integrity_job", "--address", server.address,
+    command = [sys.executable, "-m", "joader.testing.integrity_job", "--address", server.address,
                "--records", str(home / "ckpt.jsonl"), "--name", "ckpt", "--epochs", "2", "--sleep", "0.15",
                "--state", str(state), "--timeout-s", "60", *options]
     job = subprocess.Popen(command, stderr=open(home / "ckpt.err", "wb"), start_new_session=True)
@@ -159,7 +159,7 @@ def test_a_job_whose_joaderd_died_for_good_says_it_stopped(demo_root: Path, star
     server = start_joaderd({"demo": demo_root}, cache_items=64)
     home = server.dir
     job = subprocess.Popen(
-        [sys.executable, "-m", "tests.support.integrity_job", "--address", server.address,
+        [sys.executable, "-m", "joader.testing.integrity_job", "--address", server.address,
          "--records", str(home / "orphan.jsonl"), "--name", "orphan", "--epochs", "3",
          "--sleep", "0.05", "--timeout-s", "5", *options],
         stderr=open(home / "orphan.err", "wb"), start_new_session=True)

@@ -1,7 +1,7 @@
 """Issue 36: four auto-sized joaderds of different specs in a 1 GiB /dev/shm stay within one budget
 (half of it), and a DataLoader with 2 workers passing 64 MiB batches still runs beside them.
 
-Runs `bench/shm_budget.py` in a private mount namespace (root and `unshare -m`: a tmpfs of its own
+Runs `bench/system/shm_budget.py` in a private mount namespace (root and `unshare -m`: a tmpfs of its own
 at /dev/shm, so the host's is untouched). Before the budget, the same four took 960 of 1,024 MiB
 and the DataLoader failed ("unable to allocate shared memory ... No space left on device").
 """
@@ -40,7 +40,7 @@ def test_four_auto_sized_servers_stay_within_the_budget_and_a_dataloader_still_r
     if reason is not None:
         pytest.skip(reason)
     out = tmp_path / "shm_budget.json"
-    done = subprocess.run([sys.executable, "-m", "bench.shm_budget", "--shm-size", "1g", "--batches", "4",
+    done = subprocess.run([sys.executable, "-m", "joader.testing.shm_budget", "--shm-size", "1g", "--batches", "4",
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=110, check=False)
     assert out.exists(), done.stdout + done.stderr
     result = json.loads(out.read_text())

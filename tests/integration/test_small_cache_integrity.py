@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.integrity import check_records, read_records, reference
+from joader.testing.integrity import check_records, read_records, reference
 from tests.support.processes import IMAGE_SIZE, NUM_DEMO_ITEMS, finish, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _job(server: Any, records: Path, *options: str) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "tests.support.integrity_job", "--address", server.address,
+    return subprocess.Popen([sys.executable, "-m", "joader.testing.integrity_job", "--address", server.address,
                              "--records", str(records), "--epochs", "2", "--timeout-s", "120", *options],
                             cwd=ROOT, stderr=open(f"{records}.err", "wb"))
 

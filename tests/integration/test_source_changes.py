@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from joader.client.tools.demo_data import make_demo_data
-from tests.support.integrity import check_records, read_records, reference
+from joader.testing.integrity import check_records, read_records, reference
 from tests.support.processes import IMAGE_SIZE, finish, wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -46,7 +46,7 @@ def started() -> Iterator[list[subprocess.Popen[bytes]]]:
 def _start(server: Any, name: str, epochs: int, sleep: float,
            started: list[subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
     records = server.dir / f"{name}.jsonl"
-    command = [sys.executable, "-m", "tests.support.integrity_job", "--address", server.address,
+    command = [sys.executable, "-m", "joader.testing.integrity_job", "--address", server.address,
                "--source", "photos", "--records", str(records), "--name", name, "--epochs", str(epochs),
                "--sleep", str(sleep), "--timeout-s", "60"]
     with open(server.dir / f"{name}.err", "wb") as err:

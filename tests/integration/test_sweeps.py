@@ -28,8 +28,8 @@ from typing import Any
 
 import pytest
 
+from joader.testing.integrity import check_records, complete_epochs
 from tests.integration.conftest import Joaderd
-from tests.support.integrity import check_records, complete_epochs
 from tests.support.processes import IMAGE_SIZE, NUM_DEMO_ITEMS, ROOT, Clients
 
 pytestmark = pytest.mark.timeout(180)

@@ -23,7 +23,7 @@ import pytest
 from PIL import Image
 
 from joader.client.tools.demo_data import make_demo_data
-from tests.support.integrity import check_records, read_records, reference
+from joader.testing.integrity import check_records, read_records, reference
 from tests.support.processes import IMAGE_SIZE, NUM_DEMO_ITEMS, wait_for
 from tests.support.trust import client, end, joader_segments, read_line, rss_bytes, run_client
 
@@ -324,7 +324,7 @@ def test_a_client_that_cannot_read_the_arena_holds_no_job_slot(demo_root: Path, 
         assert not server.status()["jobs"]
         records = tmp_path / "owner.jsonl"
         owner = subprocess.run(
-            [sys.executable, "-m", "tests.support.integrity_job", "--address", server.address,
+            [sys.executable, "-m", "joader.testing.integrity_job", "--address", server.address,
              "--records", str(records), "--epochs", "1"],
             cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
         assert owner.returncode == 0, owner.stderr[-3000:]

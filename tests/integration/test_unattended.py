@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.integrity import check_records, read_records
+from joader.testing.integrity import check_records, read_records
 from tests.support.processes import ITEM_NBYTES, NUM_DEMO_ITEMS, ROOT, Clients, wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -104,7 +104,7 @@ def test_cache_size_auto_holds_the_whole_dataset_and_serves_it(demo_root: Path, 
     assert re.search(r"--cache-size auto: cache \d+\.\d MiB = the whole prepared dataset", server.log())
     records = tmp_path / "auto.jsonl"
     with open(f"{records}.err", "wb") as err:
-        job = subprocess.run([sys.executable, "-m", "tests.support.integrity_job", "--address", server.address,
+        job = subprocess.run([sys.executable, "-m", "joader.testing.integrity_job", "--address", server.address,
                               "--records", str(records), "--epochs", "2", "--timeout-s", "120"],
                              cwd=ROOT, stderr=err, timeout=150, check=False)
     assert job.returncode == 0, Path(f"{records}.err").read_text()[-3000:]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from joader.testing.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 TAG_VAR = "JOADER_TEST_TAG"
 NUM_DEMO_ITEMS = 160  # the integration tests' demo source (conftest's `demo_root`)
@@ -26,12 +27,6 @@ ITEM_NBYTES = 3 * IMAGE_SIZE * IMAGE_SIZE
 # What a torchrun or a caller's environment could leak into a client that must not see it.
 _SCRUBBED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
              "MASTER_PORT", "TORCHELASTIC_RUN_ID", "JOADER_ADDRESS")
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
 
 def tagged_pids(tag: str) -> dict[int, str]:
     """Processes (pid -> command line) whose environment carries `tag`."""

@@ -225,7 +225,7 @@ def test_chi2_sf_matches_scipy() -> None:
 
 @pytest.mark.parametrize("name", SAMPLERS)
 def test_range_datasets_are_stored_without_run_containers(name: str) -> None:
-    """A consumed run container fragments and makes every pick ~10x slower (bench/sampler.py),
+    """A consumed run container fragments and makes every pick ~10x slower (bench/micro/sampler.py),
     so datasets given as ranges are expanded to array/bitset containers at add_job."""
     sampler = make_sampler(name, 0)
     sampler.add_job("a", BitMap(range(200_000)))

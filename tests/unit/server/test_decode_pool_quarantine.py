@@ -15,7 +15,7 @@ from joader.cache.arena import Arena
 from joader.client.demo_data import make_demo_data
 from joader.server.pool.decode_pool import DecodePool, DecodeResult, PoolConfig, SourceSpec
 from joader.sources.imagefolder import SourceListing
-from tests.support.hang_stage import HANG_MARK, HangOn
+from joader.testing.hang_stage import HANG_MARK, HangOn
 
 pytestmark = pytest.mark.timeout(120)
 

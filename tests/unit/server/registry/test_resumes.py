@@ -257,7 +257,7 @@ def test_a_continued_pass_serves_a_worker_whose_partner_ended_before_the_restart
     """Two DataLoader workers read epoch 2; worker 0 had received its part's end when joaderd
     restarted, worker 1 still needed the epoch's last batch. Worker 0 never asks the restarted
     joaderd. The loop's turn (`dealing.turn`) counted on the new server from zero, so worker 0's
-    "next batch" came first and worker 1 waited for it for good (`bench/restart_storm.py
+    "next batch" came first and worker 1 waited for it for good (`bench/soak/restart_storm.py
     --mode workers`: the job sat with its last batch queued for ten minutes). A pass a restart
     interrupted is dealt without the turn: what each worker was served is on the dead server."""
     registry, pool, _ = make_registry(num_slots=40)

@@ -110,12 +110,12 @@ def test_random_rounds_follow_the_rules(seed: int) -> None:
 
 
 def test_jobs_that_drift_share_more_with_the_rules_through_the_real_registry() -> None:
-    """Three CPU-bound jobs on 2 simulated cores (bench/drift_sim.py: joaderd's own registry,
+    """Three CPU-bound jobs on 2 simulated cores (bench/micro/drift_sim.py: joaderd's own registry,
     simulated time, so no speed is measured), step times jittered (lognormal sigma 0.6), a
     quarter cache: jobs served per decode with the old rule (one batch of slack, never a
     hold) against planning ahead and holds, five seeds. Measured: 1.96-2.35 (median 2.13)
     against 2.31-2.91 (2.73); every epoch exactly once either way."""
-    from bench.drift_sim import Simulation, parse
+    from joader.testing.drift_sim import Simulation, parse
 
     def served(rules: list[str], seed: int) -> float:
         argv = ["--items", "400", "--batch", "8", "--epochs", "3", "--decode-s", "0.0003", "--steps", "0.007",

@@ -1,0 +1,1 @@
+"""joader beside its peers: TensorSocket (one shared loader) and independent DataLoaders."""
