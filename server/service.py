@@ -48,7 +48,7 @@ from joader.proto import (
     joader_pb2,
     joader_pb2_grpc,
 )
-from joader.server.books.records import Batch, NextArgs
+from joader.server.registry.next_call import Batch, NextArgs
 from joader.server.registry.registry import Registry, max_indices_bytes
 from joader.sources.safe_open import display_path
 

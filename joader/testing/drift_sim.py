@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from joader.server.books.records import Batch
+from joader.server.registry.next_call import Batch
 from joader.server.registry.next_protocol import NextArgs, NextCall
 from joader.server.registry.registry import Registry, RegistryConfig, Source
 from joader.sources.imagefolder import SourceListing

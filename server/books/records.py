@@ -1,9 +1,10 @@
-"""The registry's records: sources, items in the cache's life cycle, jobs, ranks, passes, batches.
+"""The registry's records: sources, items in the cache's life cycle, jobs, ranks, passes.
 
 Plain data with no locking of their own: the `Registry` owns every instance and guards them all
 with its one lock. Who changes what: `ItemCache` (item_cache.py) moves items and their pins;
 `JobTable` (jobs.py) owns jobs, ranks, passes and leases; `Scheduler` (scheduler.py) fills the
-ranks' queues from DSA rounds.
+ranks' queues from DSA rounds. The Next call's own records (its arguments, the call in
+progress, the batch it returns) are beside the Next protocol: `joader.server.registry.next_call`.
 """
 
 from __future__ import annotations
@@ -513,66 +514,3 @@ def _add(a: tuple[float, float, int], b: tuple[float, float, int]) -> tuple[floa
 
 def stall_fraction(wait_s: float, step_s: float) -> float | None:
     return round(wait_s / (wait_s + step_s), 4) if wait_s + step_s > 0 else None
-
-
-@dataclass(frozen=True)
-class Batch:
-    """What one `Next` returns: ready items of one epoch, or the end of that epoch."""
-
-    epoch: int
-    end_of_epoch: bool
-    item_ids: list[int]
-    labels: list[int]
-    offsets: list[int]
-    failed: list[tuple[int, str, str]]  # (item id, relative path, reason)
-    lengths: list[int] = field(default_factory=list)  # bytes of each item
-    shapes: list[tuple[int, ...]] = field(default_factory=list)
-    dtypes: list[str] = field(default_factory=list)
-    checksums: list[int] = field(default_factory=list)  # zlib.crc32 of each item's bytes
-    # The rank holds more handed-out, unacknowledged copies than its share allows: its reader
-    # must copy these items out and acknowledge them at once, not hand them on (NextResponse).
-    copy_now: bool = False
-    # An empty reply: what holds the job up (`Registry.waiting_note`), and whether it is a rank
-    # that never asked for items, for how long.
-    waiting: str = ""
-    rank_never_read: bool = False
-    waiting_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class NextArgs:
-    """One `Next` request, as the registry sees it."""
-
-    job_id: str
-    secret: bytes
-    token: int
-    max_items: int
-    acks: tuple[int, ...] = ()
-    worker_id: int = 0
-    pid: int = 0
-    rank: int = 0
-    resume_epoch: int = 0  # > 0: this pass resumes that epoch, minus `resume_consumed`
-    resume_consumed: BitMap | None = None
-    resume_parts: int = 1  # how many readers of this rank report a part of the resume
-    max_batches: int = 1  # whole batches of `max_items` one reply may carry, if ready at once
-    stall: tuple[int, float, float, int] | None = None  # (epoch, wait s, step s, items) the reader measured
-    num_workers: int = 0  # the DataLoader workers reading the pass (0 or 1: no turns to keep)
-    # > 0: the pass was reading this epoch when joaderd restarted (some reader of it received
-    # items of it from the dead server): a pass this request creates reads it, not the next.
-    continue_epoch: int = 0
-
-
-@dataclass
-class NextCall:
-    """A `Next` in progress: `Registry.begin_next`, then `poll_next` until a batch, `end_next`."""
-
-    job: Job
-    rank: Rank
-    pass_: PassBook
-    max_items: int
-    started_s: float
-    deadline_s: float
-    waker: Callable[[], None]
-    linger_until_s: float | None = None
-    max_batches: int = 1
-    worker_id: int = 0

@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterable
 
 from joader.errors import InvalidArgumentError, PassSupersededError, superseded_message
 from joader.server.books.item_cache import ItemCache
-from joader.server.books.records import Job, NextArgs, PassBook, Rank
+from joader.server.books.records import Job, PassBook, Rank
+from joader.server.registry.next_call import NextArgs
 from joader.server.registry.resumes import Resumes
 from joader.server.scheduling.scheduler import Scheduler
 

@@ -31,7 +31,8 @@ from collections.abc import Callable
 
 from pyroaring import BitMap
 
-from joader.server.books.records import Job, NextArgs, PassBook, Rank, Resume
+from joader.server.books.records import Job, PassBook, Rank, Resume
+from joader.server.registry.next_call import NextArgs
 from joader.server.scheduling.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)

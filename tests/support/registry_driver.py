@@ -14,7 +14,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from joader.server.books.records import Batch, Job
+from joader.server.books.records import Job
+from joader.server.registry.next_call import Batch
 from joader.server.registry.registry import Registry, RegistryConfig, Source
 from joader.sources.imagefolder import SourceListing
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 from joader.proto import DTYPE_CODES, joader_pb2
-from joader.server.books.records import Batch
+from joader.server.registry.next_call import Batch
 from joader.server.service import _response
 
 

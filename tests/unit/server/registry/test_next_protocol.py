@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from pyroaring import BitMap
 
-from joader.server.books.records import Batch
+from joader.server.registry.next_call import Batch
 from tests.support.registry_driver import (
     ITEM_BYTES,
     NUM_ITEMS,
@@ -302,7 +302,8 @@ def test_a_settling_item_wakes_a_waiting_next_only_when_its_batch_may_be_ready()
     batch of 8 decodes: 8 polls). `Registry.item_settled` wakes it at its first ready item
     (its linger starts) and when its batch is ready; the batch is then the first 8 items
     dealt, in order."""
-    from joader.server.books.records import Job, NextArgs
+    from joader.server.books.records import Job
+    from joader.server.registry.next_call import NextArgs
     from tests.support.registry_driver import SECRETS
 
     registry, pool, _ = make_registry(num_slots=40)
@@ -341,7 +342,7 @@ def test_a_scheduler_turn_wakes_a_waiting_next_only_when_its_batch_may_be_ready(
     Nexts (cached picks are ready at once): with a warm cache, a poll through the event loop
     per turn and job. Now a turn wakes a call as a settling item does (`item_settled`): at its
     first ready item and when its batch is ready; the batch is then the first 8 items dealt."""
-    from joader.server.books.records import NextArgs
+    from joader.server.registry.next_call import NextArgs
     from tests.support.registry_driver import SECRETS
 
     registry, pool, _ = make_registry(num_slots=40)
