@@ -228,14 +228,14 @@ class Attachment:
     """The job one `JoaderDataset` reads, as this process is attached to it (or not yet)."""
 
     def __init__(self, source: str, bitmap: BitMap | None, *, address: str, name: str | None, batch_size: int,
-                 batched: bool, timeout_s: float, drop_last: bool, seed: int | None, verify: bool,
+                 batched: bool, timeout_s: float, drop_last: bool, seed: int | None, crc_check: bool,
                  rank: int | None, world_size: int | None, order: str = "shared",
                  expected: Expected | None = None, autostart: dict[str, Any] | None = None) -> None:
         self.source = source
         self.batched = batched
         self.timeout_s = timeout_s
         self.drop_last = drop_last
-        self.verify = verify
+        self.crc_check = crc_check
         self.digest = indices_digest(bitmap)
         self.ordinal = next_ordinal(source, self.digest)
         self.registration: dict[str, Any] = {
@@ -362,7 +362,7 @@ class Attachment:
         board.size_for(int(info["num_source_items"]))
         # The one owner of the job's identity (id, secret, arena, generation) in this process.
         self.connection = Connection(self.registration["address"], Identity.from_keeper(info, board.generation),
-                                     board, timeout_s=self.timeout_s, verify=self.verify,
+                                     board, timeout_s=self.timeout_s, crc_check=self.crc_check,
                                      keeper_note=keeper.exit_note)
         self.passes = 0
 

@@ -97,12 +97,12 @@ class Connection:
     each adopts a restart on its own, from the board)."""
 
     def __init__(self, address: str, identity: Identity, board: Board | None, *, timeout_s: float,
-                 verify: bool, keeper_note: Callable[[], str] | None = None) -> None:
+                 crc_check: bool, keeper_note: Callable[[], str] | None = None) -> None:
         self.address = address
         self.identity = identity
         self.board = board
         self.timeout_s = timeout_s
-        self.verify = verify
+        self.crc_check = crc_check  # JoaderDataset's verify=: each item's crc32 after its copy
         self._keeper_note = keeper_note or _no_keeper_note
         self._arenas: dict[str, Identity] = {identity.arena: identity}  # what replies may name
         self._mappings: tuple[int, dict[str, ArenaReader]] = (os.getpid(), {})
@@ -300,10 +300,10 @@ class Connection:
         held = (identity.keeper_pid, identity.arena_fd) if identity.keeper_pid and identity.arena_fd else None
         return ArenaLocation(identity.arena_path, identity.server_uid, held)
 
-    def check(self, response: Any, outs: list[Any], at: int = 0) -> None:
-        """With verification on: each copied item's crc32 against the one its decode wrote
-        (`response.checksums`; 0 means none was recorded)."""
-        if not self.verify:
+    def check_crcs(self, response: Any, outs: list[Any], at: int = 0) -> None:
+        """With the crc check on (JoaderDataset's `verify=`): each copied item's crc32 against the
+        one its decode wrote (`response.checksums`; 0 means none was recorded)."""
+        if not self.crc_check:
             return
         checksums = response.checksums
         for i, out in enumerate(outs):

@@ -258,7 +258,7 @@ class JoaderDataset(IterableDataset):
         self._item_names: ItemNames | None = None  # for errors that name an item (`_names`)
         self._attachment = Attachment(
             source, to_bitmap(indices), address=self.address, name=name, batch_size=self.batch_size,
-            batched=batched, timeout_s=timeout_s, drop_last=drop_last, seed=seed, verify=bool(verify),
+            batched=batched, timeout_s=timeout_s, drop_last=drop_last, seed=seed, crc_check=bool(verify),
             rank=rank, world_size=world_size, order=order, expected=self.expected, autostart=autostart)
         # Before any DataLoader worker forks: its readers note failures where len() counts them.
         self._undecodable = Undecodable(self._attachment.description.num_source_items)

@@ -393,7 +393,7 @@ class Reader:
             item_shapes = shapes(response)
             arrays = [np.empty(shape, dtype=dtype) for shape, dtype in zip(item_shapes, dtypes(response), strict=True)]
             conn.mapping(response.arena or reply.identity.arena).copy_many(response.offsets, response.lengths, arrays)
-            conn.check(response, arrays)
+            conn.check_crcs(response, arrays)
             self._note_served(response, item_shapes)
             placed.extend(zip(response.item_ids, map(torch.from_numpy, arrays), response.labels, strict=True))
 
@@ -457,7 +457,7 @@ class Reader:
                 take = min(size - len(indices), count - at)
                 rows = images.numpy()[len(indices):len(indices) + take]
                 mapping.copy_many(response.offsets[at:at + take], response.lengths[at:at + take], rows)
-                conn.check(response, list(rows), at)
+                conn.check_crcs(response, list(rows), at)
                 indices.extend(response.item_ids[at:at + take])
                 labels.extend(response.labels[at:at + take])
                 at += take
@@ -492,7 +492,7 @@ class Reader:
         not hold a small cache's every slot."""
         conn, options = self.conn, self.options
         assert options.item_shape is not None
-        layout = Layout(options.item_shape, options.item_dtype, options.batch_size, options.return_index, conn.verify)
+        layout = Layout(options.item_shape, options.item_dtype, options.batch_size, options.return_index, conn.crc_check)
         done: list[ArenaBatch] = []
         current = [ArenaBatch(layout)]
         copied_now: list[int] = []
@@ -509,7 +509,7 @@ class Reader:
                 if mapping is not None:
                     data = bytearray(length)
                     mapping.copy_many([offset], [length], [data])
-                    conn.check(response, [data], i)
+                    conn.check_crcs(response, [data], i)
                     current[0].add_bytes(bytes(data), index, label)
                     copied_now.append(index)
                 else:

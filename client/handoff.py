@@ -57,7 +57,7 @@ class Layout:
     dtype: str
     batch_size: int
     return_index: bool
-    verify: bool = False  # check each item's crc32 after the copy
+    crc_check: bool = False  # check each item's crc32 after the copy (JoaderDataset's verify=)
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ class ArenaBatch:
         self.labels.append(label)
 
     def add_bytes(self, data: bytes, item_id: int, label: int) -> None:
-        """An item the worker copied already (checked, if verifying, when it copied it)."""
+        """An item the worker copied already (its crc32 checked, under verify=, when it copied it)."""
         segment = self._segment(None)
         segment.lengths.append(len(data))
         segment.item_ids.append(item_id)
@@ -248,8 +248,8 @@ def receive(layout: Layout, segments: list[Segment],
                 rows.reshape(-1).view(np.uint8)[:] = np.frombuffer(segment.data, np.uint8)
             else:
                 receiver.mapping(segment.arena).copy_many(segment.offsets, segment.lengths, rows)
-                if layout.verify:
-                    _verify(segment, rows)
+                if layout.crc_check:
+                    _check_crcs(segment, rows)
             at += len(segment.item_ids)
     if receipt is not None:
         key, slot, value = receipt
@@ -263,7 +263,7 @@ def receive(layout: Layout, segments: list[Segment],
     return torch.from_numpy(images), label_tensor
 
 
-def _verify(segment: Segment, rows: np.ndarray) -> None:
+def _check_crcs(segment: Segment, rows: np.ndarray) -> None:
     for item_id, expected, row in zip(segment.item_ids, segment.checksums, rows, strict=True):
         if expected and zlib.crc32(row.reshape(-1).view(np.uint8)) != expected:
             raise IntegrityError(

@@ -10,6 +10,14 @@ the one joaderd of yours that runs (at the default socket, or started by a job w
 list them when there are several (`joader.client.tools.which_server`).
     joader make-demo-data DIR --items N [--classes K] [--seed S]
     joader verify --job a=0:600 --job b=300:1300 ...   (see `joader verify --help`)
+
+NOTE [ Three checks once called "verify" ]
+`joader verify` (`joader.verify`) is a simulation: it runs a job mix through the sampler and tests
+its guarantees (exactly once, uniformity, sharing); it reads no data. `JoaderDataset(verify=True)`
+(or JOADER_VERIFY=1) is a crc32 check of each item copied out of the arena, called `crc_check`
+inside the client (`Connection.check_crcs`, `handoff.Layout.crc_check`). `verify_server` in
+`joader.address` is the peer check that a socket is served by this user's own joaderd. The
+user-facing names stay; code inside names the check it does.
 """
 
 from __future__ import annotations
@@ -182,9 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "verify":
-            from joader.verify import main as verify_main
+            # the sampling simulation (NOTE [ Three checks once called "verify" ])
+            from joader.verify import main as simulate_sampling
 
-            return verify_main(rest)
+            return simulate_sampling(rest)
         if args.command == "top":
             from joader.client.tools.top import main as top_main
 

@@ -26,8 +26,8 @@ class _Done:
         return self.response
 
 
-def _connection(identity: Identity = OLD, verify: bool = False) -> Connection:
-    return Connection("unix:/nowhere", identity, None, timeout_s=5, verify=verify)
+def _connection(identity: Identity = OLD, crc_check: bool = False) -> Connection:
+    return Connection("unix:/nowhere", identity, None, timeout_s=5, crc_check=crc_check)
 
 
 def test_a_reply_naming_another_arena_than_its_server_uses_is_refused() -> None:
@@ -56,7 +56,7 @@ def test_a_copy_that_differs_from_its_decode_is_refused_with_verification_on() -
     good, bad = np.arange(12, dtype=np.uint8), np.zeros(12, np.uint8)
     response = joader_pb2.NextResponse(item_ids=[7, 8], arena="joader-0-1-aaaa",
                                        checksums=[zlib.crc32(good.tobytes()), zlib.crc32(good.tobytes())])
-    _connection(verify=False).check(response, [good, bad])  # off: not checked
-    _connection(verify=True).check(response, [good])
+    _connection(crc_check=False).check_crcs(response, [good, bad])  # off: not checked
+    _connection(crc_check=True).check_crcs(response, [good])
     with pytest.raises(IntegrityError, match="item 8 .* does not match the checksum"):
-        _connection(verify=True).check(response, [good, bad])
+        _connection(crc_check=True).check_crcs(response, [good, bad])

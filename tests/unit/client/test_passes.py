@@ -31,7 +31,7 @@ def board() -> Iterator[Board]:
 
 def _fields(board: Board, pass_: Pass) -> dict[str, Any]:
     """The fields of `pass_`'s next request for items, as its reader sends them."""
-    conn = Connection("unix:/nowhere", OLD, board, timeout_s=5, verify=False)
+    conn = Connection("unix:/nowhere", OLD, board, timeout_s=5, crc_check=False)
     return Reader(conn, pass_, Progress(), ReadOptions(source="demo", batch_size=4))._fields(4)
 
 
@@ -83,7 +83,7 @@ def test_a_checkpoints_consumed_items_go_on_the_board_when_joaderd_takes_them(bo
     so a later restart's keeper report does not have them dealt again."""
     pass_ = Pass(41, 0, 1)
     pass_.resume = ResumePoint(2, BitMap(range(10)), 1)
-    conn = Connection("unix:/nowhere", OLD, board, timeout_s=5, verify=False)
+    conn = Connection("unix:/nowhere", OLD, board, timeout_s=5, crc_check=False)
     reader = Reader(conn, pass_, Progress(), ReadOptions(source="demo", batch_size=4))
     assert reader._fields(4)["resume_epoch"] == 2
     reader._note_checkpoint(2)
