@@ -47,6 +47,7 @@ from joader.process_ref import ProcessRef
 from joader.server import cpu_meter, log_limits
 from joader.server.autoscale import AutoscaleConfig, Autoscaler, PeriodMeter
 from joader.server.books.item_sizes import bound_is_nominal
+from joader.server.books.source_watch import SourceChecker
 from joader.server.cache_budget import BudgetClaim, CacheBudget
 from joader.server.cache_sizing import (
     CacheSize,
@@ -63,7 +64,6 @@ from joader.server.metrics import serve_metrics
 from joader.server.pool.decode_pool import DecodePool, PoolConfig, SourceSpec
 from joader.server.registry.idle_exit import check_period_s
 from joader.server.registry.registry import Registry, RegistryConfig, Source
-from joader.server.source_watch import SourceChecker
 from joader.sources.base import open_source
 from joader.stages import build_stage
 

@@ -15,7 +15,7 @@ after joaderd listed it. So every read re-checks, on the descriptor actually ope
   folder is opened, must still be that inode, and the file is opened relative to it. A dataset
   swapped in under the same path (`mv photos photos.old; mv photos2 photos`) then fails its
   reads ("was replaced") instead of mixing new pixels with the old ones cached
-  (`joader.sources.watch`, `joader.server.source_watch`).
+  (`joader.sources.watch`, `joader.server.books.source_watch`).
 
 Every failure is a `DecodeError` whose message says which of these happened and what to do, so
 a file removed since the listing is not reported as "corrupt", and a permission problem not as

@@ -5,7 +5,7 @@ and back (a sync tool, a remount), or replaced by another dataset of the same la
 same path. Cached items are the old data; a decode after the swap reads the new data: mixing
 them is wrong pixels under the same indices, with no error anywhere. So joaderd keeps a *stamp*
 of each source taken right after listing and compares it with fresh ones while serving
-(`joader.server.source_watch` decides what to do with the verdict).
+(`joader.server.books.source_watch` decides what to do with the verdict).
 
 A stamp is cheap by design, never a re-listing (a source of 1.28M files must not be walked every
 few seconds):

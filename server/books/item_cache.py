@@ -533,7 +533,7 @@ class ItemCache:
     # ----------------------------------------------------------------------------- sources
 
     def _hold(self, item: Item, capacity: int) -> None:
-        """A read failed while its source is in question (joader.server.source_watch): the item
+        """A read failed while its source is in question (joader.server.books.source_watch): the item
         waits again, outside the decode queue, until `requeue` (no failure counted or reported)."""
         if capacity:
             self.allocator.free(item.offset)

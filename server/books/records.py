@@ -96,7 +96,7 @@ class Source:
 
     # joaderd's --epoch-align (joader.sampling.dependent, "Epoch alignment")
     epoch_align: str = "first"
-    # Its health on disk (joader.server.source_watch.SourceWatch): set by joaderd; None in
+    # Its health on disk (joader.server.books.source_watch.SourceWatch): set by joaderd; None in
     # tests that build a registry without the checker (reads then fail as they come).
     watch: Any = None
 

@@ -56,6 +56,7 @@ from collections.abc import Callable
 from itertools import count
 from typing import TYPE_CHECKING
 
+from joader.server.books.source_watch import file_stamp, item_file
 from joader.server.pool.probes import Probing
 from joader.server.pool.quarantine import Quarantine
 from joader.server.pool.records import DecodeResult, DecodeTask, Probe, Worker
@@ -63,7 +64,6 @@ from joader.server.pool.replacement import ReplacementPolicy
 from joader.server.pool.roster import Roster
 from joader.server.pool.spawning import NoWorker, WorkerSpawning
 from joader.server.pool.timeout import AutoTimeout, DecodeTimes
-from joader.server.source_watch import file_stamp, item_file
 from joader.sources.safe_open import display_path
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ alone in the probation worker, where it hung again for a whole decode timeout, e
 10% such files and a 3 s timeout, epochs took 95 s against about 1 s clean. Such a file does the
 same thing every time it is read, so retrying it tells nothing new until the file itself is
 different. Now a file quarantined (`joader.server.pool.faults`) is stamped (inode, size, mtime:
-`joader.server.source_watch.file_stamp`), fails at once whenever it is asked for, and the item
+`joader.server.books.source_watch.file_stamp`), fails at once whenever it is asked for, and the item
 cache does not even ask (`DecodePool.is_quarantined`). The pool's consumer thread restamps
 quarantined files every `CHECK_PERIOD_S` (at most `MAX_CHECKS` of them per period, the ones
 checked longest ago first; the stats off the pool's lock), and a file whose stamp changed is

@@ -2,7 +2,7 @@
 
 The results thread files the finished decodes it found queued into the cache, a batch under one
 acquisition of the lock (`file_results`), and wakes the jobs waiting for them; the source checker files its verdicts on the sources on disk
-(`source_checked`, server/source_watch.py).
+(`source_checked`, server/books/source_watch.py).
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class ResultFiling:
         return True
 
     def source_checked(self, source: Source, verdict: Any, seen_seq: int | None = None) -> None:
-        """Files a verdict of the source checker (server/source_watch.py): held items are
+        """Files a verdict of the source checker (server/books/source_watch.py): held items are
         decoded again, or, for a source changed on disk, its jobs stop and its items go."""
         with self._cond:
             settlement = source.watch.settle(verdict, self._clock(), list(source.job_ids), seen_seq)

@@ -24,11 +24,11 @@ from pyroaring import BitMap
 from joader.errors import InvalidArgumentError, UnknownJobError
 from joader.server.books.containment import contained
 from joader.server.books.records import ItemState, Job, PassBook, Rank
+from joader.server.books.source_watch import stopped_error
 from joader.server.registry.next_call import Batch, NextArgs, NextCall
 from joader.server.registry.queue_heads import heads
 from joader.server.scheduling import dealing
 from joader.server.scheduling.dealing import Turn
-from joader.server.source_watch import stopped_error
 
 if TYPE_CHECKING:
     from joader.server.books.item_cache import ItemCache

@@ -171,7 +171,7 @@ class Registry(NextProtocol, SchedulerThread, ResultFiling):
                 "Start joaderd with --source NAME=PATH to add one."
             )
         if source.watch is not None:
-            source.watch.check_attach()  # changed on disk: refused (server/source_watch.py)
+            source.watch.check_attach()  # changed on disk: refused (server/books/source_watch.py)
         return source
 
     @contained("Attach", lambda registry, source_name, indices, name, *_, **__: registry.jobs.named(name))

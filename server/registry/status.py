@@ -75,7 +75,7 @@ def snapshot(registry: Registry, now: float) -> dict[str, Any]:
                 # rounds held for a CPU-bound job behind (server/scheduling/in_step.py): episodes, seconds
                 "holds": s.holds,
                 "held_s": round(s.held_s + (now - s.held_since_s if s.held_since_s is not None else 0.0), 3),
-                # on disk (server/source_watch.py): ok, away (folder gone), changed (refused)
+                # on disk (server/books/source_watch.py): ok, away (folder gone), changed (refused)
                 "health": s.watch.status(now) if s.watch is not None else {"state": "ok"},
             }
             for s in sources

@@ -1,4 +1,4 @@
-"""A source that changes under joaderd: each source's health (server/source_watch.py, clock
+"""A source that changes under joaderd: each source's health (server/books/source_watch.py, clock
 given), and the registry holding failed reads until the verdict (fake pool, fake clock; no
 thread, no gRPC). The stamps and verdicts themselves: tests/unit/sources/test_watch.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from joader.errors import SourceChangedError
-from joader.server.source_watch import SourceWatch
+from joader.server.books.source_watch import SourceWatch
 from joader.sources.watch import (
     Stamp,
     Verdict,
