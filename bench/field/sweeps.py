@@ -6,7 +6,7 @@ trained for E epochs on the demo JPEGs at 64 px, batch 32. On the joader side ev
 `JoaderDataset("demo", root=..., image_size=64, return_index=True, name=<trial>)` in a `with`
 block: the first trial to get there starts joaderd (`joader.client.autostart`), the others find
 it, and it exits by itself once the sweep is over (`JOADER_IDLE_EXIT_S`, 15 s here). On the
-folder side each trial reads `bench.field.field.StageFolder` (joaderd's stage, same decoder and
+folder side each trial reads `bench.field.field_job.StageFolder` (joaderd's stage, same decoder and
 parameters) through a shuffling DataLoader with one worker, as a trial would read an
 ImageFolder; on the `pil-folder` side the same with Pillow's decoder (torchvision's).
 
@@ -52,7 +52,7 @@ def train(config: dict[str, Any], report: Any = None) -> dict[str, Any]:
     import torch
     from torch.utils.data import DataLoader
 
-    from bench.field.field import StageFolder, small_cnn
+    from bench.field.field_job import StageFolder, small_cnn
     from joader.sources.imagefolder import list_image_folder
 
     torch.set_num_threads(1)
