@@ -9,7 +9,7 @@ center-crop, except that on the chosen files it sleeps for good, as a read from 
 a decoder stuck in a loop would. For each fraction of hanging files (0%, 5%, 10%; picked with a
 fixed seed) one job (`joader/testing/integrity_job.py`, on_error="skip") reads `--epochs` (3)
 epochs and records every sample's index, label and pixel crc32; each epoch is checked against
-a decode made here, outside joaderd (`tests/support/integrity.check_records`: every healthy
+a decode made here, outside joaderd (`joader/testing/integrity.check_records`: every healthy
 item exactly once, right pixels and label, no hanging one). Each epoch's wall time is when its
 last sample was recorded (the records file is polled every 50 ms), from the job's start for
 the first. Also reported: the pool's timed-out tasks and quarantined files (`joader status`),

@@ -97,10 +97,12 @@ def main(argv: list[str] | None = None, results: Path | None = None) -> int:
     parser.add_argument("--out", type=Path, help="the JSON (default bench/results/shm_budget[-no-budget].json)")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    if args.out is None and results is None:
-        parser.error("--out FILE is needed here (python -m bench.system.shm_budget writes to bench/results)")
-    out = args.out or results / (f"shm_budget{'-no-budget' if args.no_budget else ''}{'-together' if args.together else ''}"
-                                 f"{'-auto' if args.auto else ''}.json")
+    out = args.out
+    if out is None:
+        if results is None:
+            parser.error("--out FILE is needed here (python -m bench.system.shm_budget writes to bench/results)")
+        out = results / (f"shm_budget{'-no-budget' if args.no_budget else ''}{'-together' if args.together else ''}"
+                         f"{'-auto' if args.auto else ''}.json")
     if args.auto and args.no_budget:
         parser.error("--auto servers always share the budget (autostart passes --cache-budget-dir)")
     if os.environ.get(INSIDE_ENV) == "1":

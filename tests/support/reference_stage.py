@@ -3,7 +3,8 @@
 It was `joader.sources.stage` until the stages became `joader.stages` (issue 9); the built-in
 `center-crop` stage with decoder "pil-draft" (the `pil` of before issue 38) reproduces it bit for
 bit (tests/unit/stages/test_image.py). Decoder `pil` is now exactly torchvision, with no DCT
-reduction: tests/unit/stages/test_torchvision_parity.py is its reference.
+reduction: joader/testing/torchvision_reference.py is its reference
+(tests/unit/stages/test_torchvision_parity.py).
 
 Read, decode, RGB, resize the shorter side to S, center-crop S x S, uint8 CHW.
 
