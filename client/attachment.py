@@ -26,11 +26,12 @@ from pyroaring import BitMap
 from torch.utils.data import get_worker_info
 
 from joader.cache.arena import ArenaReader
-from joader.client import placement
+from joader.client import frameworks, placement
 from joader.client.board import Board
-from joader.client.checkpoint import indices_digest
+from joader.client.checkpoint import Owner, Share, indices_digest
 from joader.client.connection import Connection, Identity
 from joader.client.keeper import Keeper
+from joader.client.undecodable import Undecodable
 from joader.errors import InvalidArgumentError, JoaderError
 from joader.sampling import hosts
 
@@ -222,6 +223,23 @@ def _decoders() -> tuple[tuple[str, ...], str]:
     from joader.stages.image import DECODERS, DEFAULT_DECODER
 
     return DECODERS, DEFAULT_DECODER
+
+
+class Attached:
+    """A public attribute of the dataset that its attachment owns: where this rank is, or
+    (`described`) what joaderd described of the job."""
+
+    def __init__(self, described: bool = False) -> None:
+        self.described = described
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, dataset: Any, owner: type | None = None) -> Any:
+        if dataset is None:
+            return self
+        attachment = dataset._attachment
+        return getattr(attachment.description if self.described else attachment, self.name)
 
 
 class Attachment:
@@ -432,6 +450,22 @@ class Attachment:
                 "dispatches the data from rank 0, which alone reads it)")
         return self.connection
 
+    def check_framework(self) -> None:
+        """accelerate's wrappers, seen on the call stack (`joader.client.frameworks`): under its
+        DataLoaderDispatcher rank 0 reads the whole job and the other ranks nothing (the
+        dispatcher slices rank 0's batches for them); under an IterableDatasetShard, refuse.
+        Called straight from the dataset's entry points (`skip=2` finds their caller)."""
+        found = frameworks.accelerate_wrapper(skip=2)
+        if found is None or self.dispatched:
+            return
+        kind, owner = found
+        if kind == frameworks.SHARD:
+            raise InvalidArgumentError(frameworks.SHARD_MESSAGE.format(
+                n=getattr(owner, "num_processes", "num_processes")))
+        if get_worker_info() is not None:
+            return  # the training process saw it first (set_epoch), or does next
+        self.dispatch(frameworks.process_index(owner, self.rank or 0))
+
     def dispatch(self, index: int) -> None:
         """accelerate's DataLoaderDispatcher drives this dataset: rank 0 (`index`) reads the
         whole job, and the other ranks nothing (the dispatcher slices rank 0's batches)."""
@@ -458,6 +492,38 @@ class Attachment:
             return self.num_items
         size, total = self.world_size, self.description.num_job_items
         return total // size if self.drop_last else -(-total // size)
+
+    def epoch_length(self, undecodable: Undecodable) -> int:
+        """Items per epoch of this rank now (`JoaderDataset.__len__`), less the files known to
+        be undecodable where that count holds: for a job of one process, or under the
+        dispatcher (NOTE [ What len(ds) knows of undecodable files ] in
+        joader.client.undecodable)."""
+        try:
+            self.settle()
+        except InvalidArgumentError:
+            if self.connection is not None or get_worker_info() is not None:
+                raise
+            # Not attached yet (WORLD_SIZE known, this rank not): every rank has the same length.
+        items = self.rank_items()
+        if self.dispatched or self.world_size == 1:
+            items -= undecodable.count()
+        return items
+
+    def owner(self, seed_given: bool) -> Owner:
+        """Whose checkpoint this reader's state is (`JoaderDataset.state_dict`)."""
+        return Owner(self.source, self.digest, self.seed, seed_given, self.rank, self.world_size,
+                     self.hosts.as_dict() if self.hosts is not None else None)
+
+    def share(self) -> Share:
+        """What the job gives this reader, to check a loaded state against: its items on this
+        host's joaderd, an epoch's count for this rank, and the readers that load its parts."""
+        worker = get_worker_info()
+        items = self.all_items
+        if self.hosts is not None:
+            items = hosts.host_part(self.items(), hosts.source_salt(self.source), self.hosts,
+                                    drop_last=self.drop_last)
+        return Share(items, self.description.num_source_items, self.rank_items(),
+                     worker.num_workers if worker is not None else 1, in_worker=worker is not None)
 
     def __getstate__(self) -> dict[str, Any]:
         # NOTE [ Pickling an attachment ]

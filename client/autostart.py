@@ -202,6 +202,25 @@ def listening(path: Path) -> bool:
     return True
 
 
+def server_for_dataset(source: str, root: str | os.PathLike[str] | None, address: str | None, *,
+                       image_size: int | None, mode: str | None, stage: str | None, decoder: str | None,
+                       upscale: bool | None, exif_transpose: bool | None) -> tuple[str | None, dict[str, Any] | None]:
+    """`JoaderDataset`'s server: with `root`, the auto-started joaderd serving it (started now if
+    none answers) and its spec as a dict (the keeper's, to start it again); else `address` as
+    given and None."""
+    if root is None:
+        return address, None
+    if address is not None:
+        raise InvalidArgumentError(
+            f"JoaderDataset({source!r}) got both address= (a joaderd you started) and root= "
+            "(a joaderd joader starts for you): pass one of them")
+    spec = ServerSpec.make(source, root, image_size=image_size, mode=mode, stage=stage, decoder=decoder,
+                           upscale=True if upscale is None else upscale,
+                           exif_transpose=False if exif_transpose is None else exif_transpose)
+    found, _started = ensure_server(spec)
+    return found, spec.to_dict()
+
+
 def ensure_server(spec: ServerSpec, *, timeout_s: float = START_TIMEOUT_S,
                   restart: bool = False) -> tuple[str, ProcessRef | None]:
     """The address of the joaderd serving `spec`, started first if none answers; and the server

@@ -58,6 +58,12 @@ class ItemNames:
     _paths: Sequence[str] | None = None
     _listed: bool = False
 
+    @classmethod
+    def of(cls, root: str | None, description: Any) -> ItemNames:
+        """A job's names from joaderd's description of it (`Attachment.description`)."""
+        return cls(root, description.num_source_items,
+                   {label: name for name, label in description.class_to_idx.items()})
+
     def name(self, item_id: int, label: int | None = None) -> str:
         parts = [f"item {item_id}"]
         if label is not None and label in self.classes:

@@ -315,6 +315,14 @@ class Connection:
                     "from the wrong place. Nothing was delivered; report this as a bug.")
 
 
+def crc_check_wanted(verify: bool | None) -> bool:
+    """JoaderDataset's `verify=`: the crc check of copied items; None: on when the environment
+    has JOADER_VERIFY set (not "" or "0")."""
+    if verify is None:
+        return os.environ.get("JOADER_VERIFY", "") not in ("", "0")
+    return bool(verify)
+
+
 def _no_keeper_note() -> str:
     return ""
 

@@ -22,7 +22,6 @@ Real jobs (docs in the README, "Running real jobs"):
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -31,45 +30,23 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from joader.address import resolve_address
-from joader.client import frameworks
-from joader.client.attachment import Attachment, Expected, to_bitmap
-from joader.client.autostart import ServerSpec, ensure_server
+from joader.client.attachment import Attached, Attachment, Expected, to_bitmap
+from joader.client.autostart import server_for_dataset
 from joader.client.batch_shapes import ItemNames
 from joader.client.batchpool import ProcessBatchPool
-from joader.client.checkpoint import Checkpoint, Owner, ResumePoint, Share
-from joader.client.connection import BATCHES_PER_REQUEST, Connection
-from joader.client.delivery import Reader, ReadOptions
+from joader.client.checkpoint import Checkpoint, ResumePoint
+from joader.client.connection import BATCHES_PER_REQUEST, Connection, crc_check_wanted
+from joader.client.delivery import Reader, ReadOptions, check_read_arguments
 from joader.client.keeper import Keeper
-from joader.client.passes import Pass, Progress
+from joader.client.passes import Pass, Progress, note_copy_only_workers
 from joader.client.threads import set_threads
 from joader.client.undecodable import Undecodable
 from joader.errors import InvalidArgumentError
 from joader.sampling import check_order
-from joader.sampling.hosts import host_part, source_salt
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["BATCHES_PER_REQUEST", "JoaderDataset", "to_bitmap"]
 
 DEFAULT_BATCH_SIZE = 64  # items per request when no DataLoader says otherwise
-_NOTICE_WORKERS = 0  # board notice: "workers without a transform only add a copy"
-
-
-class _Attached:
-    """A public attribute of the dataset that its attachment owns: where this rank is, or
-    (`described`) what joaderd described of the job."""
-
-    def __init__(self, described: bool = False) -> None:
-        self.described = described
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, dataset: Any, owner: type | None = None) -> Any:
-        if dataset is None:
-            return self
-        attachment = dataset._attachment
-        return getattr(attachment.description if self.described else attachment, self.name)
 
 
 class JoaderDataset(IterableDataset):
@@ -169,18 +146,18 @@ class JoaderDataset(IterableDataset):
             `batched=True` read as before.
     """
 
-    rank = _Attached()
-    world_size = _Attached()
-    seed = _Attached()
-    hosts = _Attached()  # this rank's host (`joader.sampling.hosts.HostLayout`), when the job spans hosts
-    classes = _Attached(described=True)
-    class_to_idx = _Attached(described=True)
-    targets = _Attached(described=True)
-    image_size = _Attached(described=True)
-    stage = _Attached(described=True)
-    item_shape = _Attached(described=True)
-    item_dtype = _Attached(described=True)
-    num_job_items = _Attached(described=True)
+    rank = Attached()
+    world_size = Attached()
+    seed = Attached()
+    hosts = Attached()  # this rank's host (`joader.sampling.hosts.HostLayout`), when the job spans hosts
+    classes = Attached(described=True)
+    class_to_idx = Attached(described=True)
+    targets = Attached(described=True)
+    image_size = Attached(described=True)
+    stage = Attached(described=True)
+    item_shape = Attached(described=True)
+    item_dtype = Attached(described=True)
+    num_job_items = Attached(described=True)
 
     def __init__(
         self,
@@ -213,13 +190,8 @@ class JoaderDataset(IterableDataset):
     ) -> None:
         super().__init__()
         set_threads(threads)
-        if on_error not in ("skip", "raise"):
-            raise InvalidArgumentError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise InvalidArgumentError(f"prefetch must be an int >= 0 (replies read ahead; 0: none), got {prefetch!r}")
+        check_read_arguments(on_error, prefetch, batch_size)
         self.prefetch = prefetch
-        if batch_size is not None and batch_size < 1:
-            raise InvalidArgumentError(f"batch_size must be >= 1, got {batch_size}")
         self.source = source
         self.transform = transform
         self.return_index = return_index
@@ -231,17 +203,8 @@ class JoaderDataset(IterableDataset):
         self.timeout_s = timeout_s
         self.expected = Expected.make(source, image_size=image_size, mode=mode, stage=stage, decoder=decoder,
                                       upscale=upscale, exif_transpose=exif_transpose)
-        autostart = None
-        if root is not None:
-            if address is not None:
-                raise InvalidArgumentError(
-                    f"JoaderDataset({source!r}) got both address= (a joaderd you started) and root= "
-                    "(a joaderd joader starts for you): pass one of them")
-            spec = ServerSpec.make(source, root, image_size=image_size, mode=mode, stage=stage, decoder=decoder,
-                                   upscale=True if upscale is None else upscale,
-                                   exif_transpose=False if exif_transpose is None else exif_transpose)
-            address, _started = ensure_server(spec)
-            autostart = spec.to_dict()
+        address, autostart = server_for_dataset(source, root, address, image_size=image_size, mode=mode, stage=stage,
+                                                decoder=decoder, upscale=upscale, exif_transpose=exif_transpose)
         self.root = autostart["root"] if autostart is not None else None
         self.address = resolve_address(address)
         self.drop_last = drop_last
@@ -249,8 +212,6 @@ class JoaderDataset(IterableDataset):
             raise InvalidArgumentError(f"seed must be in 0..2**64-1, got {seed}")
         self._seed_given = seed is not None
         self.order = check_order(order)
-        if verify is None:
-            verify = os.environ.get("JOADER_VERIFY", "") not in ("", "0")
         self._pool = ProcessBatchPool()  # batched: reused batch buffers
         self._warned: set[int] = set()  # failed items already logged
         self._progress = Progress()  # what this process yielded: state_dict, epoch_order
@@ -258,15 +219,12 @@ class JoaderDataset(IterableDataset):
         self._item_names: ItemNames | None = None  # for errors that name an item (`_names`)
         self._attachment = Attachment(
             source, to_bitmap(indices), address=self.address, name=name, batch_size=self.batch_size,
-            batched=batched, timeout_s=timeout_s, drop_last=drop_last, seed=seed, crc_check=bool(verify),
+            batched=batched, timeout_s=timeout_s, drop_last=drop_last, seed=seed, crc_check=crc_check_wanted(verify),
             rank=rank, world_size=world_size, order=order, expected=self.expected, autostart=autostart)
         # Before any DataLoader worker forks: its readers note failures where len() counts them.
         self._undecodable = Undecodable(self._attachment.description.num_source_items)
 
     # ----------------------------------------------------------------------------- the job
-
-    def _settle(self) -> None:
-        self._attachment.settle()
 
     @property
     def _conn(self) -> Connection:
@@ -296,39 +254,14 @@ class JoaderDataset(IterableDataset):
         of a DDP job, whose items move between ranks) `len(ds)` counts it, and the epoch yields
         one item fewer; `joader status` lists the files (NOTE [ What len(ds) knows of
         undecodable files ] in joader.client.undecodable)."""
-        self._framework_check()
-        try:
-            self._settle()
-        except InvalidArgumentError:
-            if self._attachment.connection is not None or get_worker_info() is not None:
-                raise
-            # Not attached yet (WORLD_SIZE known, this rank not): every rank has the same length.
-        attachment = self._attachment
-        items = attachment.rank_items()
-        if attachment.dispatched or attachment.world_size == 1:
-            items -= self._undecodable.count()
+        self._attachment.check_framework()
+        items = self._attachment.epoch_length(self._undecodable)
         return -(-items // self.batch_size) if self.batched else items
 
     def set_epoch(self, epoch: int) -> None:
         """Accepted, for the frameworks that call it on a dataset (accelerate's loaders, at the
         start of each epoch). joaderd counts a job's epochs itself: each `iter()` is the next."""
-        self._framework_check()
-
-    def _framework_check(self) -> None:
-        """accelerate's wrappers, seen on the call stack (`joader.client.frameworks`): under its
-        DataLoaderDispatcher rank 0 reads the whole job and the other ranks nothing (the
-        dispatcher slices rank 0's batches for them); under an IterableDatasetShard, refuse.
-        Called straight from the dataset's entry points (`skip=2` finds their caller)."""
-        found = frameworks.accelerate_wrapper(skip=2)
-        if found is None or self._attachment.dispatched:
-            return
-        kind, owner = found
-        if kind == frameworks.SHARD:
-            raise InvalidArgumentError(frameworks.SHARD_MESSAGE.format(
-                n=getattr(owner, "num_processes", "num_processes")))
-        if get_worker_info() is not None:
-            return  # the training process saw it first (set_epoch), or does next
-        self._attachment.dispatch(frameworks.process_index(owner, self.rank or 0))
+        self._attachment.check_framework()
 
     def close(self) -> None:
         """Ends this job on the server now; `with JoaderDataset(...) as ds:` calls it at the end
@@ -366,58 +299,36 @@ class JoaderDataset(IterableDataset):
         all of them. A finished epoch read by one process is saved as the start of the next.
         `source`, `dataset` (a digest of the indices) and `seed` say whose state it is.
         """
-        self._settle()
+        self._attachment.settle()
         worker = get_worker_info()
         parts = worker.num_workers if worker is not None else 1
         epoch, consumed = self._progress.saved(parts)
-        return Checkpoint(self._owner(), epoch, consumed, parts).state_dict()
+        return Checkpoint(self._attachment.owner(self._seed_given), epoch, consumed, parts).state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Makes the next `iter()` resume `state`'s epoch: exactly the items not consumed in it
         (in a uniform random order), then whole epochs."""
         Checkpoint.check_tag(state)
-        self._settle()
-        checkpoint = Checkpoint.from_state_dict(state, self._owner(), self._share())
+        self._attachment.settle()
+        attachment = self._attachment
+        checkpoint = Checkpoint.from_state_dict(state, attachment.owner(self._seed_given), attachment.share())
         self._progress.restore(checkpoint.epoch, checkpoint.consumed)
         self._resume = checkpoint.resume_point
-
-    def _share(self) -> Share:
-        """What the job gives this reader, to check a loaded state against: its items on this
-        host's joaderd, an epoch's count for this rank, and the readers that load its parts."""
-        attachment, worker = self._attachment, get_worker_info()
-        items = attachment.all_items
-        if attachment.hosts is not None:
-            items = host_part(attachment.items(), source_salt(self.source), attachment.hosts,
-                              drop_last=self.drop_last)
-        return Share(items, attachment.description.num_source_items, attachment.rank_items(),
-                     worker.num_workers if worker is not None else 1, in_worker=worker is not None)
-
-    def _owner(self) -> Owner:
-        return Owner(self.source, self._attachment.digest, self.seed, self._seed_given, self.rank, self.world_size,
-                     self.hosts.as_dict() if self.hosts is not None else None)
 
     def _names(self) -> ItemNames:
         """How an error names this job's items: class, and path when `root` is known."""
         if self._item_names is None:
-            description = self._attachment.description
-            self._item_names = ItemNames(self.root, description.num_source_items,
-                                         {label: name for name, label in description.class_to_idx.items()})
+            self._item_names = ItemNames.of(self.root, self._attachment.description)
         return self._item_names
 
     def epoch_order(self, epoch: int) -> list[int]:
         """The indices this process yielded in `epoch`, in order (for epochs it read)."""
-        order = self._progress.orders.get(epoch)
-        if order is None:
-            known = ", ".join(str(e) for e in sorted(self._progress.orders)) or "none yet"
-            raise InvalidArgumentError(
-                f"epoch_order({epoch}): this process read no items of epoch {epoch} (epochs read: "
-                f"{known}); with DataLoader workers, each worker process records its own")
-        return list(order)
+        return self._progress.epoch_order(epoch)
 
     # ----------------------------------------------------------------------------- reading
 
     def __iter__(self) -> Iterator[Any]:
-        self._framework_check()
+        self._attachment.check_framework()
         attachment = self._attachment
         if attachment.dispatched and attachment.connection is None:
             return iter(())  # accelerate: rank 0 reads for this rank
@@ -428,23 +339,11 @@ class JoaderDataset(IterableDataset):
         attachment.passes += 1
         pass_.resume, self._resume = self._resume, None
         self._progress.current = pass_
-        if (worker is not None and self.transform is None and not self.batched and board is not None
-                and board.first_notice(_NOTICE_WORKERS)):
-            logger.warning(
-                "JoaderDataset in DataLoader workers without a transform: the workers only copy what "
-                "joaderd prepared, and each batch then crosses to the training process once more "
-                "(a shared-memory copy and a file-descriptor hand-off). num_workers=0 is faster here, "
-                "or batched=True with DataLoader(batch_size=None), whose workers hand over only "
-                "where each batch is; keep workers for a heavy per-job transform.")
+        note_copy_only_workers(board, worker, self.transform, self.batched)
         # joaderd restarted since this process last read (a DataLoader worker forked from a
         # training process that never reads itself): the job's new identity. Nothing else: a
         # pass that starts now is a new pass (`continued_epoch`), whatever the epochs were.
         connection.refresh()
-        options = ReadOptions(
-            source=self.source, batch_size=self.batch_size, batch_size_given=self._batch_size_given,
-            batched=self.batched, transform=self.transform, return_index=self.return_index,
-            on_error=self.on_error, timeout_s=self.timeout_s, prefetch=self.prefetch,
-            item_shape=self.item_shape, item_dtype=self.item_dtype, rank=self.rank, world_size=self.world_size,
-            names=self._names())
+        options = ReadOptions.of_dataset(self, self._names())
         return Reader(connection, pass_, self._progress, options, warned=self._warned, pool=self._pool,
                       lease=attachment, undecodable=self._undecodable).start()

@@ -42,6 +42,7 @@ from joader.client.shm_batches import guard_collate, shared_batch_tensor
 from joader.client.undecodable import Undecodable
 from joader.errors import (
     DecodeError,
+    InvalidArgumentError,
     PassSupersededError,
     superseded_message,
 )
@@ -74,6 +75,26 @@ class ReadOptions:
     rank: int | None = 0
     world_size: int = 1
     names: ItemNames = field(default_factory=ItemNames)  # how an error names an item
+
+    @classmethod
+    def of_dataset(cls, ds: Any, names: ItemNames) -> ReadOptions:
+        """A `JoaderDataset`'s, as it is now (its rank, and joaderd's description)."""
+        return cls(
+            source=ds.source, batch_size=ds.batch_size, batch_size_given=ds._batch_size_given,
+            batched=ds.batched, transform=ds.transform, return_index=ds.return_index,
+            on_error=ds.on_error, timeout_s=ds.timeout_s, prefetch=ds.prefetch,
+            item_shape=ds.item_shape, item_dtype=ds.item_dtype, rank=ds.rank, world_size=ds.world_size,
+            names=names)
+
+
+def check_read_arguments(on_error: str, prefetch: int, batch_size: int | None) -> None:
+    """`JoaderDataset`'s arguments of reading, checked before anything is attached."""
+    if on_error not in ("skip", "raise"):
+        raise InvalidArgumentError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise InvalidArgumentError(f"prefetch must be an int >= 0 (replies read ahead; 0: none), got {prefetch!r}")
+    if batch_size is not None and batch_size < 1:
+        raise InvalidArgumentError(f"batch_size must be >= 1, got {batch_size}")
 
 
 _SERVED_KEPT = 8192  # odd-shaped items remembered for a batch's error (the newest)

@@ -9,6 +9,7 @@ of that epoch the restarted joaderd learns from the lease keeper (`joader.client
 
 from __future__ import annotations
 
+import logging
 import secrets
 from typing import Any
 
@@ -16,8 +17,11 @@ from pyroaring import BitMap
 
 from joader.client.board import RECEIPT_SLOTS, Board
 from joader.client.checkpoint import ResumePoint
+from joader.errors import InvalidArgumentError
 
 _TOKEN_MASK = (1 << 63) - 1
+_NOTICE_WORKERS = 0  # board notice: "workers without a transform only add a copy"
+_dataset_logger = logging.getLogger("joader.client.dataset")  # NOTE [ The dataset's logger ]
 
 
 class Pass:
@@ -110,6 +114,16 @@ class Progress:
             return self.epoch + 1, BitMap()
         return self.epoch, self.consumed
 
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The indices this process yielded in `epoch`, in order (`JoaderDataset.epoch_order`)."""
+        order = self.orders.get(epoch)
+        if order is None:
+            known = ", ".join(str(e) for e in sorted(self.orders)) or "none yet"
+            raise InvalidArgumentError(
+                f"epoch_order({epoch}): this process read no items of epoch {epoch} (epochs read: "
+                f"{known}); with DataLoader workers, each worker process records its own")
+        return list(order)
+
     def restore(self, epoch: int, consumed: BitMap) -> None:
         """A loaded checkpoint: this process's records go on from it."""
         self.epoch = epoch
@@ -121,3 +135,16 @@ class Progress:
         if self.current is pass_ and pass_.epoch:
             self.consumed.update(indices)
             self.orders[pass_.epoch].extend(indices)
+
+
+def note_copy_only_workers(board: Board | None, worker: Any, transform: Any, batched: bool) -> None:
+    """Once per rank (a board notice): DataLoader workers without a transform (and not batched),
+    which only add a copy; said on the dataset's logger (NOTE [ The dataset's logger ] in joader.client.attachment)."""
+    if worker is not None and transform is None and not batched and board is not None \
+            and board.first_notice(_NOTICE_WORKERS):
+        _dataset_logger.warning(
+            "JoaderDataset in DataLoader workers without a transform: the workers only copy what "
+            "joaderd prepared, and each batch then crosses to the training process once more "
+            "(a shared-memory copy and a file-descriptor hand-off). num_workers=0 is faster here, "
+            "or batched=True with DataLoader(batch_size=None), whose workers hand over only "
+            "where each batch is; keep workers for a heavy per-job transform.")
