@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -86,3 +87,10 @@ def test_a_stage_of_variable_sizes_names_a_padding_collate_not_upscale() -> None
         fetcher.collate_fn(_batch([(3, 5, 7), (3, 6, 6)]))
     assert "(as joaderd served them); its stage serves items of different sizes" in str(raised.value)
     assert "upscale" not in str(raised.value)
+
+
+def test_item_names_of_a_description_name_the_class_by_label() -> None:
+    description = SimpleNamespace(num_source_items=3, class_to_idx={"cat": 0, "dog": 1})
+    names = ItemNames.of(None, description)
+    assert names.classes == {0: "cat", 1: "dog"} and names.num_source_items == 3
+    assert names.name(2, label=1) == "item 2 (class 'dog')"

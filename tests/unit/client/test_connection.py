@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from joader.client.connection import Call, Connection, Identity, Reply
+from joader.client.connection import Call, Connection, Identity, Reply, crc_check_wanted
 from joader.errors import IntegrityError
 from joader.proto import joader_pb2
 
@@ -60,3 +60,16 @@ def test_a_copy_that_differs_from_its_decode_is_refused_with_verification_on() -
     _connection(crc_check=True).check_crcs(response, [good])
     with pytest.raises(IntegrityError, match="item 8 .* does not match the checksum"):
         _connection(crc_check=True).check_crcs(response, [good, bad])
+
+
+@pytest.mark.parametrize(("env", "given", "wanted"), [
+    (None, None, False), ("", None, False), ("0", None, False), ("1", None, True), ("yes", None, True),
+    ("1", False, False), (None, True, True),
+])
+def test_the_crc_check_follows_verify_else_joader_verify(monkeypatch: pytest.MonkeyPatch, env: str | None,
+                                                         given: bool | None, wanted: bool) -> None:
+    if env is None:
+        monkeypatch.delenv("JOADER_VERIFY", raising=False)
+    else:
+        monkeypatch.setenv("JOADER_VERIFY", env)
+    assert crc_check_wanted(given) is wanted

@@ -10,9 +10,9 @@ import torch
 from pyroaring import BitMap
 
 from joader.client.dataset import JoaderDataset
-from joader.client.delivery import Reader, ReadOptions, shapes
+from joader.client.delivery import Reader, ReadOptions, check_read_arguments, shapes
 from joader.client.passes import Pass, Progress
-from joader.errors import PassSupersededError
+from joader.errors import InvalidArgumentError, PassSupersededError
 from joader.proto import joader_pb2
 
 from .conftest import IMAGE_SIZE, ITEMS
@@ -88,3 +88,17 @@ def test_a_request_carries_the_stall_figures_once_measured(dataset: JoaderDatase
 def test_shapes_are_read_from_the_flat_dims() -> None:
     response = joader_pb2.NextResponse(dims=[3, 4, 4, 1, 2], ndims=[3, 2])
     assert shapes(response) == [(3, 4, 4), (1, 2)]
+
+
+@pytest.mark.parametrize(("on_error", "prefetch", "batch_size", "named"), [
+    ("ignore", 1, None, "on_error must be 'skip' or 'raise', got 'ignore'"),
+    ("skip", -1, None, "prefetch must be an int >= 0"),
+    ("skip", True, None, "prefetch must be an int >= 0"),
+    ("raise", 1.5, None, "prefetch must be an int >= 0"),
+    ("skip", 0, 0, "batch_size must be >= 1, got 0"),
+])
+def test_reading_arguments_are_refused_by_name(on_error: str, prefetch: object, batch_size: int | None,
+                                               named: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=named.replace("(", r"\(")):
+        check_read_arguments(on_error, prefetch, batch_size)  # type: ignore[arg-type]
+    check_read_arguments("raise", 0, 1)  # accepted

@@ -16,7 +16,8 @@ from joader.client.board import Board
 from joader.client.checkpoint import ResumePoint
 from joader.client.connection import Connection, Identity
 from joader.client.delivery import Reader, ReadOptions
-from joader.client.passes import Pass, Progress, continued_epoch
+from joader.client.passes import Pass, Progress, continued_epoch, note_copy_only_workers
+from joader.errors import InvalidArgumentError
 
 OLD = Identity("job-a", b"s" * 16, "/dev/shm/joader-0-1-aaaa", None, "fp", generation=0)
 
@@ -108,3 +109,29 @@ def test_progress_follows_its_current_pass_and_saves_a_finished_epoch_as_the_nex
     assert progress.saved(parts=1) == (4, BitMap()) and progress.saved(parts=2)[0] == 3
     progress.restore(6, BitMap([1]))
     assert (progress.epoch, progress.consumed, progress.finished) == (6, BitMap([1]), False)
+
+
+def test_epoch_order_names_the_epochs_read_when_asked_for_another() -> None:
+    progress = Progress()
+    pass_ = Pass(1, 0, 1)
+    progress.current = pass_
+    progress.start_epoch(pass_, 3)
+    progress.yielded(pass_, [5, 2, 7])
+    assert progress.epoch_order(3) == [5, 2, 7]
+    with pytest.raises(InvalidArgumentError, match=r"no items of epoch 4 \(epochs read: 3\)"):
+        progress.epoch_order(4)
+    with pytest.raises(InvalidArgumentError, match="epochs read: none yet"):
+        Progress().epoch_order(0)
+
+
+def test_copy_only_workers_are_noted_once_per_board(board: Board, caplog: pytest.LogCaptureFixture) -> None:
+    worker = SimpleNamespace(id=0, num_workers=2)
+    with caplog.at_level("WARNING", logger="joader.client.dataset"):
+        note_copy_only_workers(board, worker, transform=lambda x: x, batched=False)  # a transform: fine
+        note_copy_only_workers(board, worker, transform=None, batched=True)  # batched: fine
+        note_copy_only_workers(board, None, transform=None, batched=False)  # no worker: fine
+        assert not caplog.records
+        note_copy_only_workers(board, worker, transform=None, batched=False)
+        note_copy_only_workers(board, worker, transform=None, batched=False)
+    assert [r.name for r in caplog.records] == ["joader.client.dataset"]
+    assert "without a transform" in caplog.records[0].getMessage()
