@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from joader.cache.arena import Arena
-from joader.client.demo_data import make_demo_data
+from joader.client.tools.demo_data import make_demo_data
 from joader.errors import InvalidArgumentError, JoaderError
 from joader.server.pool import spawning as pool_spawning
 from joader.server.pool.decode_pool import DecodePool, DecodeResult, PoolConfig, SourceSpec

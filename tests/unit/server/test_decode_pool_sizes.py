@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from joader.cache.arena import Arena
-from joader.client.demo_data import make_demo_data
+from joader.client.tools.demo_data import make_demo_data
 from joader.server.pool.decode_pool import DecodePool, DecodeResult, PoolConfig, SourceSpec
 from joader.server.pool.worker import Staging
 from joader.sources.imagefolder import SourceListing

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from joader.cache.arena import Arena
-from joader.client.demo_data import make_demo_data
+from joader.client.tools.demo_data import make_demo_data
 from joader.server.pool.decode_pool import DecodePool, DecodeResult, PoolConfig, SourceSpec
 from joader.sources.imagefolder import SourceListing
 from joader.stages import build_stage
