@@ -214,7 +214,7 @@ def _leftovers() -> dict[str, list[Any]]:
             continue
         if "-m joader.server" in cmdline:
             procs["joaderd"].append(int(entry.name))
-        elif "joader.client.keeper" in cmdline:
+        elif "joader.client.keeper_process" in cmdline:
             procs["keepers"].append(int(entry.name))
     procs["arenas"] = sorted(p.name for p in Path("/dev/shm").glob("joader-*"))
     return procs

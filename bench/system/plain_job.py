@@ -157,7 +157,7 @@ def main() -> int:
 
 def _helpers_by_kind() -> dict[str, float]:
     """The live descendants' CPU (and what they reaped) by kind: the lease keeper
-    (`joader.client.keeper`), DataLoader workers (every other descendant), and what this
+    (`joader.client.keeper_process`), DataLoader workers (every other descendant), and what this
     process reaped itself (its cutime + cstime: exited helpers, e.g. non-persistent workers)."""
     tick = os.sysconf("SC_CLK_TCK")
     table: dict[int, tuple[int, float, str]] = {}
@@ -183,7 +183,7 @@ def _helpers_by_kind() -> dict[str, float]:
         parent = frontier.pop()
         for pid, (ppid, cpu, cmdline) in table.items():
             if ppid == parent:
-                out["lease keeper" if "joader.client.keeper" in cmdline else "DataLoader workers"] += cpu
+                out["lease keeper" if "joader.client.keeper_process" in cmdline else "DataLoader workers"] += cpu
                 frontier.append(pid)
     return out
 

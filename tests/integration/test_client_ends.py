@@ -37,7 +37,7 @@ def _alive(pid: int) -> bool:
 
 def _workers(parent: int) -> list[int]:
     """The DataLoader workers of an `integrity_job` process: its children running the same
-    program (its lease keeper runs `joader.client.keeper`)."""
+    program (its lease keeper runs `joader.client.keeper_process`)."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
