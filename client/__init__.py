@@ -1,4 +1,5 @@
-"""joader's client side: `JoaderDataset`, the lease keeper, the channel helpers and the CLI.
+"""joader's client side: `JoaderDataset`, the lease keeper, the channel helpers; the `joader`
+command and the demo in `joader.client.tools`.
 
 Installed as `joader.client`. It talks to joaderd over gRPC and reads pixels from the server's
 shared-memory arena; it never imports the server.
