@@ -5,7 +5,7 @@ A delivery counts as *reused* when the job received this very copy before (an ea
 read it from the cache, or a padding copy), and as *shared* when another job received it first
 (one decode served both): status's sharing figures. A job's copies that another job received
 too, whichever came first, are counted per job as they become common (`with_others`: status's
-`items_with_others`, top's SHARED; NOTE [ What SHARED means ] in client/top.py): the job that
+`items_with_others`, top's SHARED; NOTE [ What SHARED means ] in client/tools/top.py): the job that
 paid for a decode counts it once another job receives the copy. Each `Item` used to keep the set of the
 jobs it went to, which grew with every job that ever read it and never shrank (+200 MiB over
 31 jobs at 128k items). The cache keeps a bitmap of keys per live job instead, and one of
