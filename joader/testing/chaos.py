@@ -68,6 +68,7 @@ BATCH = 8
 # The episode's cache, in what it holds: (name, batches per job or None, share of all prepared data)
 CACHES = (("one-batch-per-job", 1, None), ("few-batches-per-job", 3, None), ("half-the-data", None, 0.5),
           ("more-than-the-data", None, 1.5))
+CACHE_NAMES = tuple(name for name, _, _ in CACHES)
 ALIGNS = ("first", "first", "off", "always")  # the default most often
 
 
@@ -195,6 +196,8 @@ class Summary:
 
 class Soak:
     """The server, the job slots, the faults and the checks of one soak."""
+
+    next_progress: float  # when the next progress line is printed (set by `run`)
 
     def __init__(self, args: argparse.Namespace, work: Path) -> None:
         self.args = args
@@ -504,7 +507,7 @@ def _never_attached(err: str) -> bool:
 
 def soak(duration_s: float, seed: int, *, items: int = 240, epochs: int = 3, fault_every_s: float = 6.0,
          image_size: int = 32, episode_s: float = 150.0, join_late_s: float = 8.0,
-         caches: tuple[str, ...] = tuple(c[0] for c in CACHES), work: Path | None = None) -> Summary:
+         caches: tuple[str, ...] = CACHE_NAMES, work: Path | None = None) -> Summary:
     """One soak (what `tests/integration/test_chaos.py` runs in its short form)."""
     args = argparse.Namespace(duration_s=duration_s, seed=seed, items=items, epochs=epochs,
                               fault_every_s=fault_every_s, image_size=image_size, episode_s=episode_s,

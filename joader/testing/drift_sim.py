@@ -31,7 +31,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -75,6 +75,7 @@ class Cpu:
         self._schedule()
 
     def _speed(self) -> float:
+        assert self.cores is not None  # tasks are only queued with cores (`run`)
         return min(1.0, self.cores / len(self.tasks)) if self.tasks else 1.0
 
     def _advance(self) -> None:
@@ -161,11 +162,11 @@ class Simulation:
         n = args.items
         listing = SourceListing(
             root=Path("/nonexistent"), classes=("a", "b"), class_to_idx={"a": 0, "b": 1},
-            paths=tuple(f"{'ab'[i % 2]}/{i:05d}.png" for i in range(n)),
+            paths=cast(Any, tuple(f"{'ab'[i % 2]}/{i:05d}.png" for i in range(n))),  # never read: a tuple serves
             labels=np.array([i % 2 for i in range(n)], dtype=np.int32))
         self.cpu = Cpu(self, args.cores)
         self.pool = Pool(self, args.workers, args.decode_s)
-        config = {"start_grace_s": 0.2, "next_wait_s": 1.0, "linger_s": 0.05}
+        config: dict[str, Any] = {"start_grace_s": 0.2, "next_wait_s": 1.0, "linger_s": 0.05}
         for pair in args.server_arg:
             key, _, value = pair.partition("=")
             config[key] = type(getattr(RegistryConfig, key))(value) if hasattr(RegistryConfig, key) else value
@@ -208,14 +209,16 @@ class Simulation:
         self.poll(job)
 
     def poll(self, job: SimJob) -> None:
-        result = self.registry.poll_next(job.call)
+        call = job.call
+        assert call is not None  # polled only while a call is open
+        result = self.registry.poll_next(call)
         if not isinstance(result, Batch):
             wake = self.clock.now + result + 1e-9
             if job.wake_s is None or wake < job.wake_s - 1e-12 or job.wake_s <= self.clock.now:
                 job.wake_s = wake
                 self.at(wake, ("poll", job.index, wake))
             return
-        self.registry.end_next(job.call)
+        self.registry.end_next(call)
         job.call = None
         self.waiting.discard(job.index)
         job.received += result.item_ids

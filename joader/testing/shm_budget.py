@@ -157,7 +157,7 @@ def run_inside(stages: list[str], *, batch_bytes: int, batches: int, budget: boo
         shm_size = shm_size_bytes()
         ram, ram_what = memory_limit()
         total, why = budget_bytes(shm_size, ram, ram_what)
-        started = []
+        started: list[dict[str, Any]] = []
 
         def start(stage: str) -> Any:
             if auto:
@@ -181,6 +181,7 @@ def run_inside(stages: list[str], *, batch_bytes: int, batches: int, budget: boo
                 servers.append(start(stage))
         for stage, server in zip(stages, servers, strict=True):
             log = server.log_path if auto else work / f"{stage.replace(':', '-')}.log"
+            assert log is not None  # every server here logs to a file
             arena_bytes = os.stat(str(server.arena_path)).st_size
             sizing = next((line.split("--cache-size auto: ", 1)[1] for line in log.read_text().splitlines()
                            if "--cache-size auto: " in line), "")
@@ -280,7 +281,7 @@ def imagenet_sweep(items: int = IMAGENET_ITEMS, sizes: tuple[int, ...] = IMAGENE
         held.append((stage.name, choice.size_bytes))
         rows.append({"stage": stage.name, "arena_bytes": choice.size_bytes, "arena": format_size(choice.size_bytes),
                      "reason": choice.reason})
-    legacy = []
+    legacy: list[int] = []
     for size in sizes:  # each alone: half of what is free, a quarter of the RAM (before issue 36)
         stage = build_stage("resize", size=size)
         source = PreparedSource("imagenet", items, stage.spec.max_nbytes, exact=False)

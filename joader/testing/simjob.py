@@ -86,7 +86,7 @@ class PlainImageFolder(Dataset):
         from joader.stages import build_stage
 
         if self._stage is None:  # built lazily, in the DataLoader worker
-            options = {"decoder": self.decoder} if self.decoder else {}
+            options: dict[str, Any] = {"decoder": self.decoder} if self.decoder else {}
             self._stage = build_stage("center-crop", size=self.image_size, **options)
         item = self.ids[i]
         image = torch.from_numpy(self._stage.prepare(self.listing.read(item), self.listing.paths[item]))

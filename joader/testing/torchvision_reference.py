@@ -30,16 +30,15 @@ FORMATS = ["JPEG", "PNG", "L", "L-JPEG", "P", "RGBA", "CMYK", "I;16"]
 
 def torchvision_reference(data: bytes, size: int, mode: str = "RGB", exif: bool = False) -> np.ndarray:
     """torchvision's ImageFolder sample + Resize(size) + CenterCrop(size), as uint8 CHW."""
-    with Image.open(io.BytesIO(data)) as img:
-        if exif:
-            img = ImageOps.exif_transpose(img)
+    with Image.open(io.BytesIO(data)) as opened:
+        img: Image.Image = ImageOps.exif_transpose(opened) if exif else opened
         pic = img.convert(mode)
     w, h = pic.size
     short, long = (w, h) if w <= h else (h, w)
     new_short, new_long = size, int(size * long / short)
     new_w, new_h = (new_short, new_long) if w <= h else (new_long, new_short)
     if (new_w, new_h) != (w, h):
-        pic = pic.resize((new_w, new_h), Image.BILINEAR)
+        pic = pic.resize((new_w, new_h), Image.Resampling.BILINEAR)
     if (new_w, new_h) != (size, size):
         top = int(round((new_h - size) / 2.0))
         left = int(round((new_w - size) / 2.0))
