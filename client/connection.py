@@ -46,7 +46,7 @@ _UNREACHABLE_GRACE_S = 5.0
 _ARENAS_KEPT = 2  # mappings a process keeps: the current arena's, and the previous one's for
 # replies still being read (a dead arena's pages count against /dev/shm while mapped)
 # Whole batches one Next reply may carry when they are ready at once (a warm cache): one round
-# trip, one protobuf and one acknowledgement per several batches (bench/delivery.py). joaderd
+# trip, one protobuf and one acknowledgement per several batches (bench/micro/delivery.py). joaderd
 # still waits only for the first; the others are handed out only if already prepared.
 BATCHES_PER_REQUEST = 4
 

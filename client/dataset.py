@@ -137,7 +137,7 @@ class JoaderDataset(IterableDataset):
             process reads this many replies (batches) ahead: it waits for joaderd, copies the
             items out and runs `transform` while the loop steps (`joader.client.prefetch`). 0:
             all of that runs inside the loop's `next()`. 1, the default, measured best on four
-            plain jobs started together (bench/four_jobs.py): 93-94% of the GPU-bound ideal
+            plain jobs started together (bench/system/four_jobs.py): 93-94% of the GPU-bound ideal
             against 86-89% with 0, and as few decodes; 2 decoded up to 30% more (a job far ahead
             stopped waiting for the decodes the others then found cached, and the jobs drifted
             apart) for no gain in speed. The transform then draws its random

@@ -114,8 +114,8 @@ def _start_keeper(registration: dict[str, Any], timeout_s: float, pass_fds: tupl
     """The keeper process and its answer, or the error it reported, raised here.
 
     NOTE [ The frame that raises a failed registration ]
-    bench/chaos.py tells a launch that never attached (no joaderd answered) by this function's
-    name in the traceback: keep the raise here, under this name."""
+    joader/testing/chaos.py (`_never_attached`) tells a launch that never attached (no joaderd
+    answered) by this function's name in the traceback: keep the raise here, under this name."""
     keeper = subprocess.Popen(list(command), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               pass_fds=pass_fds)
     assert keeper.stdin is not None and keeper.stdout is not None

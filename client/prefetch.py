@@ -2,7 +2,7 @@
 
 Without DataLoader workers, every piece of a batch's client work - waiting for joaderd's reply,
 copying the items out of the arena, the job's `transform` - ran inside the training loop's
-`next()`, one after the other with its step. Measured on four plain jobs (bench/four_jobs.py:
+`next()`, one after the other with its step. Measured on four plain jobs (bench/system/four_jobs.py:
 batch 25, a random crop and flip, an emulated 0.08 s GPU step), that was 5-6 ms per batch, 0.84 s
 of each job's 8.5 s span: the gap between the jobs and their GPU-bound ideal. A DataLoader over a
 map dataset hides the same work in its workers; `prefetched` hides it in one thread of the

@@ -21,7 +21,7 @@ moves for `cooldown_s` (the jobs need time to show its effect). One exception: a
 `grow_now_stall` (a third) of its time or more on workers that are all busy grows the pool at
 the first period that shows it. That is the start of every run (an empty cache, every job
 wanting its first batches): with patience, four jobs on 2 cores got their second worker 2 s
-later, a quarter into an 8 s run (`bench/four_jobs.py --server-workers auto --no-barrier`),
+later, a quarter into an 8 s run (`bench/system/four_jobs.py --server-workers auto --no-barrier`),
 while a worker too many costs one process until the cooldown lets it go. Bounds: `min_workers` ..
 `max_workers` (default 1 .. the CPUs joaderd may use). Every change is logged with its reason
 and shown by `joader status` / `joader top` (the pool's resize log).
@@ -112,7 +112,7 @@ class Autoscaler:
 # The grow rule once asked for idle cores in every case, so that a worker would never take a core
 # from compute-bound jobs. On a host that other work keeps busy (another tenant, a build) the host
 # never shows an idle core, and four jobs that waited 55-70% of their time for data stayed at one
-# worker for the whole run (issue 29: bench/four_jobs.py at a 0.04 s step, 0 resizes, 38% of the
+# worker for the whole run (issue 29: bench/system/four_jobs.py at a 0.04 s step, 0 resizes, 38% of the
 # ideal, where a fixed pool of 2 gave 68-74%; a second worker that came only when the other work
 # paused). A job waiting a third of its time or more is not compute-bound: a new worker's CPU then
 # comes from the other work at the kernel's fair share, as a fixed pool's would. Below a third,

@@ -41,7 +41,7 @@ every pairwise bound. Ordering ties by job id instead gave (a, b, c), and a and 
 The n-job sharing rate: in a round, the selectors of one vertex share one item, so the number
 of distinct items a round prepares is the number of vertices selected by someone plus the number
 of leaf draws (formula in joader.sampling.dependent). It is 1 for identical datasets; for 32 jobs
-on random 80%-overlapping subsets it is about 28 of 32 (bench/sampler.py), because the
+on random 80%-overlapping subsets it is about 28 of 32 (bench/micro/sampler.py), because the
 intersection of a long suffix of random subsets is nearly empty.
 """
 

@@ -25,7 +25,7 @@ Decoders: "pil" is exactly torchvision's decode + Resize + CenterCrop, bit for b
 work for extreme shapes); "pil-draft" adds `Image.draft` for large JPEGs (DCT scaling: faster,
 not bit-exact); "turbo" (the default) decodes JPEGs with simplejpeg (libjpeg-turbo, scaled DCT;
 options fastdct, fastupsample) and resizes with OpenCV, within about a grey level of "pil" on
-average, about twice as fast on ImageNet-sized JPEGs (`bench/stage.py`, `bench/decoders.py`,
+average, about twice as fast on ImageNet-sized JPEGs (`bench/micro/stage.py`, `bench/micro/decoders.py`,
 docs/decoders.md). Non-JPEG files are decoded by Pillow under all three.
 
 User stages: "package.module:factory", factory(options) -> an object with prepare(data, path)

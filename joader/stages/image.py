@@ -4,12 +4,12 @@ pil-draft, turbo.
 decoder "pil" is exactly torchvision's ImageFolder + Resize(S) + CenterCrop(S), bit for bit, for
 every format: `Image.open(f).convert("RGB")` (or "L"), the shorter side resized to S with Pillow's
 BILINEAR (antialiased; the longer side `int(S * long / short)`), then the center S x S square at
-top = int(round((h - S) / 2.0)), left = int(round((w - S) / 2.0)) (tests/unit/stages/
-test_torchvision_parity.py holds a reference written from torchvision's documented behaviour).
+top = int(round((h - S) / 2.0)), left = int(round((w - S) / 2.0)) (joader/testing/
+torchvision_reference.py holds a reference written from torchvision's documented behaviour).
 
 decoder "pil-draft" is "pil" with `Image.draft` before a JPEG's decode: libjpeg decodes at the
 smallest DCT scale (1/2, 1/4, 1/8) that still covers the resize target, much faster on large
-photos, but not torchvision's pixels (bench/decoders.py measures how far; docs/decoders.md).
+photos, but not torchvision's pixels (bench/micro/decoders.py measures how far; docs/decoders.md).
 
 decoder "turbo" decodes JPEGs with simplejpeg (libjpeg-turbo straight into a numpy array; a
 reduced DCT scale, 1/2, 1/4 or 1/8, whenever it still covers the resize target; the exact DCT
@@ -62,10 +62,10 @@ IMAGE_KINDS = ("center-crop", "resize", "max-side")
 MODES = {"RGB": 3, "L": 1}
 DECODERS = ("pil", "pil-draft", "turbo")
 # turbo: about 1.8x joaderd's decode capacity of pil on ImageNet-sized JPEGs, within about one
-# grey level of it on average (bench/stage.py, bench/decoders.py); pil stays for exact parity.
+# grey level of it on average (bench/micro/stage.py, bench/micro/decoders.py); pil stays for exact parity.
 DEFAULT_DECODER = "turbo"
 # Options of decoder turbo and their defaults. fastdct (libjpeg's fast integer IDCT) measured no
-# faster here (bench/stage.py: within +-5%, noise) and 0.4 grey levels further from pil, so the
+# faster here (bench/micro/stage.py: within +-5%, noise) and 0.4 grey levels further from pil, so the
 # exact DCT is the default; fastupsample costs up to 20 grey levels on colour edges.
 TURBO_OPTIONS = {"fastdct": False, "fastupsample": False}
 

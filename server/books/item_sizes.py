@@ -10,7 +10,7 @@ the bound ]), found in one of three ways, cheapest first:
   decode (`ItemSizes.want`), a decode worker reads that header, off the registry's lock; the
   answer is taken at the next `ItemCache.dispatch` (`ItemSizes.probe`). Decodes go earliest due
   first and items usually wait well ahead of their turn (the jobs' lookahead), so the answer is
-  usually there first: for 90-93% of first decodes in bench/cache_fill.py (65% with a cache
+  usually there first: for 90-93% of first decodes in bench/system/cache_fill.py (65% with a cache
   whose share per job is a dozen items, where decodes start just in time).
 - *size first* (`DecodeSubmitter.sizes_first`): an item whose size is still unknown at its turn
   (its probe is out and a worker would otherwise idle; a header the stage cannot read; a user
@@ -66,7 +66,7 @@ _MAX_SIZE = 2**32 - 1  # sizes are kept as uint32; a larger item is always given
 # tail behind as a hole. With several decodes in flight those tails become holes between items,
 # too small for the next bound: with `resize:160` over 400 photos (42 MiB prepared) a 64 MiB
 # cache given bounds made its first eviction at 17% full, held 39% after 3 epochs with 97% of
-# its free bytes in crumbs, and decoded each item 2.35 times (bench/cache_fill.py). Given exact
+# its free bytes in crumbs, and decoded each item 2.35 times (bench/system/cache_fill.py). Given exact
 # sizes it is 66% full, nothing evicted, 1 decode per item. So a decode is given exactly its
 # item's bytes whenever they can be known before it runs.
 

@@ -256,7 +256,7 @@ def keep_heap() -> None:
     thresholds the heap's top was then above the trim threshold (twice the largest array freed),
     so it went back to the kernel after every task, and the next decode faulted it in again: 270
     page faults per 500x375 decode, 2.2 ms of CPU per task against 1.6 ms for the same stage in a
-    loop that keeps its last arrays alive (`bench/stage.py`). Fixed thresholds (which also turn
+    loop that keeps its last arrays alive (`bench/micro/stage.py`). Fixed thresholds (which also turn
     the adaptation off) cut that to about 10 faults and 1.8 ms. The cost: each worker may keep
     up to `HEAP_TRIM_THRESHOLD` of freed memory. Not glibc (no `mallopt`): nothing changes."""
     try:

@@ -445,7 +445,7 @@ def _queue_fill(job: Job) -> int:
     capacity (NOTE [ Extra batches ] in dealing.py: a queue drained below it loses rounds it
     should share), and rounds filled a queue only up to its capacity: so a warm job got one
     batch per reply, and paid one gRPC call per batch (about 300 us of the main process's CPU,
-    bench/grpc_floor.py: 5 us per item of 64, issue 37). Where the cache has room, rounds now
+    bench/micro/grpc_floor.py: 5 us per item of 64, issue 37). Where the cache has room, rounds now
     fill a queue further, by the extra batches its readers ask for (`reply_batches` - 1, the
     client asks for 4), never to twice its capacity less a batch (beyond twice it sits out
     rounds), and only while no decode waits or runs as a batch of rounds starts

@@ -33,7 +33,7 @@ NOTE [ No turn after a restart ]
 A pass a joaderd restart interrupted (`PassBook.continued`) is not dealt in the loop's turn:
 counted from zero on the new server, a worker whose part ended on the dead server (it never asks
 again) came first for good, and the worker holding the epoch's last batch waited for it
-(`bench/restart_storm.py --mode workers`). Its readers are dealt by copies held instead: a
+(`bench/soak/restart_storm.py --mode workers`). Its readers are dealt by copies held instead: a
 reader holding more copies than another reader of the pass that waits now lets that one go
 first, which keeps the workers' batches roughly in step with the loop's order.
 

@@ -21,7 +21,7 @@ rule plans no further behind the leader than that. A job slower for good reaches
 sits out rounds as before: it shares what it draws beside the leader. With the old rule alone,
 the job behind sat out once one batch behind, the leader drew alone, their remaining sets parted,
 and Theorem 1's share |R1 ∩ R2| / max(|R1|, |R2|) fell for the rest of the epoch (three jobs with
-30% step jitter, simulated by bench/drift_sim.py: 2.75 jobs served per decode, not 3; 3.02 with
+30% step jitter, simulated by bench/micro/drift_sim.py: 2.75 jobs served per decode, not 3; 3.02 with
 the rule).
 
 NOTE [ A leader waits only where it costs the sweep nothing ]
@@ -37,13 +37,13 @@ a job much slower (different models keep their own speeds; a slow job loses shar
 others their speed), never on an idle host, and never for or by an order="independent" job.
 
 NOTE [ The in-step rules are opt-in ]
-Measured with real training (bench/field.py: three CPU-bound jobs of a digits lr sweep, a quarter
+Measured with real training (bench/field/field.py: three CPU-bound jobs of a digits lr sweep, a quarter
 cache, medians of 3 on a quiet host), both rules help jobs started together from a start file
 (jobs served per decode: 2.91 with neither, 3.12 and 2.43 in two runs with planning, 3.44 with
 holds too, which also finished sooner, 11.2 s against 13.4) but not the same jobs launched as
 plain scripts, which start reading up to a second apart: 2.53 with neither (median of 6), 2.11
 with planning (of 9), 2.22 with holds, and makespans of 14 s against 17-18 s, with more CPU. The
-simulation (bench/drift_sim.py) shows the gains and not that cost, so what the real runs pay is
+simulation (bench/micro/drift_sim.py) shows the gains and not that cost, so what the real runs pay is
 not modelled there; candidates: the longer queues' per-request scans (`_count_ready`,
 `_recheck_failures` walk the queue), held jobs' empty replies and re-asks, a job still starting
 counted as behind. Until that is found, `--plan-horizon` and `--max-hold-s` are 0 by default:
