@@ -89,6 +89,7 @@ bench-full: $(EXTRA)bench
 
 lint: $(EXTRA)dev
 	$(VENV)/bin/ruff check joader server client tests bench
+	$(PY) -m mypy server client joader
 
 proto: $(EXTRA)dev
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. joader/proto/joader.proto

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from joader.cache.arena import parse_size
 from joader.errors import InvalidArgumentError
@@ -50,7 +50,7 @@ def workers(value: Any, where: str, example: str) -> int | str:
     return int(value)
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -404,7 +404,7 @@ def _remove_stale_later(stopping: threading.Event) -> None:
 
 
 def _exit_when_idle(registry: Registry, idle_exit_s: float, stopping: threading.Event,
-                    stop_serving: Callable[[], None]) -> None:
+                    stop_serving: Callable[[], object]) -> None:
     """`--idle-exit-s`: asks the registry about once a second (server/registry/idle_exit.py) and stops
     joaderd, as SIGTERM does, once it had no job for that long."""
     while not stopping.wait(check_period_s(idle_exit_s)):
@@ -452,7 +452,7 @@ def _remove_own_ready_file(ready_file: Path) -> None:
 OWNER_CHECK_S = 0.5  # how often --exit-with looks at its process
 
 
-def _exit_with(owner: ProcessRef, stopping: threading.Event, stop_serving: Callable[[], None]) -> None:
+def _exit_with(owner: ProcessRef, stopping: threading.Event, stop_serving: Callable[[], object]) -> None:
     """`--exit-with`: stops joaderd, as SIGTERM does, once the process it was started for (a
     `joader.serve` driver) has ended, however it ended (NOTE [ A driver's server ends with the
     driver ] in `joader.client.autostart`)."""

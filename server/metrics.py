@@ -73,7 +73,7 @@ class StatusCollector(Collector):
         yield gauge("joader_decode_workers_busy", "Decode workers decoding now.", workers.get("busy", 0))
 
         labels = ["job", "job_id", "source"]
-        families = {
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
             "wait": CounterMetricFamily(
                 "joader_job_wait_seconds",
                 "Seconds the job's training loop waited inside next() for data (measured by a "

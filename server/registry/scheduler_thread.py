@@ -83,8 +83,8 @@ class SchedulerThread:
                                   f"a DSA round of source {source.name}")
                     scheduler.acting = ()
                 while scheduler.broken:
-                    job_id, error = scheduler.broken.pop()
-                    self._contain(error, [job_id], f"dealing a DSA round of source {source.name}")
+                    job_id, broken = scheduler.broken.pop()
+                    self._contain(broken, [job_id], f"dealing a DSA round of source {source.name}")
                 if not ran:
                     break
                 budget -= ran
