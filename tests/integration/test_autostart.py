@@ -6,11 +6,9 @@ Every sample is checked against a decode made here (`joader.testing.integrity`).
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,10 +16,17 @@ from typing import Any
 
 import pytest
 
-from joader.client.autostart import ServerSpec, listening, stop_server
+from joader.client.autostart import ServerSpec, listening
 from joader.launch import read_ready_file
 from joader.testing.integrity import Findings, check_records, read_records
-from tests.support.processes import IMAGE_SIZE, NUM_DEMO_ITEMS, ROOT, finish, wait_for
+from tests.support.processes import (
+    IMAGE_SIZE,
+    NUM_DEMO_ITEMS,
+    ROOT,
+    finish,
+    private_runtime_dir,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -31,16 +36,8 @@ def runtime_dir() -> Iterator[Path]:
     """A private XDG_RUNTIME_DIR: this test's auto-started servers, their sockets and locks are
     its own. Every server started under it is stopped afterwards, and must have been only one
     per spec."""
-    path = Path(tempfile.mkdtemp(prefix="ja-", dir="/tmp"))  # short: sun_path is 108 bytes
-    os.chmod(path, 0o700)
-    try:
+    with private_runtime_dir("ja-") as path:
         yield path
-    finally:
-        for ready in (path / "joader").glob("*.ready"):
-            info = read_ready_file(ready)
-            if info is not None:
-                stop_server(int(info["pid"]), timeout_s=20)
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _env(runtime_dir: Path, **extra: str) -> dict[str, str]:
@@ -223,8 +220,24 @@ print("block ended", flush=True)
 
 
 def _driver(demo_root: Path, tmp_path: Path, env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", _DRIVER, str(demo_root), str(IMAGE_SIZE), str(tmp_path / "end")],
+    # -X faulthandler: a driver that hangs is made to print every thread's stack (`_exited`)
+    return subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", _DRIVER, str(demo_root), str(IMAGE_SIZE),
+                             str(tmp_path / "end")],
                             env=env, stdout=subprocess.PIPE, stderr=open(tmp_path / "driver.err", "wb"), text=True)
+
+
+def _exited(driver: subprocess.Popen[str], tmp_path: Path, timeout_s: float) -> int:
+    """The driver's exit code; if it is still running after `timeout_s`, the test fails with
+    where it hangs: its signal masks and every thread's Python stack (SIGABRT to faulthandler)."""
+    try:
+        return driver.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        status = Path(f"/proc/{driver.pid}/status").read_text()
+        masks = [line for line in status.splitlines() if line.startswith(("State", "Sig"))]
+        driver.send_signal(signal.SIGABRT)
+        driver.wait(timeout=30)
+        pytest.fail(f"the driver did not exit within {timeout_s:g} s ({masks}); its stderr:\n"
+                    + (tmp_path / "driver.err").read_text())
 
 
 def _owner_of(server_pid: int) -> str:
@@ -266,7 +279,7 @@ def test_serve_interrupted_while_its_server_starts_leaves_nothing(demo_root: Pat
     driver = _driver(demo_root, tmp_path, _env(runtime_dir))
     wait_for(lambda: _starts(socket) == 1, 60, "the driver to start joaderd")
     driver.send_signal(signal.SIGINT)  # Ctrl-C before the server is ready
-    assert driver.wait(timeout=60) != 0
+    assert _exited(driver, tmp_path, 60) != 0
     assert "KeyboardInterrupt" in (tmp_path / "driver.err").read_text()
     _nothing_left(socket, [])
 

@@ -10,18 +10,14 @@ while the user's root= server ran.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from joader.client.autostart import ServerSpec, ensure_server, stop_server
+from joader.client.autostart import ServerSpec, ensure_server
 from joader.client.tools.cli import main
-from joader.launch import read_ready_file
-from tests.support.processes import IMAGE_SIZE
+from tests.support.processes import IMAGE_SIZE, private_runtime_dir
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -30,20 +26,12 @@ pytestmark = pytest.mark.timeout(180)
 def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A private XDG_RUNTIME_DIR for this test's servers and tools; every server started under
     it is stopped afterwards."""
-    path = Path(tempfile.mkdtemp(prefix="jt-", dir="/tmp"))  # short: sun_path is 108 bytes
-    os.chmod(path, 0o700)
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(path))
-    for name in ("JOADER_ADDRESS", "JOADER_IDLE_EXIT_S", "JOADER_SERVE_OWNER"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("JOADER_CACHE_SIZE", "4MiB")
-    try:
+    with private_runtime_dir("jt-") as path:
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(path))
+        for name in ("JOADER_ADDRESS", "JOADER_IDLE_EXIT_S", "JOADER_SERVE_OWNER"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("JOADER_CACHE_SIZE", "4MiB")
         yield path
-    finally:
-        for ready in (path / "joader").glob("*.ready"):
-            info = read_ready_file(ready)
-            if info is not None:
-                stop_server(int(info["pid"]), timeout_s=20)
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

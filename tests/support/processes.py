@@ -5,13 +5,17 @@ own, so a process group is not enough), and fails if one is left.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -183,3 +187,23 @@ def finish(proc: subprocess.Popen[bytes], timeout_s: float = 120) -> int:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         pytest.fail(f"job {proc.args} did not finish within {timeout_s:g} s")
+
+
+@contextlib.contextmanager
+def private_runtime_dir(prefix: str) -> Iterator[Path]:
+    """A private XDG_RUNTIME_DIR for a test's auto-started servers, their sockets, locks and
+    ready files (short, under /tmp: sun_path is 108 bytes); every server started under it is
+    stopped afterwards, and the folder removed."""
+    from joader.client.autostart import stop_server
+    from joader.launch import read_ready_file
+
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    os.chmod(path, 0o700)
+    try:
+        yield path
+    finally:
+        for ready in (path / "joader").glob("*.ready"):
+            info = read_ready_file(ready)
+            if info is not None:
+                stop_server(int(info["pid"]), timeout_s=20)
+        shutil.rmtree(path, ignore_errors=True)
