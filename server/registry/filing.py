@@ -8,18 +8,12 @@ acquisition of the lock (`file_results`), and wakes the jobs waiting for them; t
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 from joader.server.books.containment import contained, is_bookkeeping_error
-from joader.server.books.records import Item, Job, Source
-
-if TYPE_CHECKING:
-    from joader.server.books.item_cache import ItemCache
-    from joader.server.registry.jobs import JobTable
-    from joader.server.registry.registry import RegistryConfig
-    from joader.server.scheduling.scheduler import Scheduler
+from joader.server.books.records import Item, Source
+from joader.server.registry.state import RegistryState
 
 logger = logging.getLogger(__name__)
 
@@ -45,22 +39,8 @@ class FinishedDecode(Protocol):
     def checksum(self) -> int: ...
 
 
-class ResultFiling:
+class ResultFiling(RegistryState):
     """The `Registry`'s filing calls (a part of it: the registry's one lock guards them)."""
-
-    # Set by `Registry.__init__` (server/registry/registry.py) and guarded by its lock, `_cond`:
-    config: RegistryConfig
-    cache: ItemCache
-    jobs: JobTable
-    _cond: threading.Condition
-    _clock: Callable[[], float]
-    _scheduler: Scheduler
-    _stopped: bool
-    _needed: Callable[[Item], int]
-    _remove: Callable[[str, str], bool]
-    _dispatch: Callable[[], None]
-    _contain: Callable[[Exception, Sequence[str], str], str]
-    item_settled: Callable[[Job], None]  # NextProtocol's (NOTE [ Waking a Next when its batch is ready ])
 
     @contained("filing a decode", lambda registry, key, *_, **__: registry.waiting_for(key), reraise=False)
     def file_result(self, key: int, ok: bool, error: str | None, decode_s: float, *,

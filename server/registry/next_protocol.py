@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pyroaring import BitMap
@@ -27,36 +26,15 @@ from joader.server.books.records import ItemState, Job, PassBook, Rank
 from joader.server.books.source_watch import stopped_error
 from joader.server.registry.next_call import Batch, NextArgs, NextCall
 from joader.server.registry.queue_heads import heads
+from joader.server.registry.state import RegistryState
 from joader.server.scheduling import dealing
 from joader.server.scheduling.dealing import Turn
-
-if TYPE_CHECKING:
-    from joader.server.books.item_cache import ItemCache
-    from joader.server.registry.jobs import JobTable
-    from joader.server.registry.passes import PassTable
-    from joader.server.registry.registry import RegistryConfig
-    from joader.server.scheduling.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 
-class NextProtocol:
+class NextProtocol(RegistryState):
     """The `Registry`'s `Next` calls (a part of it: the registry's one lock guards them)."""
-
-    # Set by `Registry.__init__` (server/registry/registry.py) and guarded by its lock, `_cond`:
-    config: RegistryConfig
-    cache: ItemCache
-    jobs: JobTable
-    passes: PassTable
-    _cond: threading.Condition
-    _clock: Callable[[], float]
-    _scheduler: Scheduler
-    _stopped: bool
-    items_delivered: int
-    items_reused: int
-    _sources: dict[str, Any]
-    _check_alive: Callable[[], None]
-    _resize_queues: Callable[[], None]
 
     @contained("Next", lambda registry, args, *_, **__: [args.job_id])
     def begin_next(self, args: NextArgs, waker: Callable[[], None]) -> NextCall | Batch:

@@ -7,37 +7,12 @@ that job (`Registry.contain`), and the round goes on for the others.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
-
 from joader.server.books.containment import is_bookkeeping_error
-
-if TYPE_CHECKING:
-    from joader.server.books.item_cache import DecodeSubmitter, ItemCache
-    from joader.server.books.records import Job
-    from joader.server.registry.jobs import JobTable
-    from joader.server.registry.registry import RegistryConfig
-    from joader.server.scheduling.scheduler import Scheduler
+from joader.server.registry.state import RegistryState
 
 
-class SchedulerThread:
+class SchedulerThread(RegistryState):
     """The `Registry`'s scheduling turns (a part of it: the registry's one lock guards them)."""
-
-    # Set by `Registry.__init__` (server/registry/registry.py) and guarded by its lock, `_cond`:
-    config: RegistryConfig
-    cache: ItemCache
-    jobs: JobTable
-    _cond: threading.Condition
-    _clock: Callable[[], float]
-    _scheduler: Scheduler
-    _stopped: bool
-    _pool: DecodeSubmitter
-    _sources: dict[str, Any]
-    _source_index: dict[str, int]
-    _contain: Callable[[Exception, Sequence[str], str], str]
-    _remove: Callable[[str, str], bool]
-    item_settled: Callable[[Job], None]  # NextProtocol's
 
     # NOTE [ A turn wakes a Next as a settled item does ]
     # A round's pick of a cached item is ready at once, so a turn that ran rounds may change a
