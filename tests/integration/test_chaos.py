@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(330)
 
 
 def test_a_short_soak_delivers_only_the_right_samples_exactly_once() -> None:
-    summary = chaos.soak(80.0, seed=17, fault_every_s=4.0, episode_s=40.0)
+    summary = chaos.soak(60.0, seed=17, fault_every_s=3.0, episode_s=30.0)  # 20 faults, two episodes
     print(summary.line())
     assert summary.ok, summary.line() + "".join(f"\n  {p}" for p in summary.problems[:15])
     assert summary.samples_checked > 3000
