@@ -52,6 +52,7 @@ from joader.server.pool.records import (
     PoolConfig,
     PoolStats,
     Probe,
+    ProbeSizes,
     SourceSpec,
     Worker,
     recv_nowait,
@@ -59,7 +60,7 @@ from joader.server.pool.records import (
 from joader.server.pool.resizing import Resizing
 from joader.server.pool.roster import Roster
 from joader.server.pool.spawning import WorkerSpawning
-from joader.server.pool.worker import MAX_MESSAGE, SIZES
+from joader.server.pool.worker import MAX_MESSAGE
 
 __all__ = ["DecodePool", "DecodeResult", "PoolConfig", "PoolStats", "SourceSpec"]
 
@@ -349,16 +350,16 @@ class DecodePool:
                 return
             self._read_message(worker, pickle.loads(data))
 
-    def _read_message(self, worker: Worker, message: tuple[Any, ...]) -> None:
+    def _read_message(self, worker: Worker, message: DecodeResult | ProbeSizes) -> None:
+        """Files one message of `worker` (NOTE [ Named worker results ] in records.py)."""
         roster = self._roster
         head = worker.tasks[0] if worker.tasks else None
-        if message[0] == SIZES:
-            _, probe_id, sizes = message
-            if isinstance(head, Probe) and head.probe_id == probe_id:
+        if isinstance(message, ProbeSizes):
+            if isinstance(head, Probe) and head.probe_id == message.probe_id:
                 worker.tasks.popleft()
-                self._probing.answered(head, sizes)
+                self._probing.answered(head, message.sizes)
         else:
-            result = DecodeResult(*message)
+            result = message
             if result.ok or result.nbytes:  # decoded (a misfit too: it decoded, then did not fit)
                 self._faults.measured(result.decode_s)
             if isinstance(head, DecodeTask) and head.task_id == result.task_id:

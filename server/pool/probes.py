@@ -62,7 +62,7 @@ class Probing:
             sizes, self._sizes = self._sizes, []
             return sizes
 
-    def answered(self, probe: Probe, sizes: list[tuple[int, int]]) -> None:
+    def answered(self, probe: Probe, sizes: tuple[tuple[int, int], ...]) -> None:
         """A worker's answer to `probe`: (item id, bytes or 0) for each of its items."""
         self._sizes.extend((probe.source_index, item_id, nbytes) for item_id, nbytes in sizes)
 

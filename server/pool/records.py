@@ -19,10 +19,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from joader.server.pool.worker import MAX_MESSAGE, PROBE
+__all__ = ["MAX_MESSAGE", "PROBE", "DecodeResult", "DecodeTask", "PoolConfig", "PoolStats", "Probe", "ProbeSizes",
+           "SourceSpec", "Worker", "recv_nowait"]
 
-__all__ = ["DecodeResult", "DecodeTask", "PoolConfig", "PoolStats", "Probe", "SourceSpec", "Worker",
-           "recv_nowait"]
+MAX_MESSAGE = 1 << 16  # bytes of one message over a worker's socket, at most
+PROBE = "probe"  # a probe task: (PROBE, probe id, source index, item ids)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,15 @@ class SourceSpec:
 
     source: Any
     stage: Any
+
+
+# NOTE [ Named worker results ]
+# A worker answers each task with one pickled message: a decode with a `DecodeResult`, a probe
+# with a `ProbeSizes`. They were positional tuples, a probe's told apart by its first field (a
+# "sizes" tag) and a decode's rebuilt field by field on joaderd's side; they are now named
+# tuples, pickled as they are (by class, fields in order: a worker is forked from joaderd and
+# has the same module), and joaderd's reader (`DecodePool._read_message`) tells them apart by
+# type.
 
 
 class DecodeResult(NamedTuple):
@@ -53,6 +63,13 @@ class DecodeResult(NamedTuple):
     # keeps the prepared array, and the item needs this many
     nbytes: int = 0
     checksum: int = 0  # zlib.crc32 of the bytes written into the arena (clients may verify)
+
+
+class ProbeSizes(NamedTuple):
+    """A probe's answer, as its worker sent it (`joader.server.pool.worker.run_probe`)."""
+
+    probe_id: int
+    sizes: tuple[tuple[int, int], ...]  # (item id, exact bytes or 0 if unknown), in the probe's order
 
 
 @dataclass(frozen=True)

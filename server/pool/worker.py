@@ -51,16 +51,14 @@ import numpy as np
 
 from joader.errors import DecodeError
 from joader.proto import DTYPE_CODES
+from joader.server.pool.records import MAX_MESSAGE, PROBE, DecodeResult, ProbeSizes
 from joader.sources.safe_open import display_path
 
-__all__ = ["MAX_MESSAGE", "PROBE", "SIZES", "Staging", "WorkerContext", "close_inherited", "die_with_parent",
+__all__ = ["MAX_MESSAGE", "PROBE", "Staging", "WorkerContext", "close_inherited", "die_with_parent",
            "keep_heap", "run_probe", "run_task", "worker_main"]
 
-MAX_MESSAGE = 1 << 16
 ERROR_LIMIT = 2000  # characters of an error text; results must stay small messages
 _PR_SET_PDEATHSIG = 1
-PROBE = "probe"  # a probe task: (PROBE, probe id, source index, item ids)
-SIZES = "sizes"  # its result: (SIZES, probe id, ((item id, exact bytes or 0 if unknown), ...))
 STAGED_ITEMS = 8  # prepared arrays a worker keeps for the copy joaderd asks for next
 STAGED_BYTES = 256 << 20  # ... and their bytes at most (the newest is kept whatever its size)
 STAGED_S = 10.0  # ... for this long at most: a placement comes within milliseconds, unless the
@@ -147,9 +145,9 @@ def run_task(
     arena: mmap.mmap,
     sources: tuple[Any, ...],
     staging: Staging | None = None,
-) -> tuple[Any, ...]:
+) -> DecodeResult:
     """Reads, prepares and writes one item (or copies the array `staging` kept of it); returns
-    a `DecodeResult`'s fields. Capacity 0 (size first) or too small: nothing is written, the
+    its `DecodeResult`. Capacity 0 (size first) or too small: nothing is written, the
     array is kept in `staging`, and the result says how many bytes the item needs."""
     task_id, source_index, item_id, offset, capacity = task
     spec = sources[source_index]
@@ -164,8 +162,9 @@ def run_task(
             # nothing written: joaderd allocates what it needs (an empty item: one unit) and asks again
             if staging is not None:
                 staging.put((source_index, item_id), array)
-            return (task_id, False, f"{display_path(path)}: {array.nbytes} bytes, {capacity} allocated",
-                    path, time.perf_counter() - start, tuple(array.shape), array.dtype.name, max(array.nbytes, 1), 0)
+            return DecodeResult(task_id, False, f"{display_path(path)}: {array.nbytes} bytes, {capacity} allocated",
+                                path, time.perf_counter() - start, tuple(array.shape), array.dtype.name,
+                                max(array.nbytes, 1), 0)
         if problem:
             raise DecodeError(f"cannot prepare {path}: {problem}")
         written = array.reshape(-1).view(np.uint8)
@@ -174,13 +173,13 @@ def run_task(
         # stubs do not say so to zlib's)
         checksum = zlib.crc32(written)  # type: ignore[arg-type]
     except DecodeError as exc:
-        return (task_id, False, display_path(str(exc))[:ERROR_LIMIT], path, time.perf_counter() - start)
+        return DecodeResult(task_id, False, display_path(str(exc))[:ERROR_LIMIT], path, time.perf_counter() - start)
     except Exception as exc:  # a bug (or a user stage's error) must not kill the worker
         logging.getLogger(__name__).exception("decode worker: task %d failed", task_id)
         message = f"stage {spec.stage.name} failed on {path}: {type(exc).__name__}: {exc}"
-        return (task_id, False, display_path(message)[:ERROR_LIMIT], path, time.perf_counter() - start)
-    return (task_id, True, None, path, time.perf_counter() - start, tuple(array.shape), array.dtype.name, array.nbytes,
-            checksum)
+        return DecodeResult(task_id, False, display_path(message)[:ERROR_LIMIT], path, time.perf_counter() - start)
+    return DecodeResult(task_id, True, None, path, time.perf_counter() - start, tuple(array.shape), array.dtype.name,
+                        array.nbytes, checksum)
 
 
 _DID_NOT_FIT = "did not fit"
@@ -203,7 +202,7 @@ def check_output(array: np.ndarray, stage: Any, capacity: int) -> str | None:
     return None
 
 
-def run_probe(task: tuple[Any, ...], sources: tuple[Any, ...]) -> tuple[Any, ...]:
+def run_probe(task: tuple[Any, ...], sources: tuple[Any, ...]) -> ProbeSizes:
     """The exact sizes of a batch of items, from their files' headers (0: not known).
 
     A probe never fails: a file that cannot be read, or whose header the stage cannot read, is
@@ -223,7 +222,7 @@ def run_probe(task: tuple[Any, ...], sources: tuple[Any, ...]) -> tuple[Any, ...
             except Exception:
                 nbytes = 0
         sizes.append((item_id, nbytes))
-    return (SIZES, probe_id, tuple(sizes))
+    return ProbeSizes(probe_id, tuple(sizes))
 
 
 def close_inherited(keep: set[int]) -> None:

@@ -11,7 +11,7 @@ import pytest
 from joader.server.pool.decode_pool import DecodePool
 from joader.server.pool.faults import FaultHandling
 from joader.server.pool.probes import Probing
-from joader.server.pool.records import DecodeTask, PoolConfig, Worker
+from joader.server.pool.records import DecodeResult, DecodeTask, PoolConfig, Worker
 from joader.server.pool.roster import Roster
 from joader.server.pool.spawning import WorkerSpawning
 
@@ -44,8 +44,8 @@ def test_every_result_a_worker_sent_is_read_at_once_and_taken_in_one_batch() -> 
         worker.tasks.extend(tasks)
         pool = _bare_pool(worker, tasks)
         for task in tasks:  # what the worker sent while the consumer was busy filing
-            theirs.send(pickle.dumps((task.task_id, True, None, f"{task.task_id}.jpg", 0.001, (1, 2, 5), "uint8", 10,
-                                      task.task_id)))
+            theirs.send(pickle.dumps(DecodeResult(task.task_id, True, None, f"{task.task_id}.jpg", 0.001, (1, 2, 5),
+                                                  "uint8", 10, task.task_id)))
         pool._read_worker(worker)
         assert not worker.tasks and len(pool._roster.ready) == 3
         batch = pool._take_ready(limit=2)  # at most `limit`, in order
