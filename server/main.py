@@ -18,6 +18,9 @@ supervised `joaderd-idle` thread asks `Registry.exit_if_idle`, server/registry/i
 arena, the socket and the ready file. A restart after a crash removes the arenas a dead joaderd
 left behind.
 
+The status `joader status` shows is composed in server/status_view.py; the fault tests' hook
+(JOADERD_INJECT_FAULT) is server/fault_hooks.py.
+
 `--cache-size auto` sizes the arena from the sources once they are listed (server/cache_sizing.py);
 with `--cache-budget-dir` against what the user's other auto-sized servers hold
 (server/cache_budget.py), under that budget's lock until the arena is allocated and recorded.
@@ -44,7 +47,7 @@ from joader.cache.arena import Arena, format_size, remove_stale_arenas
 from joader.errors import CacheSpaceError, JoaderError
 from joader.launch import read_ready_file, write_ready_file
 from joader.process_ref import ProcessRef
-from joader.server import cpu_meter, log_limits
+from joader.server import cpu_meter, fault_hooks, log_limits
 from joader.server.autoscale import AutoscaleConfig, Autoscaler, PeriodMeter
 from joader.server.books.item_sizes import bound_is_nominal
 from joader.server.books.source_watch import SourceChecker
@@ -64,13 +67,13 @@ from joader.server.metrics import serve_metrics
 from joader.server.pool.decode_pool import DecodePool, PoolConfig, SourceSpec
 from joader.server.registry.idle_exit import check_period_s
 from joader.server.registry.registry import Registry, RegistryConfig, Source
+from joader.server.status_view import StatusView
 from joader.sources.base import open_source
 from joader.stages import build_stage
 
 logger = logging.getLogger("joader.server")
 
 EXIT_INTERNAL_ERROR = 70  # EX_SOFTWARE
-FAULT_ENV = "JOADERD_INJECT_FAULT"  # tests only: "scheduler" or "results" (see _inject_fault)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,8 +267,9 @@ async def _serve(
         loop.call_soon_threadsafe(stop.set)
 
     supervisor = Supervisor(fail)
-    _inject_fault(registry, os.environ.get(FAULT_ENV, ""))
-    supervisor.spawn("joaderd-scheduler", registry.run_scheduler)
+    fault_hooks.arm(os.environ)  # tests only: server/fault_hooks.py
+    supervisor.spawn("joaderd-scheduler",
+                     lambda: registry.run_scheduler(after_work=lambda: fault_hooks.reached(fault_hooks.SCHEDULER)))
     supervisor.spawn("joaderd-results", lambda: _forward_results(pool, registry, stopping))
     supervisor.spawn("joaderd-sources", lambda: checker.run(registry.source_checked, stopping))
     if config.max_hold_s > 0:
@@ -274,45 +278,11 @@ async def _serve(
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(signum, stop.set)
 
-    def extra_status() -> dict[str, Any]:
-        stats = pool.stats()
-        return {
-            "address": address,
-            "arena_path": str(arena.path),
-            "num_workers": stats.workers_configured,
-            "workers": {
-                "configured": stats.workers_configured,
-                "alive": stats.workers_alive,
-                "busy": stats.workers_busy,
-                "replaced": stats.workers_replaced,
-                "tasks_retried": stats.tasks_retried,
-                "tasks_timed_out": stats.tasks_timed_out,
-                "pids": list(stats.worker_pids),
-                "mode": "auto" if config.autoscale else "fixed",
-                "max": config.max_workers,
-                "resizes": list(stats.resizes),
-                "crash_loop": stats.crash_loop,
-                "restart_in_s": stats.restart_in_s,
-                "suspects": stats.suspects,
-                "quarantined": stats.quarantined,
-                "quarantine_lifted": stats.quarantine_lifted,
-                "decode_timeout_s": stats.decode_timeout_s,  # in force (auto: from measured decodes)
-            },
-            "cache_sizing": {
-                "mode": "fixed" if config.cache_size_bytes is not None else "auto",
-                "reason": cache_size.reason,
-                "dataset_bytes": cache_size.dataset_bytes,
-            },
-            "pid": os.getpid(),
-        }
-
-    def full_status() -> dict[str, Any]:  # what `joader status` shows: the autoscaler and /metrics read it too
-        return registry.status(extra_status())
-
+    status = StatusView(registry, pool, config, address, str(arena.path), cache_size)
     if config.autoscale:
-        supervisor.spawn("joaderd-autoscale", lambda: _autoscale(pool, full_status, config, stopping))
+        supervisor.spawn("joaderd-autoscale", lambda: _autoscale(pool, status.full, config, stopping))
     supervisor.spawn("joaderd-stale", lambda: _remove_stale_later(stopping))
-    servicer = JoaderServicer(registry, str(arena.path), extra_status)
+    servicer = JoaderServicer(registry, str(arena.path), status.extra)
     bind_address = address
     if (unix_path := socket_path(address)) is not None:
         prepare_server_socket(unix_path, address)  # checked again; a dead socket goes now
@@ -337,9 +307,10 @@ async def _serve(
             os.replace(bound, sock)  # NOTE [ An exiting joaderd removes only its own files ]
         elif address.rpartition(":")[2] == "0":
             address = f"{address.rpartition(':')[0]}:{port}"  # the port the kernel chose
+            status.address = address
         metrics_port = None
         if config.metrics_listen is not None:
-            metrics_server, metrics_port = serve_metrics(config.metrics_listen, full_status)
+            metrics_server, metrics_port = serve_metrics(config.metrics_listen, status.full)
         ready = {
             "address": address,
             "port": port if sock is None else None,
@@ -380,6 +351,7 @@ def _forward_results(pool: DecodePool, registry: Registry, stop: threading.Event
     while not stop.is_set():
         results = pool.get_results(timeout_s=0.2)
         if results:
+            fault_hooks.reached(fault_hooks.RESULTS)  # tests only: server/fault_hooks.py
             registry.file_results(results)
 
 
@@ -475,30 +447,6 @@ def _autoscale(pool: DecodePool, status: Callable[[], dict[str, Any]], config: S
         logger.debug("autoscale: %s -> %s", period, decision)
         if decision is not None:
             pool.resize(decision[0], reason=decision[1])
-
-
-def _inject_fault(registry: Registry, where: str) -> None:
-    """For the fault tests only: make a supervised thread raise, as a bug would.
-
-    `JOADERD_INJECT_FAULT=scheduler` raises in the scheduler thread after its first round;
-    `=results` in the results thread at the first finished decode. Nothing else reads it.
-    """
-    if where == "scheduler":
-        original_schedule = registry._schedule  # what the scheduler thread runs, under the lock
-
-        def schedule() -> bool:
-            if original_schedule():
-                raise RuntimeError(f"fault injected by {FAULT_ENV}=scheduler")
-            return False
-
-        registry._schedule = schedule  # type: ignore[method-assign]
-    elif where == "results":
-        def file_results(*_args: Any) -> None:
-            raise RuntimeError(f"fault injected by {FAULT_ENV}=results")
-
-        registry.file_results = file_results  # type: ignore[method-assign]
-    elif where:
-        logger.warning("%s=%r is not a known fault; ignored", FAULT_ENV, where)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ that job (`Registry.contain`), and the round goes on for the others.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from joader.server.books.containment import is_bookkeeping_error
 from joader.server.registry.state import RegistryState
 
@@ -24,13 +26,18 @@ class SchedulerThread(RegistryState):
     # (`NextProtocol.item_settled`, NOTE [ Waking a Next when its batch is ready ]); a call
     # held for another reason, or not yet polled, is still woken at every turn.
 
-    def run_scheduler(self) -> None:
-        """The scheduler thread: `schedule_once` until `stop`, sleeping when there is no work."""
+    def run_scheduler(self, after_work: Callable[[], None] = lambda: None) -> None:
+        """The scheduler thread: `schedule_once` until `stop`, sleeping when there is no work.
+
+        `after_work` is called, under the lock, after each turn that ran rounds (joaderd's fault
+        tests raise there: server/fault_hooks.py)."""
         while True:
             with self._cond:
                 if self._stopped:
                     return
-                if not self._schedule():
+                if self._schedule():
+                    after_work()
+                else:
                     self._cond.wait(0.25)
 
     def schedule_once(self) -> bool:
