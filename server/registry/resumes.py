@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from pyroaring import BitMap
 
@@ -197,7 +198,7 @@ def resume_waiting(job: Job, now: float) -> dict[str, object] | None:
     resume = job.resume
     if resume is None:
         return None
-    ranks = []
+    ranks: list[dict[str, Any]] = []
     for index in range(job.world_size):
         reports = sum(1 for r, _ in resume.reports if r == index)
         ranks.append({"rank": index, "reports": reports, "parts": resume.parts.get(index)})
