@@ -87,9 +87,18 @@ bench-full: $(EXTRA)bench
 	$(PY) -m bench.system.autoscale
 	$(PY) -m bench.system.four_jobs
 
+# mypy must see joader.server and joader.client where they install (server/ and client/ inside
+# the joader package: pyproject's package-dir). An editable install hides that mapping from it,
+# and every import of them was taken as Any, unchecked; so it reads a temporary tree of symlinks
+# in the installed layout.
 lint: $(EXTRA)dev
 	$(VENV)/bin/ruff check joader server client tests bench
-	$(PY) -m mypy server client joader
+	@tree=$$(mktemp -d) && mkdir $$tree/joader && \
+	for f in joader/*; do ln -s "$(CURDIR)/$$f" $$tree/joader/; done && \
+	ln -s "$(CURDIR)/server" $$tree/joader/server && ln -s "$(CURDIR)/client" $$tree/joader/client && \
+	echo "mypy -p joader (joader/, server/ as joader.server, client/ as joader.client)" && \
+	(cd $$tree && $(abspath $(PY)) -m mypy --config-file $(CURDIR)/pyproject.toml \
+		--cache-dir $(CURDIR)/.mypy_cache -p joader); rc=$$?; rm -rf $$tree; exit $$rc
 
 proto: $(EXTRA)dev
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. joader/proto/joader.proto

@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -361,11 +361,11 @@ class Reader:
                 for ids, value in chunk:
                     if progress.current is not pass_:
                         raise PassSupersededError(superseded_message(self.conn.job_id))
-                    if batched:
-                        progress.yielded(pass_, ids)
+                    if batched:  # the chunks' two shapes: a batch's indices, or an item's index
+                        progress.yielded(pass_, cast(list[int], ids))
                         value = self._emit(*value)
                     else:
-                        progress.yielded(pass_, [ids])
+                        progress.yielded(pass_, [cast(int, ids)])
                     if timed:
                         yielded = clock()
                         pass_.wait_s += yielded - started
