@@ -458,33 +458,18 @@ class ItemCache:
 
         `refcount(item)` counts the jobs that still need it, for the policy; `shape`, `dtype`
         and `nbytes` describe what the worker wrote at the item's offset. A result that is not
-        ok with `nbytes` larger than the item was given did not fit (`joader.server.books.item_sizes`): the item
-        waits for a decode again, and None is returned (nothing settled).
+        ok with `nbytes` larger than the item was given is a size (`file_size`), filed as such.
         """
         item = self.items.get(key)
         if item is None or item.state is not ItemState.DECODING:
             logger.warning("decode result for unknown item key %d ignored", key)
             return None
+        if not ok and nbytes > self._capacity[key]:  # a size, reported through the generic call
+            self.file_size(key, nbytes, error, decode_s)
+            return None
         source = item.source
         self.decode_s += decode_s
         capacity = self._capacity.pop(key)
-        if not ok and nbytes > capacity:
-            # Nothing was written: size first, or it outgrew the exact size it was given (its
-            # file changed since). Its worker keeps it; placed again at once (`joader.server.books.item_sizes`).
-            if capacity:
-                self.allocator.free(item.offset)
-                self.sizes.misfit(key)
-                self.decodes_refitted += 1
-                logger.info("source %s: item %d outgrew its size (%s); placing it again",
-                            source.name, item.item_id, error)
-            item.offset = -1
-            self.sizes.remember(source, item.item_id, nbytes)
-            self._move(item, ItemState.FAILED)  # its decode failed, and is tried again at once:
-            self._move(item, ItemState.WAITING)  # the usual transitions, no failure counted or reported
-            heapq.heappush(self._demand, (item.due_s, 0, key))
-            if self._dispatcher is not None:
-                self.dispatch(*self._dispatcher)  # the registry dispatches only after settled items
-            return None  # not settled: its waiters wait on
         self.sizes.fitted(key)
         watch = source.watch
         if watch is not None:
@@ -525,6 +510,38 @@ class ItemCache:
             )
         return item
 
+    def file_size(self, key: int, nbytes: int, error: str | None, decode_s: float) -> None:
+        """Files a decode that did not fit its range (the pool's `NeedsBytes`): size first, or it
+        outgrew the exact size it was given (its file changed since). Nothing was written and
+        its worker keeps the array; the item waits for a decode again, placed exactly
+        (`joader.server.books.item_sizes`). Nothing settles: its waiters wait on."""
+        item = self.items.get(key)
+        if item is None or item.state is not ItemState.DECODING:
+            logger.warning("decode result for unknown item key %d ignored", key)
+            return
+        source = item.source
+        self.decode_s += decode_s
+        capacity = self._capacity.pop(key)
+        if capacity:
+            self.allocator.free(item.offset)
+            self.sizes.misfit(key)
+            self.decodes_refitted += 1
+            logger.info("source %s: item %d outgrew its size (%s); placing it again",
+                        source.name, item.item_id, error)
+        item.offset = -1
+        self.sizes.remember(source, item.item_id, nbytes)
+        self._rewait(item)
+        heapq.heappush(self._demand, (item.due_s, 0, key))
+        if self._dispatcher is not None:
+            self.dispatch(*self._dispatcher)  # the registry dispatches only after settled items
+
+    def _rewait(self, item: Item) -> None:
+        """A decode that settled nothing (a size; a read held for its source's verdict): the item
+        waits again, no failure counted or reported. `ItemState` has no DECODING -> WAITING, so
+        it takes the two transitions FAILED, WAITING (the counts of both cancel out)."""
+        self._move(item, ItemState.FAILED)
+        self._move(item, ItemState.WAITING)
+
     def resync(self, expected_pins: dict[int, int], planned: dict[int, int], needed: Callable[[Item], int]) -> int:
         """Rewrites every item's pins, the planned reads and every cached item's refcount from
         the jobs' own books; returns how many items were corrected (`cache_audit.resync`)."""
@@ -538,8 +555,7 @@ class ItemCache:
         if capacity:
             self.allocator.free(item.offset)
         item.offset = -1
-        self._move(item, ItemState.FAILED)  # its decode failed, and waits for its source's verdict:
-        self._move(item, ItemState.WAITING)  # the usual transitions, as a misfit's
+        self._rewait(item)  # it waits for its source's verdict
         if self._dispatcher is not None:
             self.dispatch(*self._dispatcher)  # its worker is free; the registry dispatches only after settled items
 

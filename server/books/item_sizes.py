@@ -15,8 +15,8 @@ the bound ]), found in one of three ways, cheapest first:
 - *size first* (`DecodeSubmitter.sizes_first`): an item whose size is still unknown at its turn
   (its probe is out and a worker would otherwise idle; a header the stage cannot read; a user
   stage, which has no header to read) is sent with no range at all. Its worker prepares it,
-  keeps the array and answers with its size (a result that did not fit: ok False, nbytes > 0);
-  `ItemCache.file_result` allocates exactly that and dispatches the placement at once, which
+  keeps the array and answers with its size (the pool's `NeedsBytes`, not a failure);
+  `ItemCache.file_size` allocates exactly that and dispatches the placement at once, which
   the pool sends to the worker that kept the array: one extra round trip, no second decode.
 
 A stage whose bound is the size of nearly every item (`bound_is_nominal`: `center-crop` without

@@ -25,7 +25,7 @@ and holds typed references to the roster and to the other parts it calls:
 
 Exact sizes (`joader.server.books.item_sizes`). A task of capacity 0 (*size first*) has no range yet:
 its worker prepares the item, keeps the array and answers with its size (a result that did not
-fit: ok False, nbytes > 0, `joader.server.pool.worker`); the cache then allocates exactly that
+fit: a `NeedsBytes`, `joader.server.pool.worker`); the cache then allocates exactly that
 and submits the item again. The pool sends that second task straight to the worker that keeps
 the array (`Roster.staged`), past its queue limit (it is a copy of a few microseconds once it comes
 up), so the item is prepared once. If that worker has died or retired meanwhile, the task goes
@@ -49,6 +49,8 @@ from joader.server.pool.probes import Probing
 from joader.server.pool.records import (
     DecodeResult,
     DecodeTask,
+    Finished,
+    NeedsBytes,
     PoolConfig,
     PoolStats,
     Probe,
@@ -62,7 +64,7 @@ from joader.server.pool.roster import Roster
 from joader.server.pool.spawning import WorkerSpawning
 from joader.server.pool.worker import MAX_MESSAGE
 
-__all__ = ["DecodePool", "DecodeResult", "PoolConfig", "PoolStats", "SourceSpec"]
+__all__ = ["DecodePool", "DecodeResult", "Finished", "NeedsBytes", "PoolConfig", "PoolStats", "SourceSpec"]
 
 logger = logging.getLogger(__name__)
 
@@ -171,12 +173,12 @@ class DecodePool:
                 roster.pending.append(task)
             self._dispatch()
 
-    def get_result(self, timeout_s: float | None) -> DecodeResult | None:
+    def get_result(self, timeout_s: float | None) -> Finished | None:
         """The next final result, or None after `timeout_s` (None: wait indefinitely)."""
         results = self.get_results(timeout_s, limit=1)
         return results[0] if results else None
 
-    def get_results(self, timeout_s: float | None, limit: int = RESULTS_BATCH) -> list[DecodeResult]:
+    def get_results(self, timeout_s: float | None, limit: int = RESULTS_BATCH) -> list[Finished]:
         """The final results ready now, at least one and at most `limit`, in the order they
         came; [] after `timeout_s` (None: wait indefinitely) or once closed.
 
@@ -303,12 +305,12 @@ class DecodePool:
 
     # ----------------------------------------------------------------------------- internals
 
-    def _take(self, result: DecodeResult) -> DecodeResult:
+    def _take(self, result: Finished) -> Finished:
         self._roster.tasks.pop(result.task_id, None)
         self._faults.suspect_ids.discard(result.task_id)
         return result
 
-    def _take_ready(self, limit: int) -> list[DecodeResult]:
+    def _take_ready(self, limit: int) -> list[Finished]:
         ready = self._roster.ready
         return [self._take(ready.popleft()) for _ in range(min(limit, len(ready)))]
 
@@ -350,7 +352,7 @@ class DecodePool:
                 return
             self._read_message(worker, pickle.loads(data))
 
-    def _read_message(self, worker: Worker, message: DecodeResult | ProbeSizes) -> None:
+    def _read_message(self, worker: Worker, message: DecodeResult | NeedsBytes | ProbeSizes) -> None:
         """Files one message of `worker` (NOTE [ Named worker results ] in records.py)."""
         roster = self._roster
         head = worker.tasks[0] if worker.tasks else None
@@ -360,13 +362,14 @@ class DecodePool:
                 self._probing.answered(head, message.sizes)
         else:
             result = message
-            if result.ok or result.nbytes:  # decoded (a misfit too: it decoded, then did not fit)
+            needs_bytes = isinstance(result, NeedsBytes)
+            if result.ok or needs_bytes:  # decoded (a misfit too: it decoded, then did not fit)
                 self._faults.measured(result.decode_s)
             if isinstance(head, DecodeTask) and head.task_id == result.task_id:
                 worker.tasks.popleft()
                 if worker.probation:
                     self._faults.settle_suspect(head, result)
-                elif not result.ok and result.nbytes > head.capacity:  # did not fit: the worker keeps it
+                elif needs_bytes:  # did not fit (it needs more than head.capacity): the worker keeps it
                     roster.staged[(head.source_index, head.item_id)] = worker.index
                     roster.staged.move_to_end((head.source_index, head.item_id))
                     while len(roster.staged) > _STAGED_KEYS:

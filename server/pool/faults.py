@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING
 from joader.server.books.source_watch import file_stamp, item_file
 from joader.server.pool.probes import Probing
 from joader.server.pool.quarantine import Quarantine
-from joader.server.pool.records import DecodeResult, DecodeTask, Probe, Worker
+from joader.server.pool.records import DecodeTask, Finished, Probe, Worker
 from joader.server.pool.replacement import ReplacementPolicy
 from joader.server.pool.roster import Roster
 from joader.server.pool.spawning import NoWorker, WorkerSpawning
@@ -259,7 +259,7 @@ class FaultHandling:
             self.suspects.appendleft(task)
             self.worker_died(worker, "its socket closed")
 
-    def settle_suspect(self, task: DecodeTask, result: DecodeResult) -> None:
+    def settle_suspect(self, task: DecodeTask, result: Finished) -> None:
         """A suspect's result from the probation worker: it did not kill the worker this time
         (decoded, failed as a file, or did not fit its range), so its death was not its fault."""
         if task.presumed:

@@ -19,8 +19,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-__all__ = ["MAX_MESSAGE", "PROBE", "DecodeResult", "DecodeTask", "PoolConfig", "PoolStats", "Probe", "ProbeSizes",
-           "SourceSpec", "Worker", "recv_nowait"]
+__all__ = ["MAX_MESSAGE", "PROBE", "DecodeResult", "DecodeTask", "Finished", "NeedsBytes", "PoolConfig", "PoolStats",
+           "Probe", "ProbeSizes", "SourceSpec", "Worker", "recv_nowait"]
 
 MAX_MESSAGE = 1 << 16  # bytes of one message over a worker's socket, at most
 PROBE = "probe"  # a probe task: (PROBE, probe id, source index, item ids)
@@ -36,8 +36,8 @@ class SourceSpec:
 
 
 # NOTE [ Named worker results ]
-# A worker answers each task with one pickled message: a decode with a `DecodeResult`, a probe
-# with a `ProbeSizes`. They were positional tuples, a probe's told apart by its first field (a
+# A worker answers each task with one pickled message: a decode with a `DecodeResult` (or a
+# `NeedsBytes`: it did not fit its range), a probe with a `ProbeSizes`. They were positional tuples, a probe's told apart by its first field (a
 # "sizes" tag) and a decode's rebuilt field by field on joaderd's side; they are now named
 # tuples, pickled as they are (by class, fields in order: a worker is forked from joaderd and
 # has the same module), and joaderd's reader (`DecodePool._read_message`) tells them apart by
@@ -58,11 +58,46 @@ class DecodeResult(NamedTuple):
     decode_s: float
     shape: tuple[int, ...] = ()  # of the prepared item, when ok
     dtype: str = ""
-    # its bytes, when ok; when not ok and > 0: the item did not fit the range it was given (size
-    # first: none; or its file changed since its size was read), nothing was written, the worker
-    # keeps the prepared array, and the item needs this many
-    nbytes: int = 0
+    nbytes: int = 0  # its bytes, when ok
     checksum: int = 0  # zlib.crc32 of the bytes written into the arena (clients may verify)
+
+    @property
+    def size_only(self) -> bool:
+        """False: a decode that settles its item (`NeedsBytes.size_only` is True)."""
+        return False
+
+
+class NeedsBytes(NamedTuple):
+    """A decode that did not fit the range it was given (*size first*: none; or its file changed
+    since its size was read), as its worker sent it (`joader.server.pool.worker.run_task`):
+    nothing was written, the worker keeps the prepared array, and the item needs `nbytes`
+    (more than it was given). Not a failure: the cache allocates that and submits the item
+    again (`joader.server.books.item_sizes`)."""
+
+    task_id: int
+    error: str  # "<file>: <bytes> bytes, <capacity> allocated", for the log
+    path: str
+    decode_s: float
+    shape: tuple[int, ...]  # of the prepared item
+    dtype: str
+    nbytes: int  # what the item needs (at least 1: an empty item takes one unit)
+
+    @property
+    def ok(self) -> bool:
+        """False: nothing was written."""
+        return False
+
+    @property
+    def checksum(self) -> int:
+        return 0
+
+    @property
+    def size_only(self) -> bool:
+        """True: the item's size, not a decode that settles it."""
+        return True
+
+
+Finished = DecodeResult | NeedsBytes  # what `DecodePool.get_results` returns
 
 
 class ProbeSizes(NamedTuple):

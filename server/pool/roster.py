@@ -27,6 +27,7 @@ from collections import OrderedDict, deque
 from joader.server.pool.records import (
     DecodeResult,
     DecodeTask,
+    Finished,
     PoolConfig,
     Probe,
     SourceSpec,
@@ -57,7 +58,7 @@ class Roster:
         self.pending: deque[DecodeTask] = deque()  # not sent to a worker yet
         # (source index, item id) -> index of the worker keeping its prepared array (did not fit)
         self.staged: OrderedDict[tuple[int, int], int] = OrderedDict()
-        self.ready: deque[DecodeResult] = deque()
+        self.ready: deque[Finished] = deque()
 
     def members(self) -> list[Worker]:
         """The live workers that are neither retiring nor the probation worker: the ones that

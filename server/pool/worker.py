@@ -8,7 +8,7 @@ the task comes with no range at all (capacity 0, *size first*), or with the stag
 (shrunk by joaderd when the result arrives) from a pool that cannot do size first.
 
 An item that does not fit its range (size first; or a size read before, and the file changed
-since) is not written: the result says how many bytes it needs (ok False, nbytes > 0), and the
+since) is not written: the result says how many bytes it needs (a `NeedsBytes`), and the
 worker keeps the prepared array (`Staging`, a few items). joaderd allocates exactly that and
 sends the task again, to this worker (`DecodePool`), which then only copies the kept array into
 the arena: one extra round trip over the socket, no second decode. A kept array is dropped after
@@ -51,7 +51,7 @@ import numpy as np
 
 from joader.errors import DecodeError
 from joader.proto import DTYPE_CODES
-from joader.server.pool.records import MAX_MESSAGE, PROBE, DecodeResult, ProbeSizes
+from joader.server.pool.records import MAX_MESSAGE, PROBE, DecodeResult, NeedsBytes, ProbeSizes
 from joader.sources.safe_open import display_path
 
 __all__ = ["MAX_MESSAGE", "PROBE", "Staging", "WorkerContext", "close_inherited", "die_with_parent",
@@ -145,10 +145,10 @@ def run_task(
     arena: mmap.mmap,
     sources: tuple[Any, ...],
     staging: Staging | None = None,
-) -> DecodeResult:
+) -> DecodeResult | NeedsBytes:
     """Reads, prepares and writes one item (or copies the array `staging` kept of it); returns
     its `DecodeResult`. Capacity 0 (size first) or too small: nothing is written, the
-    array is kept in `staging`, and the result says how many bytes the item needs."""
+    array is kept in `staging`, and the result is a `NeedsBytes`: how many bytes the item needs."""
     task_id, source_index, item_id, offset, capacity = task
     spec = sources[source_index]
     path = str(spec.source.paths[item_id])
@@ -162,9 +162,9 @@ def run_task(
             # nothing written: joaderd allocates what it needs (an empty item: one unit) and asks again
             if staging is not None:
                 staging.put((source_index, item_id), array)
-            return DecodeResult(task_id, False, f"{display_path(path)}: {array.nbytes} bytes, {capacity} allocated",
-                                path, time.perf_counter() - start, tuple(array.shape), array.dtype.name,
-                                max(array.nbytes, 1), 0)
+            return NeedsBytes(task_id, f"{display_path(path)}: {array.nbytes} bytes, {capacity} allocated",
+                              path, time.perf_counter() - start, tuple(array.shape), array.dtype.name,
+                              max(array.nbytes, 1))
         if problem:
             raise DecodeError(f"cannot prepare {path}: {problem}")
         written = array.reshape(-1).view(np.uint8)

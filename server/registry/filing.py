@@ -19,8 +19,11 @@ logger = logging.getLogger(__name__)
 
 
 class FinishedDecode(Protocol):
-    """A finished decode as the pool reports it (`joader.server.pool.records.DecodeResult`)."""
+    """A finished decode as the pool reports it (`joader.server.pool.records.Finished`): a
+    `DecodeResult`, or a `NeedsBytes` (`size_only`: the item's size, not a decode that settles it)."""
 
+    @property
+    def size_only(self) -> bool: ...
     @property
     def task_id(self) -> int: ...
     @property
@@ -71,8 +74,7 @@ class ResultFiling(RegistryState):
             settled = False
             for result in results:
                 try:
-                    settled = self._file_one(result.task_id, result.ok, result.error, result.decode_s,
-                                             result.shape, result.dtype, result.nbytes, result.checksum) or settled
+                    settled = self._file_finished(result) or settled
                 except Exception as error:
                     if not is_bookkeeping_error(error):
                         raise
@@ -93,6 +95,15 @@ class ResultFiling(RegistryState):
             if not is_bookkeeping_error(error):
                 raise
             self._contain(error, [], "filing a decode")
+
+    def _file_finished(self, result: FinishedDecode) -> bool:
+        """Files one result of a batch (the lock is held): a size (`ItemCache.file_size`, never
+        settles) or a decode (`_file_one`); whether it settled."""
+        if result.size_only:
+            self.cache.file_size(result.task_id, result.nbytes, result.error, result.decode_s)
+            return False
+        return self._file_one(result.task_id, result.ok, result.error, result.decode_s, result.shape, result.dtype,
+                              result.nbytes, result.checksum)
 
     def _file_one(self, key: int, ok: bool, error: str | None, decode_s: float, shape: tuple[int, ...],
                   dtype: str, nbytes: int, checksum: int) -> bool:

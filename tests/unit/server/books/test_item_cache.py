@@ -104,8 +104,7 @@ class Pool:
                 cache.file_result(key, True, None, 0.001, lambda item: 0, shape=(1, 1, nbytes), dtype="uint8",
                                   nbytes=nbytes, checksum=item_id)
             else:  # size first, or it outgrew its exact range: nothing written
-                cache.file_result(key, False, f"{nbytes} bytes, {capacity} allocated", 0.001, lambda item: 0,
-                                  shape=(1, 1, nbytes), dtype="uint8", nbytes=nbytes)
+                cache.file_size(key, nbytes, f"{nbytes} bytes, {capacity} allocated", 0.001)
             cache.check_invariants()
 
 

@@ -12,8 +12,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from joader.server.pool.records import DecodeResult, DecodeTask, Probe, ProbeSizes, Worker
-from joader.server.pool.worker import run_probe, run_task
+from joader.server.pool.records import (
+    DecodeResult,
+    DecodeTask,
+    NeedsBytes,
+    Probe,
+    ProbeSizes,
+    Worker,
+)
+from joader.server.pool.worker import Staging, run_probe, run_task
 from tests.unit.server.pool.test_decode_pool_batches import _bare_pool
 
 pytestmark = pytest.mark.timeout(30)
@@ -66,6 +73,38 @@ def test_the_reader_tells_a_probe_answer_from_a_decode_by_type() -> None:
         assert not worker.tasks
         assert pool.take_sizes() == [(0, 0, 4), (0, 1, 8)]
         assert [r.task_id for r in pool._take_ready(limit=8)] == [4]
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_a_decode_that_does_not_fit_answers_with_the_bytes_it_needs_not_a_failure() -> None:
+    arena = mmap.mmap(-1, 64)
+    staging = Staging()
+    try:
+        result = run_task((3, 0, 1, 16, 0), arena, _sources(), staging)  # size first: no range
+        assert isinstance(result, NeedsBytes) and not result.ok and result.size_only
+        assert result.nbytes == 8 and result.shape == (8,) and arena[16:24] == bytes(8)
+        assert len(staging) == 1  # kept for the placement that follows
+        placed = run_task((4, 0, 1, 16, 8), arena, _sources(), staging)
+        assert isinstance(placed, DecodeResult) and placed.ok and not placed.size_only
+        assert arena[16:24] == b"abcdefgh" and len(staging) == 0
+    finally:
+        arena.close()
+
+
+def test_the_reader_remembers_which_worker_keeps_an_item_that_needs_bytes() -> None:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        worker = Worker(0, 0, ours, 0)
+        task = DecodeTask(4, 0, 2, 0, 0)
+        worker.tasks.append(task)
+        pool = _bare_pool(worker, [task])
+        theirs.send(pickle.dumps(NeedsBytes(4, "a.bin: 8 bytes, 0 allocated", "a.bin", 0.001, (8,), "uint8", 8)))
+        pool._read_worker(worker)
+        assert dict(pool._roster.staged) == {(0, 2): 0}
+        [result] = pool._take_ready(limit=8)
+        assert isinstance(result, NeedsBytes) and result.nbytes == 8
     finally:
         ours.close()
         theirs.close()

@@ -38,6 +38,7 @@ class Result:
     dtype: str = "uint8"
     nbytes: int = ITEM_BYTES
     checksum: int = 7
+    size_only: bool = False
 
 
 class CountingLock:
