@@ -44,7 +44,7 @@ import logging
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 import numpy as np
 from pyroaring import BitMap
@@ -79,6 +79,22 @@ class DecodeSubmitter(Protocol):
     # sizes_first: bool   (submit takes capacity 0: the result says the size, `joader.server.books.item_sizes`)
     # def probe(self, source_index: int, item_ids: Sequence[int]) -> None
     # def take_sizes(self) -> list[tuple[int, int, int]]   (source index, item id, bytes or 0)
+
+
+class Filed(NamedTuple):
+    """What filing one decode did (`ItemCache.file_result`, `file_size`), and what the filer
+    must do next (server/registry/filing.py).
+
+    NOTE [ The filer dispatches ]
+    A decode that settles nothing (a size to place; a read held for its source's verdict)
+    leaves its item waiting again and its worker free: the next decode must go out at once
+    (for a size, to the worker that keeps the array). The cache did that itself, calling the
+    pool from inside `file_result`, a back-edge nothing at the filer's level showed. It now
+    says so (`dispatch`), and the filer dispatches (`ItemCache.dispatch_again`) at the same
+    point, before the next result of its batch."""
+
+    item: Item | None = None  # the item settled (ready or failed); None: nothing settled
+    dispatch: bool = False  # the item waits for a decode again and its worker is free: dispatch now
 
 
 @dataclass
@@ -453,8 +469,9 @@ class ItemCache:
 
     def file_result(self, key: int, ok: bool, error: str | None, decode_s: float,
                     refcount: Callable[[Item], int], *, shape: tuple[int, ...] = (),
-                    dtype: str = "uint8", nbytes: int = 0, checksum: int = 0) -> Item | None:
-        """Files a finished decode; returns the item (None for a key nobody waits for).
+                    dtype: str = "uint8", nbytes: int = 0, checksum: int = 0) -> Filed:
+        """Files a finished decode; returns the item settled (none for a key nobody waits for,
+        or an item that waits again: NOTE [ The filer dispatches ]).
 
         `refcount(item)` counts the jobs that still need it, for the policy; `shape`, `dtype`
         and `nbytes` describe what the worker wrote at the item's offset. A result that is not
@@ -463,10 +480,9 @@ class ItemCache:
         item = self.items.get(key)
         if item is None or item.state is not ItemState.DECODING:
             logger.warning("decode result for unknown item key %d ignored", key)
-            return None
+            return Filed()
         if not ok and nbytes > self._capacity[key]:  # a size, reported through the generic call
-            self.file_size(key, nbytes, error, decode_s)
-            return None
+            return self.file_size(key, nbytes, error, decode_s)
         source = item.source
         self.decode_s += decode_s
         capacity = self._capacity.pop(key)
@@ -475,7 +491,7 @@ class ItemCache:
         if watch is not None:
             if not ok and watch.park(key, error):
                 self._hold(item, capacity)
-                return None  # not settled: its waiters wait on
+                return Filed(dispatch=True)  # not settled: its waiters wait on; its worker is free
             watch.settled(key, item.item_id, ok)
         if ok and not capacity:  # cannot happen: a worker writes nothing without a range
             ok, error = False, f"the decode of item {item.item_id} reported bytes written without a range"
@@ -508,17 +524,18 @@ class ItemCache:
                 "quarantined until its file changes" if self.quarantined(item)
                 else f"retried after {self.retry_failed_s:g} s", error,
             )
-        return item
+        return Filed(item)
 
-    def file_size(self, key: int, nbytes: int, error: str | None, decode_s: float) -> None:
+    def file_size(self, key: int, nbytes: int, error: str | None, decode_s: float) -> Filed:
         """Files a decode that did not fit its range (the pool's `NeedsBytes`): size first, or it
         outgrew the exact size it was given (its file changed since). Nothing was written and
         its worker keeps the array; the item waits for a decode again, placed exactly
-        (`joader.server.books.item_sizes`). Nothing settles: its waiters wait on."""
+        (`joader.server.books.item_sizes`). Nothing settles: its waiters wait on, and the filer
+        dispatches (NOTE [ The filer dispatches ])."""
         item = self.items.get(key)
         if item is None or item.state is not ItemState.DECODING:
             logger.warning("decode result for unknown item key %d ignored", key)
-            return
+            return Filed()
         source = item.source
         self.decode_s += decode_s
         capacity = self._capacity.pop(key)
@@ -532,8 +549,13 @@ class ItemCache:
         self.sizes.remember(source, item.item_id, nbytes)
         self._rewait(item)
         heapq.heappush(self._demand, (item.due_s, 0, key))
+        return Filed(dispatch=True)
+
+    def dispatch_again(self) -> None:
+        """`dispatch` again, as the last call asked (the filer's, after a decode that settled
+        nothing: NOTE [ The filer dispatches ]); nothing before any dispatch."""
         if self._dispatcher is not None:
-            self.dispatch(*self._dispatcher)  # the registry dispatches only after settled items
+            self.dispatch(*self._dispatcher)
 
     def _rewait(self, item: Item) -> None:
         """A decode that settled nothing (a size; a read held for its source's verdict): the item
@@ -555,9 +577,7 @@ class ItemCache:
         if capacity:
             self.allocator.free(item.offset)
         item.offset = -1
-        self._rewait(item)  # it waits for its source's verdict
-        if self._dispatcher is not None:
-            self.dispatch(*self._dispatcher)  # its worker is free; the registry dispatches only after settled items
+        self._rewait(item)  # it waits for its source's verdict (the filer dispatches: its worker is free)
 
     def requeue(self, keys: Sequence[int]) -> None:
         """Held items (`_hold`) go back into the decode queue, at their due time; those nobody

@@ -16,8 +16,8 @@ the bound ]), found in one of three ways, cheapest first:
   (its probe is out and a worker would otherwise idle; a header the stage cannot read; a user
   stage, which has no header to read) is sent with no range at all. Its worker prepares it,
   keeps the array and answers with its size (the pool's `NeedsBytes`, not a failure);
-  `ItemCache.file_size` allocates exactly that and dispatches the placement at once, which
-  the pool sends to the worker that kept the array: one extra round trip, no second decode.
+  `ItemCache.file_size` files it, and the filer dispatches at once its placement in exactly that
+  many bytes, which the pool sends to the worker that kept the array: one extra round trip, no second decode.
 
 A stage whose bound is the size of nearly every item (`bound_is_nominal`: `center-crop` without
 upscale, S x S x C but for images smaller than S) gets neither: a first decode is given the

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 from joader.server.books.containment import contained, is_bookkeeping_error
+from joader.server.books.item_cache import Filed
 from joader.server.books.records import Item, Source
 from joader.server.registry.state import RegistryState
 
@@ -100,7 +101,7 @@ class ResultFiling(RegistryState):
         """Files one result of a batch (the lock is held): a size (`ItemCache.file_size`, never
         settles) or a decode (`_file_one`); whether it settled."""
         if result.size_only:
-            self.cache.file_size(result.task_id, result.nbytes, result.error, result.decode_s)
+            self._follow(self.cache.file_size(result.task_id, result.nbytes, result.error, result.decode_s))
             return False
         return self._file_one(result.task_id, result.ok, result.error, result.decode_s, result.shape, result.dtype,
                               result.nbytes, result.checksum)
@@ -109,8 +110,10 @@ class ResultFiling(RegistryState):
                   dtype: str, nbytes: int, checksum: int) -> bool:
         """Files one finished decode (the lock is held); whether it settled (the caller then
         dispatches: the cache may have room for more decodes)."""
-        item = self.cache.file_result(key, ok, error, decode_s, self._needed, shape=shape,
-                                      dtype=dtype, nbytes=nbytes, checksum=checksum)
+        filed = self.cache.file_result(key, ok, error, decode_s, self._needed, shape=shape,
+                                       dtype=dtype, nbytes=nbytes, checksum=checksum)
+        self._follow(filed)
+        item = filed.item
         if item is None:
             return False
         if ok:
@@ -119,6 +122,13 @@ class ResultFiling(RegistryState):
             self.item_settled(job)  # wakes its Next only when its batch may be ready (next_protocol.py)
         item.waiters = []
         return True
+
+    def _follow(self, filed: Filed) -> None:
+        """Does what filing a decode asks of the filer (the lock is held): a decode that settled
+        nothing freed its worker, and its item waits again; the next decodes go out now, before
+        the next result is filed (NOTE [ The filer dispatches ], server/books/item_cache.py)."""
+        if filed.dispatch:
+            self.cache.dispatch_again()
 
     def source_checked(self, source: Source, verdict: Any, seen_seq: int | None = None) -> None:
         """Files a verdict of the source checker (server/books/source_watch.py): held items are

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from joader.errors import InvariantError
-from joader.server.books.item_cache import ItemCache
+from joader.server.books.item_cache import Filed, ItemCache
 from joader.server.books.item_sizes import MISFITS
 from joader.server.books.records import ItemState, Source
 from joader.stages import ItemSpec
@@ -101,10 +101,13 @@ class Pool:
                                                 cache.allocator.stats().used_bytes / cache.capacity_bytes)
             nbytes = self.sizes[item_id]
             if nbytes <= capacity:
-                cache.file_result(key, True, None, 0.001, lambda item: 0, shape=(1, 1, nbytes), dtype="uint8",
-                                  nbytes=nbytes, checksum=item_id)
+                filed = cache.file_result(key, True, None, 0.001, lambda item: 0, shape=(1, 1, nbytes), dtype="uint8",
+                                          nbytes=nbytes, checksum=item_id)
             else:  # size first, or it outgrew its exact range: nothing written
-                cache.file_size(key, nbytes, f"{nbytes} bytes, {capacity} allocated", 0.001)
+                filed = cache.file_size(key, nbytes, f"{nbytes} bytes, {capacity} allocated", 0.001)
+                assert filed == Filed(None, dispatch=True)  # nothing settled; the filer dispatches
+            if filed.dispatch:  # what the registry's filing does (server/registry/filing.py)
+                cache.dispatch_again()
             cache.check_invariants()
 
 
@@ -157,7 +160,7 @@ def test_a_head_whose_probe_is_out_goes_size_first_when_a_worker_would_idle() ->
     dispatch(cache, pool)  # nothing in flight: the head does not wait for its probe
     assert [capacity for *_, capacity in pool.tasks] == [0, 0]  # size first, until every worker has one
     assert all(cache.items[i].state is ItemState.DECODING and cache.items[i].offset == -1 for i in (0, 1))
-    pool.finish(cache, 1)  # item 0 says its size: placed at once, exactly, no dispatch needed from outside
+    pool.finish(cache, 1)  # item 0 says its size: placed at once, exactly (the filer's dispatch_again)
     assert [(item_id, capacity) for _, item_id, _, capacity in pool.tasks] == [(1, 0), (0, size_of(0))]
     pool.finish(cache)
     assert cache.items[0].state is ItemState.READY and cache.items[0].nbytes == size_of(0)
@@ -170,6 +173,23 @@ def test_a_head_whose_probe_is_out_goes_size_first_when_a_worker_would_idle() ->
         pool.finish(cache)
     assert cache.items_decoded == 6 and cache.decodes_sized_first == 3 and cache.decodes_exact == 6
     assert cache.decodes_at_bound == 0 and cache.allocator.stats().num_holes == 1
+
+
+def test_a_size_settles_nothing_and_the_filer_not_the_cache_dispatches_its_placement() -> None:
+    """NOTE [ The filer dispatches ] (server/books/item_cache.py): filing a size calls no pool."""
+    cache, source = make(1 << 20)
+    pool = Pool(num_workers=2)
+    want(cache, source, range(2))
+    dispatch(cache, pool)
+    key, item_id, _, capacity = pool.tasks.pop(0)
+    assert capacity == 0  # size first
+    filed = cache.file_size(key, size_of(item_id), f"{size_of(item_id)} bytes, 0 allocated", 0.001)
+    assert filed == Filed(None, dispatch=True)
+    assert cache.items[key].state is ItemState.WAITING and [t[1] for t in pool.tasks] == [1]  # nothing submitted
+    cache.check_invariants()
+    cache.dispatch_again()
+    assert [(t[1], t[3]) for t in pool.tasks] == [(1, 0), (item_id, size_of(item_id))]  # placed exactly
+    assert cache.decode_failures == 0 and cache.num_failed == 0 and not source.failed
 
 
 def test_an_unreadable_header_and_a_user_stage_go_size_first() -> None:

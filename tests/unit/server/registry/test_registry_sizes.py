@@ -1,5 +1,5 @@
 """Exact sizes through the registry: a variable stage with a pool that places items size first
-(the registry files a result that settles nothing, the cache dispatches the placement itself),
+(the registry files a result that settles nothing and dispatches the placement itself),
 jobs read every item exactly once with its own length, and the cache holds all it can."""
 
 from __future__ import annotations
