@@ -43,8 +43,7 @@ import heapq
 import logging
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple, Protocol, TypeVar
+from typing import TypeVar
 
 import numpy as np
 from pyroaring import BitMap
@@ -54,6 +53,7 @@ from joader.cache.interning import Interner
 from joader.cache.policy import RefCntPolicy
 from joader.errors import InvariantError
 from joader.server.books import cache_audit
+from joader.server.books.cache_records import DecodeSubmitter, Filed, Lookups
 from joader.server.books.item_sizes import ItemSizes, bound_is_nominal, range_kind
 from joader.server.books.pacing import RateMeter
 from joader.server.books.recipients import CopyRecipients
@@ -63,60 +63,6 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _MAX_SHARED = 1 << 16  # distinct shapes, dtypes and sizes shared between items (beyond: each its own)
-
-class DecodeSubmitter(Protocol):
-    """What the registry needs of the decode pool (the real one is `DecodePool`)."""
-
-    num_workers: int
-
-    @property
-    def in_flight(self) -> int: ...
-
-    def submit(self, task_id: int, source_index: int, item_id: int, offset: int, capacity: int) -> None: ...
-
-    # Optional (a pool without them gets no probes and no size-first tasks: an item's first
-    # decode is then given its stage's bound):
-    # sizes_first: bool   (submit takes capacity 0: the result says the size, `joader.server.books.item_sizes`)
-    # def probe(self, source_index: int, item_ids: Sequence[int]) -> None
-    # def take_sizes(self) -> list[tuple[int, int, int]]   (source index, item id, bytes or 0)
-
-
-class Filed(NamedTuple):
-    """What filing one decode did (`ItemCache.file_result`, `file_size`), and what the filer
-    must do next (server/registry/filing.py).
-
-    NOTE [ The filer dispatches ]
-    A decode that settles nothing (a size to place; a read held for its source's verdict)
-    leaves its item waiting again and its worker free: the next decode must go out at once
-    (for a size, to the worker that keeps the array). The cache did that itself, calling the
-    pool from inside `file_result`, a back-edge nothing at the filer's level showed. It now
-    says so (`dispatch`), and the filer dispatches (`ItemCache.dispatch_again`) at the same
-    point, before the next result of its batch."""
-
-    item: Item | None = None  # the item settled (ready or failed); None: nothing settled
-    dispatch: bool = False  # the item waits for a decode again and its worker is free: dispatch now
-
-
-@dataclass
-class Lookups:
-    """What queue entries found when a job's queue took an item (one entry per item a job
-    will read): a cached copy, a decode already waiting or running for another entry (the
-    decode is shared), nothing (a decode is requested: a miss), or a failure not yet due for a
-    retry (the job will skip it)."""
-
-    hits: int = 0
-    joined: int = 0
-    misses: int = 0
-    failed: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.hits + self.joined + self.misses + self.failed
-
-    def as_dict(self) -> dict[str, int]:
-        return {"hits": self.hits, "joined_decode": self.joined, "misses": self.misses,
-                "failed": self.failed}
-
 
 class ItemCache:
     """Items, pins, arena bytes and the RefCnt policy of one joaderd (see the module docstring)."""

@@ -11,8 +11,8 @@ import logging
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+from joader.server.books.cache_records import Filed
 from joader.server.books.containment import contained, is_bookkeeping_error
-from joader.server.books.item_cache import Filed
 from joader.server.books.records import Item, Source
 from joader.server.registry.state import RegistryState
 

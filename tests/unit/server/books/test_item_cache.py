@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from joader.errors import InvariantError
-from joader.server.books.item_cache import Filed, ItemCache
+from joader.server.books.cache_records import Filed
+from joader.server.books.item_cache import ItemCache
 from joader.server.books.item_sizes import MISFITS
 from joader.server.books.records import ItemState, Source
 from joader.stages import ItemSpec
