@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import numpy as np
-from pyroaring import BitMap
+from pyroaring import AbstractBitMap, BitMap
 
 from joader.cache.allocator import ByteAllocator
 from joader.cache.interning import Interner
@@ -324,7 +324,7 @@ class ItemCache:
         were 146 bytes)."""
         return self._shared_values.get(value)
 
-    def add_refcount(self, source: Source, ids: BitMap, delta: int) -> None:
+    def add_refcount(self, source: Source, ids: AbstractBitMap, delta: int) -> None:
         """Every cached item of `ids` gains (or loses) `delta` references: a few bitmap and
         numpy operations however many items (`RefCntPolicy.add_refcounts`)."""
         cached = source.cached_ids & ids
@@ -505,9 +505,7 @@ class ItemCache:
 
     def _rewait(self, item: Item) -> None:
         """A decode that settled nothing (a size; a read held for its source's verdict): the item
-        waits again, no failure counted or reported. `ItemState` has no DECODING -> WAITING, so
-        it takes the two transitions FAILED, WAITING (the counts of both cancel out)."""
-        self._move(item, ItemState.FAILED)
+        waits again, no failure counted or reported (DECODING -> WAITING)."""
         self._move(item, ItemState.WAITING)
 
     def resync(self, expected_pins: dict[int, int], planned: dict[int, int], needed: Callable[[Item], int]) -> int:

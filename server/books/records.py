@@ -34,6 +34,8 @@ class ItemState(enum.Enum):
         WAITING  -> DECODING   a slot was found and the decode pool took the task
         DECODING -> READY      the decode landed in its slot (the cache policy now owns it)
         DECODING -> FAILED     the file could not be read or decoded (or hung / crashed twice)
+        DECODING -> WAITING    the decode settled nothing: a size to place exactly (size first),
+                               or a read held for its source's verdict
         FAILED   -> WAITING    after `retry_failed_s`: a round picked it again, or a `Next` (or
                                a new pass) reached a copy queued before then: retry the file
         (READY items leave by eviction, WAITING items when nobody wants them any more: the
@@ -55,7 +57,7 @@ class ItemState(enum.Enum):
 _SETTLED = frozenset({ItemState.READY, ItemState.FAILED})
 _TRANSITIONS = {
     ItemState.WAITING: frozenset({ItemState.DECODING}),
-    ItemState.DECODING: frozenset({ItemState.READY, ItemState.FAILED}),
+    ItemState.DECODING: frozenset({ItemState.READY, ItemState.FAILED, ItemState.WAITING}),
     ItemState.FAILED: frozenset({ItemState.WAITING}),
     ItemState.READY: frozenset(),
 }

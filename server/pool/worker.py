@@ -95,6 +95,7 @@ def worker_main(sock: socket.socket, ctx: WorkerContext, keep: set[int]) -> None
         task = pickle.loads(data)
         if task is None:
             return
+        result: ProbeSizes | DecodeResult | NeedsBytes
         if task[0] == PROBE:
             result = run_probe(task, ctx.sources)
         else:
