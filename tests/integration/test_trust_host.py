@@ -23,6 +23,7 @@ import pytest
 from PIL import Image
 
 from joader.client.tools.demo_data import make_demo_data
+from joader.process_ref import ProcessRef
 from joader.testing.integrity import check_records, read_records, reference
 from tests.support.processes import IMAGE_SIZE, NUM_DEMO_ITEMS, wait_for
 from tests.support.trust import client, end, joader_segments, read_line, rss_bytes, run_client
@@ -98,16 +99,13 @@ def test_a_stuck_decode_times_out_and_is_retried_elsewhere(demo_root: Path, star
     also when what it hangs on is a header probe (the read then finishes without it)."""
     server = start_joaderd({"demo": demo_root}, cache_items=NUM_DEMO_ITEMS, workers=2,
                            extra=["--decode-timeout-s", "2", *STAGES[stage]])
-    stuck = workers(server)["pids"][0]
-    os.kill(stuck, signal.SIGSTOP)
+    stuck = ProcessRef.of(workers(server)["pids"][0])  # NOTE [ Signals to a pid another test may now hold ]
+    assert stuck is not None and stuck.send_signal(signal.SIGSTOP)
     try:
         result, _ = run_client(server.address, "read", "--timeout-s", "60")
         wait_for(lambda: workers(server)["tasks_timed_out"] >= 1, 30, "the decode timeout to kill the stuck worker")
     finally:
-        try:
-            os.kill(stuck, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        stuck.send_signal(signal.SIGKILL)  # the pool killed it already, unless the test failed
     assert sorted(result["epochs"][0]) == list(range(NUM_DEMO_ITEMS))
     w = wait_for(lambda: (lambda w: w if w["replaced"] >= 1 and w["alive"] == 2 else None)(workers(server)),
                  30, "the stuck worker to be replaced")

@@ -20,6 +20,7 @@ import pytest
 from joader.cache.arena import Arena
 from joader.client.tools.demo_data import make_demo_data
 from joader.errors import InvalidArgumentError, JoaderError
+from joader.process_ref import ProcessRef
 from joader.server.pool import spawning as pool_spawning
 from joader.server.pool.decode_pool import DecodePool, DecodeResult, PoolConfig, SourceSpec
 from joader.sources.imagefolder import SourceListing, list_image_folder
@@ -356,19 +357,29 @@ def _state(pid: int) -> str:
         return ""
 
 
+# NOTE [ Signals to a pid another test may now hold ]
+# The pid space here is 32,768 and `make test` churns through it in minutes (every thread takes
+# one): a worker retired or killed meanwhile may have left its pid to a process of another test.
+# A signal by bare pid after that stops or kills the wrong process; `ProcessRef` (pid and start
+# time, sent through a pidfd) reaches only the process it was taken of.
+_HALTED: dict[int, ProcessRef] = {}
+
+
 def _halt(*pids: int) -> None:
     """SIGSTOPs workers and waits until they are stopped, so that tasks sent next stay queued."""
     for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
+        ref = ProcessRef.of(pid)
+        assert ref is not None and ref.send_signal(signal.SIGSTOP), f"worker {pid} is gone"
+        _HALTED[pid] = ref
     _wait(lambda: all(_state(pid) in ("T", "t") for pid in pids), "the workers to stop")
 
 
 def _resume(*pids: int) -> None:
+    """SIGCONT to the workers `_halt` stopped, those that still run (never to a pid's next owner)."""
     for pid in pids:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+        ref = _HALTED.pop(pid, None)
+        if ref is not None:
+            ref.send_signal(signal.SIGCONT)
 
 
 def _forker_children(pool: DecodePool) -> set[int]:
