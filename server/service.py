@@ -48,6 +48,7 @@ from joader.proto import (
     joader_pb2,
     joader_pb2_grpc,
 )
+from joader.server.books.records import RestShare
 from joader.server.registry.next_call import Batch, NextArgs
 from joader.server.registry.registry import Registry, max_indices_bytes
 from joader.sources.safe_open import display_path
@@ -207,7 +208,8 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
             rank = first.rank
             report = None
             if first.resume_epoch:
-                report = (first.resume_epoch, _parse_indices(first.resume_consumed, source.num_items))
+                report = (first.resume_epoch, _parse_indices(first.resume_consumed, source.num_items),
+                          _rest_share(first))
             job = self._registry.attach(
                 first.source, indices, first.name, first.batch_size or 64, rank=rank,
                 world_size=first.world_size or 1, drop_last=first.drop_last,
@@ -369,6 +371,7 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
             request.resume_epoch, consumed, request.resume_parts or 1, request.max_batches or 1,
             (request.stall_epoch, request.stall_wait_s, request.stall_step_s, request.stall_items)
             if request.stall_epoch else None, request.num_workers, request.continue_epoch,
+            _rest_share(request) if request.resume_epoch else None,
         )  # fmt: skip
         future = waker.arm()
         call = registry.begin_next(args, waker)
@@ -430,6 +433,11 @@ def _response(batch: Batch, arena: str) -> joader_pb2.NextResponse:
         rank_never_read=batch.rank_never_read,
         waiting_s=batch.waiting_s,
     )
+
+
+def _rest_share(request: joader_pb2.NextRequest | joader_pb2.AttachRequest) -> RestShare | None:
+    """A resume's share of an elastic resume's rest (NOTE [ An elastic resume ]), if it says one."""
+    return RestShare(request.resume_share, request.resume_base) if request.resume_rest else None
 
 
 def _parse_indices(data: bytes, num_items: int) -> BitMap:

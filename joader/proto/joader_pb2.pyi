@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AttachRequest(_message.Message):
-    __slots__ = ("source", "indices", "name", "batch_size", "heartbeat", "rank", "world_size", "drop_last", "seed", "has_seed", "closing", "describe", "resume_epoch", "resume_consumed", "order")
+    __slots__ = ("source", "indices", "name", "batch_size", "heartbeat", "rank", "world_size", "drop_last", "seed", "has_seed", "closing", "describe", "resume_epoch", "resume_consumed", "order", "resume_rest", "resume_share", "resume_base")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,9 @@ class AttachRequest(_message.Message):
     RESUME_EPOCH_FIELD_NUMBER: _ClassVar[int]
     RESUME_CONSUMED_FIELD_NUMBER: _ClassVar[int]
     ORDER_FIELD_NUMBER: _ClassVar[int]
+    RESUME_REST_FIELD_NUMBER: _ClassVar[int]
+    RESUME_SHARE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_BASE_FIELD_NUMBER: _ClassVar[int]
     source: str
     indices: bytes
     name: str
@@ -38,7 +41,10 @@ class AttachRequest(_message.Message):
     resume_epoch: int
     resume_consumed: bytes
     order: str
-    def __init__(self, source: _Optional[str] = ..., indices: _Optional[bytes] = ..., name: _Optional[str] = ..., batch_size: _Optional[int] = ..., heartbeat: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., closing: _Optional[bool] = ..., describe: _Optional[bool] = ..., resume_epoch: _Optional[int] = ..., resume_consumed: _Optional[bytes] = ..., order: _Optional[str] = ...) -> None: ...
+    resume_rest: bool
+    resume_share: int
+    resume_base: int
+    def __init__(self, source: _Optional[str] = ..., indices: _Optional[bytes] = ..., name: _Optional[str] = ..., batch_size: _Optional[int] = ..., heartbeat: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., closing: _Optional[bool] = ..., describe: _Optional[bool] = ..., resume_epoch: _Optional[int] = ..., resume_consumed: _Optional[bytes] = ..., order: _Optional[str] = ..., resume_rest: _Optional[bool] = ..., resume_share: _Optional[int] = ..., resume_base: _Optional[int] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("job_id", "source", "classes", "num_source_items", "num_items", "image_size", "item_nbytes", "arena_path", "lease_s", "job_secret", "server_pid", "world_size", "rank", "num_rank_items", "seed", "targets", "stage", "item_shape", "item_dtype", "fingerprint", "class_labels", "notice")
@@ -89,7 +95,7 @@ class AttachResponse(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., source: _Optional[str] = ..., classes: _Optional[_Iterable[bytes]] = ..., num_source_items: _Optional[int] = ..., num_items: _Optional[int] = ..., image_size: _Optional[int] = ..., item_nbytes: _Optional[int] = ..., arena_path: _Optional[str] = ..., lease_s: _Optional[float] = ..., job_secret: _Optional[bytes] = ..., server_pid: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., num_rank_items: _Optional[int] = ..., seed: _Optional[int] = ..., targets: _Optional[bytes] = ..., stage: _Optional[str] = ..., item_shape: _Optional[_Iterable[int]] = ..., item_dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ..., class_labels: _Optional[_Iterable[int]] = ..., notice: _Optional[str] = ...) -> None: ...
 
 class NextRequest(_message.Message):
-    __slots__ = ("job_id", "token", "max_items", "acks", "job_secret", "worker_id", "pid", "rank", "resume_epoch", "resume_consumed", "resume_parts", "max_batches", "stall_epoch", "stall_wait_s", "stall_step_s", "stall_items", "num_workers", "continue_epoch")
+    __slots__ = ("job_id", "token", "max_items", "acks", "job_secret", "worker_id", "pid", "rank", "resume_epoch", "resume_consumed", "resume_parts", "max_batches", "stall_epoch", "stall_wait_s", "stall_step_s", "stall_items", "num_workers", "continue_epoch", "resume_rest", "resume_share", "resume_base")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     MAX_ITEMS_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +114,9 @@ class NextRequest(_message.Message):
     STALL_ITEMS_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RESUME_REST_FIELD_NUMBER: _ClassVar[int]
+    RESUME_SHARE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_BASE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     token: int
     max_items: int
@@ -126,7 +135,10 @@ class NextRequest(_message.Message):
     stall_items: int
     num_workers: int
     continue_epoch: int
-    def __init__(self, job_id: _Optional[str] = ..., token: _Optional[int] = ..., max_items: _Optional[int] = ..., acks: _Optional[_Iterable[int]] = ..., job_secret: _Optional[bytes] = ..., worker_id: _Optional[int] = ..., pid: _Optional[int] = ..., rank: _Optional[int] = ..., resume_epoch: _Optional[int] = ..., resume_consumed: _Optional[bytes] = ..., resume_parts: _Optional[int] = ..., max_batches: _Optional[int] = ..., stall_epoch: _Optional[int] = ..., stall_wait_s: _Optional[float] = ..., stall_step_s: _Optional[float] = ..., stall_items: _Optional[int] = ..., num_workers: _Optional[int] = ..., continue_epoch: _Optional[int] = ...) -> None: ...
+    resume_rest: bool
+    resume_share: int
+    resume_base: int
+    def __init__(self, job_id: _Optional[str] = ..., token: _Optional[int] = ..., max_items: _Optional[int] = ..., acks: _Optional[_Iterable[int]] = ..., job_secret: _Optional[bytes] = ..., worker_id: _Optional[int] = ..., pid: _Optional[int] = ..., rank: _Optional[int] = ..., resume_epoch: _Optional[int] = ..., resume_consumed: _Optional[bytes] = ..., resume_parts: _Optional[int] = ..., max_batches: _Optional[int] = ..., stall_epoch: _Optional[int] = ..., stall_wait_s: _Optional[float] = ..., stall_step_s: _Optional[float] = ..., stall_items: _Optional[int] = ..., num_workers: _Optional[int] = ..., continue_epoch: _Optional[int] = ..., resume_rest: _Optional[bool] = ..., resume_share: _Optional[int] = ..., resume_base: _Optional[int] = ...) -> None: ...
 
 class FailedItem(_message.Message):
     __slots__ = ("item_id", "path", "reason")

@@ -343,6 +343,21 @@ class EpochShare:
         return best
 
 
+@dataclass(frozen=True)
+class RestShare:
+    """A rank's share of an epoch whose rest was dealt anew to another layout of ranks (an
+    elastic resume, NOTE [ An elastic resume ] in server/registry/resumes.py): `share` items,
+    counted from a consumed set of `base` items; what the rank consumed beyond `base` since
+    comes off it."""
+
+    share: int
+    base: int
+
+    def target(self, consumed: int) -> int:
+        """Items the rank still gets of the epoch, having consumed `consumed` of it."""
+        return max(0, self.share - max(0, consumed - self.base))
+
+
 @dataclass
 class Resume:
     """A resumed epoch being gathered: each rank's readers report what they consumed.
@@ -355,6 +370,7 @@ class Resume:
     started_s: float = 0.0  # when its first report came (registry clock), for status
     parts: dict[int, int] = field(default_factory=dict)  # rank -> reports it expects
     reports: dict[tuple[int, int], BitMap] = field(default_factory=dict)  # (rank, worker) -> ids
+    rest: dict[int, RestShare] = field(default_factory=dict)  # rank -> its share of a dealt-anew rest
 
     def complete(self, world_size: int) -> bool:
         return all(
@@ -414,9 +430,9 @@ class Job:
     resume: Resume | None = None  # a resumed epoch still gathering its reports
     resumed_epoch: int = 0  # the last epoch that resumed (later reports of it are late)
     # Set when a lease keeper re-attached the job after joaderd restarted: rank -> (its board's
-    # newest epoch, the items it received of it). Decided once every rank attached
+    # newest epoch, the items it received of it, its share of an elastic resume's rest). Decided once every rank attached
     # (`JobTable.settle_restart`, which sets `resumed_epoch`).
-    restart_reports: dict[int, tuple[int, BitMap]] | None = None
+    restart_reports: dict[int, tuple[int, BitMap, RestShare | None]] | None = None
     restart_settled: bool = False
     items_delivered: int = 0
     items_reused: int = 0  # of those, copies this job had been delivered before (an earlier epoch)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from pyroaring import BitMap
 
-from joader.server.books.records import Job, PassBook, Rank
+from joader.server.books.records import Job, PassBook, Rank, RestShare
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,9 @@ class NextArgs:
     # > 0: the pass was reading this epoch when joaderd restarted (some reader of it received
     # items of it from the dead server): a pass this request creates reads it, not the next.
     continue_epoch: int = 0
+    # With `resume_epoch`: this rank's share of an elastic resume's rest (NOTE [ An elastic
+    # resume ] in server/registry/resumes.py); None: its whole-epoch share less what it consumed.
+    resume_rest: RestShare | None = None
 
 
 @dataclass

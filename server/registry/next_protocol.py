@@ -22,7 +22,7 @@ from pyroaring import BitMap
 
 from joader.errors import InvalidArgumentError, UnknownJobError
 from joader.server.books.containment import contained
-from joader.server.books.records import ItemState, Job, PassBook, Rank
+from joader.server.books.records import ItemState, Job, PassBook, Rank, RestShare
 from joader.server.books.source_watch import stopped_error
 from joader.server.registry.next_call import Batch, NextArgs, NextCall
 from joader.server.registry.queue_heads import heads
@@ -271,12 +271,13 @@ class NextProtocol(RegistryState):
         stall: tuple[int, float, float, int] | None = None,
         num_workers: int = 0,
         continue_epoch: int = 0,
+        resume_rest: RestShare | None = None,
     ) -> Batch:
         """`begin_next`, `poll_next` and `end_next`, blocking this thread while it waits."""
         event = threading.Event()
         args = NextArgs(job_id, secret, token, max_items, tuple(acks), worker_id, pid, rank,
                         resume_epoch, resume_consumed, resume_parts, max_batches, stall, num_workers,
-                        continue_epoch)
+                        continue_epoch, resume_rest)
         call = self.begin_next(args, event.set)
         if isinstance(call, Batch):
             return call

@@ -41,6 +41,7 @@ from joader.server.books.item_cache import DecodeSubmitter, ItemCache
 from joader.server.books.records import (
     Item,
     Job,
+    RestShare,
     Source,
 )
 from joader.server.registry.filing import ResultFiling
@@ -177,12 +178,12 @@ class Registry(NextProtocol, SchedulerThread, ResultFiling):
     @contained("Attach", lambda registry, source_name, indices, name, *_, **__: registry.jobs.named(name))
     def attach(self, source_name: str, indices: BitMap | None, name: str, batch_size: int, *,
                rank: int = 0, world_size: int = 1, drop_last: bool = False,
-               seed: int | None = None, restart_report: tuple[int, BitMap] | None = None,
+               seed: int | None = None, restart_report: tuple[int, BitMap, RestShare | None] | None = None,
                order: str = "shared") -> Job:
         """Registers rank `rank` of a job on `source_name` over `indices` (None: the whole
         source): a new job, or the job the other ranks of the same name already started.
-        `restart_report` (epoch, items received): a lease keeper attaching again after a
-        restart reports for its rank (`JobTable.report_restart`). `order`: "shared" or
+        `restart_report` (epoch, items received, its share of an elastic resume's rest or None):
+        a lease keeper attaching again after a restart reports for its rank (`JobTable.report_restart`). `order`: "shared" or
         "independent" (joader.sampling.ORDERS; every rank of a job must give the same)."""
         with self._cond:
             self._check_alive()

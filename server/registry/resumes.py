@@ -21,6 +21,21 @@ when its loop asks, and a DDP loop may be blocked in a collective that waits for
 resumed epoch. And a reader can only guess whether its pass is new or interrupted from epoch
 numbers, which a plain start of the next epoch also carries: taken for a resume, the start of
 epoch 2 made the job wait for a report that never came, or deal epoch 2 twice.
+
+NOTE [ An elastic resume ]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+A checkpoint saved by W1 ranks may resume on W2 (`joader.client.relayout`): the rest of the epoch
+(the job's items that no old rank consumed) is dealt anew, each new rank getting an equal share
+of it, as DistributedSampler would deal a fresh epoch of that size. Every new rank reports the
+union of what the old ranks consumed, which is more than one rank's share, so the whole-epoch
+rule (a rank's share less what it consumed) would give it nothing: the report carries the
+rank's share of the rest instead (`RestShare`: `share` items, counted from a consumed set of
+`base` items). The epoch's remaining set is the job's items less the union, as for any resume;
+the ranks' targets are their rest shares, padded (or dropped, drop_last) to them. The share
+travels on: a checkpoint saved later in that epoch, and a lease keeper's report after a joaderd
+restart in it, carry it with their consumed set, so that what a rank consumed beyond `base`
+comes off its share and not off a whole epoch's. The client computes the share, not joaderd:
+on several hosts each host's joaderd sees only its part, and the shares must be equal on all.
 """
 
 from __future__ import annotations
@@ -32,7 +47,7 @@ from typing import Any
 
 from pyroaring import BitMap
 
-from joader.server.books.records import Job, PassBook, Rank, Resume
+from joader.server.books.records import Job, PassBook, Rank, RestShare, Resume
 from joader.server.registry.next_call import NextArgs
 from joader.server.scheduling.scheduler import Scheduler
 
@@ -47,9 +62,11 @@ class RestartResume:
     consumed: list[BitMap]  # per rank: what it received of `epoch` (none if it reported an older one)
     claimed: list[int]  # per rank: the epoch its next new pass follows
     behind: list[int]  # ranks whose keeper reported an older epoch (their pass of it is over)
+    rest: list[RestShare | None]  # per rank: its share of an elastic resume's rest (see NOTE)
 
 
-def decide_restart(reports: dict[int, tuple[int, BitMap]], world_size: int) -> RestartResume | None:
+def decide_restart(reports: dict[int, tuple[int, BitMap, RestShare | None]],
+                   world_size: int) -> RestartResume | None:
     """The restart's resume, from each rank's keeper report: rank -> (the newest epoch its
     readers received items of, those items); a rank that reported nothing received nothing.
     None: no rank received anything, the job starts afresh.
@@ -58,14 +75,15 @@ def decide_restart(reports: dict[int, tuple[int, BitMap]], world_size: int) -> R
     whole share of that one (DDP ranks step together; an epoch's last batch is read by every
     rank before any starts the next), and its next new pass reads the resumed epoch. See
     NOTE [ The keepers decide a restart ]."""
-    epoch = max((e for e, _ in reports.values()), default=0)
+    epoch = max((report[0] for report in reports.values()), default=0)
     if epoch <= 0:
         return None
-    consumed = [BitMap(reports[r][1]) if r in reports and reports[r][0] == epoch else BitMap()
-                for r in range(world_size)]
+    current = {r: report for r, report in reports.items() if report[0] == epoch}
+    consumed = [BitMap(current[r][1]) if r in current else BitMap() for r in range(world_size)]
+    rest = [current[r][2] if r in current else None for r in range(world_size)]
     claimed = [max(reports[r][0] if r in reports else 0, epoch - 1) for r in range(world_size)]
     behind = [r for r in range(world_size) if r in reports and 0 < reports[r][0] < epoch]
-    return RestartResume(epoch, consumed, claimed, behind)
+    return RestartResume(epoch, consumed, claimed, behind, rest)
 
 
 class Resumes:
@@ -87,9 +105,11 @@ class Resumes:
         for worker_id in pass_.members:
             resume.reports[(rank.index, worker_id)] = BitMap()
 
-    def report_restart(self, job: Job, rank_index: int, epoch: int, consumed: BitMap) -> None:
+    def report_restart(self, job: Job, rank_index: int, epoch: int, consumed: BitMap,
+                       rest: RestShare | None = None) -> None:
         """A lease keeper attached rank `rank_index` again after joaderd restarted, with the
-        newest epoch its readers received items of and those items (its client board). Kept
+        newest epoch its readers received items of and those items (its client board), and the
+        rank's share of that epoch's rest if it was an elastic resume's. Kept
         until every rank attached (`settle_restart`). The rank's next new pass follows `epoch`
         from now on, even before then: its numbering is the client's, not this server's."""
         if not 0 <= rank_index < job.world_size or epoch <= 0:
@@ -100,7 +120,7 @@ class Resumes:
             return
         if job.restart_reports is None:
             job.restart_reports = {}
-        job.restart_reports[rank_index] = (epoch, BitMap(consumed) & job.dataset)
+        job.restart_reports[rank_index] = (epoch, BitMap(consumed) & job.dataset, rest)
         rank = job.ranks[rank_index]
         rank.reported_epoch = epoch
         rank.claimed_epoch = max(rank.claimed_epoch, epoch)
@@ -117,7 +137,7 @@ class Resumes:
         for rank, claimed in zip(job.ranks, decision.claimed, strict=True):
             rank.claimed_epoch = max(rank.claimed_epoch, claimed)
         for index in decision.behind:
-            epoch, received = job.restart_reports[index]
+            epoch, received, _ = job.restart_reports[index]
             if len(received) < job.per_rank:
                 logger.warning(
                     "job %s: rank %d was still in epoch %d (%d of its %d items) while another rank "
@@ -126,7 +146,7 @@ class Resumes:
                     decision.epoch, decision.epoch, index, epoch)
         job.resume = None
         job.resumed_epoch = decision.epoch
-        self._scheduler.start_resumed(job, decision.epoch, decision.consumed)
+        self._scheduler.start_resumed(job, decision.epoch, decision.consumed, decision.rest)
         job.wake()
 
     def after_restart(self, job: Job, rank: Rank, args: NextArgs) -> NextArgs:
@@ -138,10 +158,10 @@ class Resumes:
         if epoch <= 0:
             return args
         if epoch <= max(rank.reported_epoch, job.resumed_epoch):
-            return dataclasses.replace(args, resume_epoch=0, resume_consumed=None, resume_parts=1,
+            return dataclasses.replace(args, resume_epoch=0, resume_consumed=None, resume_parts=1, resume_rest=None,
                                        continue_epoch=epoch)
         if not args.resume_consumed:
-            return dataclasses.replace(args, resume_epoch=0, resume_consumed=None, resume_parts=1,
+            return dataclasses.replace(args, resume_epoch=0, resume_consumed=None, resume_parts=1, resume_rest=None,
                                        continue_epoch=0)
         return args
 
@@ -178,6 +198,8 @@ class Resumes:
                 return
             resume = job.resume = Resume(epoch, self._clock())  # a newer checkpoint replaces an older one
         resume.parts[rank.index] = max(1, args.resume_parts)
+        if args.resume_rest is not None:
+            resume.rest[rank.index] = args.resume_rest
         consumed = args.resume_consumed if args.resume_consumed is not None else BitMap()
         resume.reports[(rank.index, args.worker_id)] = consumed
         self._start_if_complete(job)
@@ -188,7 +210,8 @@ class Resumes:
             job.resume = None
             job.resumed_epoch = resume.epoch
             consumed = [resume.consumed_by(r) for r in range(job.world_size)]
-            self._scheduler.start_resumed(job, resume.epoch, consumed)
+            rest = [resume.rest.get(r) for r in range(job.world_size)]
+            self._scheduler.start_resumed(job, resume.epoch, consumed, rest)
             job.wake()
 
 

@@ -43,7 +43,7 @@ from joader.errors import InvariantError
 from joader.server.books.containment import is_bookkeeping_error
 from joader.server.books.item_cache import ItemCache
 from joader.server.books.pacing import UNKNOWN_RATE, due_time
-from joader.server.books.records import Entry, EpochShare, Job, Rank, Source
+from joader.server.books.records import Entry, EpochShare, Job, Rank, RestShare, Source
 from joader.server.scheduling import in_step
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class Scheduler:
         job.source.sampler.add_job(job.job_id, job.dataset, rng=job.rng, independent=_alone(job))
         job.source.job_ids.append(job.job_id)
         self._cache.add_refcount(job.source, job.dataset, 1)
-        self._open(job, job.sampler_epoch, [0] * job.world_size)
+        self._open(job, job.sampler_epoch)
 
     def remove(self, job: Job, jobs: dict[str, Job]) -> None:
         """Forgets a job; its pairs' sharing counts move to the source's recent history."""
@@ -119,9 +119,11 @@ class Scheduler:
                 total += (rate if rate else UNKNOWN_RATE) / max(1, sampler.num_remaining(job_id))
         return total
 
-    def _open(self, job: Job, epoch: int, consumed: list[int]) -> EpochShare:
-        per = job.per_rank
-        share = EpochShare(epoch, [max(0, per - k) for k in consumed], [0] * job.world_size)
+    def _open(self, job: Job, epoch: int, targets: list[int] | None = None) -> EpochShare:
+        """Epoch `epoch`'s split: `targets[r]` items for rank r (default: a whole epoch's share)."""
+        if targets is None:
+            targets = [job.per_rank] * job.world_size
+        share = EpochShare(epoch, targets, [0] * job.world_size)
         job.shares[epoch] = share
         # The oldest pass still reading (a superseded one, or a slower rank) needs its share.
         oldest = min(rank.claimed_epoch for rank in job.ranks) - _SHARES_KEPT
@@ -153,11 +155,14 @@ class Scheduler:
         sampler.reset_epoch(job.job_id)
         job.sampler_epoch += 1
         self._cache.add_refcount(source, job.dataset - before, 1)
-        self._open(job, job.sampler_epoch, [0] * job.world_size)
+        self._open(job, job.sampler_epoch)
 
-    def start_resumed(self, job: Job, epoch: int, consumed: list[BitMap]) -> None:
+    def start_resumed(self, job: Job, epoch: int, consumed: list[BitMap],
+                      rest: list[RestShare | None] | None = None) -> None:
         """Epoch `epoch` resumes without the items in `consumed` (per rank), whatever the job
-        had queued: the resumed checkpoint is the truth now."""
+        had queued: the resumed checkpoint is the truth now. Each rank gets its whole-epoch
+        share less what it consumed, or, for a rank with a `rest` share (an elastic resume),
+        that share less what it consumed beyond it."""
         for rank in job.ranks:
             self.drop_queue(rank, lambda entry: True)
         union = BitMap()
@@ -174,21 +179,26 @@ class Scheduler:
         job.rng = random.Random(f"joader-resume:{job.seed}:{epoch}:{len(union)}")
         job.shares.clear()
         job.sampler_abandoned.clear()
-        counts = [len(ids & job.dataset) for ids in consumed]
+        per = job.per_rank
+        targets = []
+        for index, ids in enumerate(consumed):
+            count = len(ids & job.dataset)
+            share = rest[index] if rest is not None else None
+            targets.append(share.target(count) if share is not None else max(0, per - count))
         if remaining:
             sampler.add_job(job.job_id, job.dataset, remaining=remaining, rng=job.rng,
                             independent=_alone(job))
             self._cache.add_refcount(source, remaining, 1)
             job.sampler_epoch = epoch
-            self._open(job, epoch, counts)
+            self._open(job, epoch, targets)
         else:  # the checkpoint came after the epoch's last item: only padding may be owed
             sampler.add_job(job.job_id, job.dataset, rng=job.rng, independent=_alone(job))
             self._cache.add_refcount(source, job.dataset, 1)
-            share = self._open(job, epoch, counts)
+            share = self._open(job, epoch, targets)
             self._now = self._clock()
             self._complete(job, share)
             job.sampler_epoch = epoch + 1
-            self._open(job, epoch + 1, [0] * job.world_size)
+            self._open(job, epoch + 1)
         logger.info(
             "job %s: epoch %d resumed with %d of its %d items left", job.job_id, epoch,
             len(remaining), job.num_items,
@@ -362,7 +372,7 @@ class Scheduler:
             job = jobs[job_id]
             job.sampler_epoch += 1
             self._cache.add_refcount(source, job.dataset, 1)
-            self._open(job, job.sampler_epoch, [0] * job.world_size)
+            self._open(job, job.sampler_epoch)
         stop = False
         for job_id, item_id in picks.items():
             # Each pick is dealt on its own: a job whose books break here is reported

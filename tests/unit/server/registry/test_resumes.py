@@ -8,7 +8,7 @@ import pytest
 from pyroaring import BitMap
 
 from joader.errors import InvalidArgumentError
-from joader.server.books.records import Job
+from joader.server.books.records import Job, RestShare
 from joader.server.registry.registry import Registry
 from joader.server.registry.resumes import decide_restart
 from tests.support.registry_driver import (
@@ -203,10 +203,13 @@ def test_a_restarts_resume_is_decided_from_the_keepers_reports_alone() -> None:
     rank that reported an older epoch is past it (its next pass reads the resumed one), and a
     rank that reported nothing received nothing."""
     assert decide_restart({}, 2) is None
-    decision = decide_restart({0: (2, BitMap([1, 2])), 1: (1, BitMap(range(12))), 3: (2, BitMap([5]))}, 4)
+    rest = RestShare(share=9, base=4)
+    decision = decide_restart({0: (2, BitMap([1, 2]), None), 1: (1, BitMap(range(12)), rest),
+                               3: (2, BitMap([5]), rest)}, 4)
     assert decision is not None and decision.epoch == 2
     assert decision.consumed == [BitMap([1, 2]), BitMap(), BitMap(), BitMap([5])]
     assert decision.claimed == [2, 1, 1, 2] and decision.behind == [1]
+    assert decision.rest == [None, None, None, rest]  # rank 1's share was of epoch 1, which is over
 
 
 def test_after_a_restart_passes_continue_or_start_as_the_client_says_and_the_numbering_goes_on() -> None:
@@ -273,3 +276,68 @@ def test_a_continued_pass_serves_a_worker_whose_partner_ended_before_the_restart
         if reply.end_of_epoch:
             break
     assert sorted(order) == [20, 21, 22, 23]
+
+
+def _elastic_reports(consumed: BitMap, share: int) -> dict[int, dict[str, object]]:
+    return {rank: {"token": 20 + rank, "resume_epoch": 2, "resume_consumed": BitMap(consumed),
+                   "resume_rest": RestShare(share, len(consumed))} for rank in range(3)}
+
+
+def _read_resumed(registry: Registry, pool: FakePool, job: Job,
+                  asks: dict[int, dict[str, object]]) -> tuple[dict[int, list[int]], set[int]]:
+    """`_read_ddp_epoch` of a resume: every rank but the last asks (reports) first, as the ranks
+    of a resumed DDP job each do before the epoch can start; nothing is served before."""
+    last = max(asks)
+    for rank, fields in asks.items():
+        if rank != last:
+            fields = dict(fields)
+            token = int(fields.pop("token"))  # type: ignore[call-overload]
+            assert nxt(registry, job.job_id, token, 4, [], rank=rank, pid=100 + rank, **fields).item_ids == []
+    return _read_ddp_epoch(registry, pool, job, asks, first=last)
+
+
+@pytest.mark.parametrize("drop_last", [False, True], ids=["padding", "drop_last"])
+def test_an_elastic_resume_deals_the_rest_in_equal_shares_to_the_new_ranks(drop_last: bool) -> None:
+    """NOTE [ An elastic resume ]: 2 ranks consumed 8 of 26 items of epoch 2; the checkpoint
+    resumes on 3 ranks, each reporting the union with its share of the 18 left: 6 each, every
+    rest item once. Then whole epochs of 9 (8 under drop_last). The whole-epoch rule would have
+    given each new rank 9 - 8 = 1 item (the union is more than one rank's share)."""
+    registry, pool, _ = make_registry(num_slots=40)
+    items = BitMap(range(26))
+    consumed = BitMap([0, 3, 5, 7, 11, 13, 17, 19])
+    job = None
+    for rank in range(3):
+        job = attach(registry, "demo", items, "ddp", 4, rank=rank, world_size=3, drop_last=drop_last)
+    assert job is not None
+    share = 6  # 18 // 3 == ceil(18 / 3)
+    got, epochs = _read_resumed(registry, pool, job, _elastic_reports(consumed, share))
+    assert epochs == {2}
+    assert [len(got[rank]) for rank in range(3)] == [share] * 3
+    assert sorted(got[0] + got[1] + got[2]) == sorted(items - consumed)
+    whole, epochs = _read_ddp_epoch(registry, pool, job, {rank: {"token": 30 + rank} for rank in range(3)})
+    assert epochs == {3}
+    per = 8 if drop_last else 9
+    assert [len(whole[rank]) for rank in range(3)] == [per] * 3
+    assert len(set(whole[0] + whole[1] + whole[2])) == (24 if drop_last else 26)
+
+
+def test_an_elastic_rest_goes_on_from_what_each_rank_consumed_since() -> None:
+    """A checkpoint saved in an elastic resume's epoch (each rank's consumed set: the union it
+    resumed from plus what it read since) resumes on the same ranks: each rank's target is its
+    rest share less what it read beyond the union, and every item of the rest still comes
+    once. Here rank 0 read 2 items of its share of 5 and rank 1 read 3; 16 items, 6 before."""
+    registry, pool, _ = make_registry(num_slots=40)
+    items = BitMap(range(16))
+    union = BitMap([1, 2, 3, 4, 5, 6])
+    read = {0: BitMap([7, 8]), 1: BitMap([9, 10, 11])}
+    job = None
+    for rank in range(2):
+        job = attach(registry, "demo", items, "ddp", 4, rank=rank, world_size=2)
+    assert job is not None
+    asks: dict[int, dict[str, object]] = {
+        rank: {"token": 40 + rank, "resume_epoch": 5, "resume_consumed": union | read[rank],
+               "resume_rest": RestShare(5, len(union))} for rank in range(2)}
+    got, epochs = _read_resumed(registry, pool, job, asks)
+    assert epochs == {5}
+    assert [len(got[0]), len(got[1])] == [3, 2]
+    assert sorted(got[0] + got[1]) == sorted(items - union - read[0] - read[1])
