@@ -26,9 +26,9 @@ from pyroaring import BitMap
 from torch.utils.data import get_worker_info
 
 from joader.cache.arena import ArenaReader
-from joader.client import frameworks, placement
+from joader.client import frameworks, placement, relayout
 from joader.client.board import Board
-from joader.client.checkpoint import Owner, Share, indices_digest
+from joader.client.checkpoint import Checkpoint, Owner, Share, indices_digest
 from joader.client.connection import Connection, Identity
 from joader.client.keeper import Keeper
 from joader.client.undecodable import Undecodable
@@ -508,6 +508,20 @@ class Attachment:
         if self.dispatched or self.world_size == 1:
             items -= undecodable.count()
         return items
+
+    def checkpoint_of(self, state: Any, seed_given: bool) -> Checkpoint | None:
+        """A state to load, checked, as this reader resumes it: its own rank's state
+        (`Checkpoint.from_state_dict`), or a list of every rank's states of the job on another
+        layout of ranks or hosts (`joader.client.relayout`); None: nothing to resume."""
+        if not isinstance(state, (list, tuple)):
+            Checkpoint.check_tag(state)
+        self.settle()
+        owner, share = self.owner(seed_given), self.share()
+        if not isinstance(state, (list, tuple)):
+            return Checkpoint.from_state_dict(state, owner, share)
+        layout = relayout.NewLayout(self.items(), self.world_size, self.drop_last, hosts.source_salt(self.source),
+                                    self.hosts)
+        return relayout.rest_checkpoint(state, owner, share, layout)
 
     def owner(self, seed_given: bool) -> Owner:
         """Whose checkpoint this reader's state is (`JoaderDataset.state_dict`)."""

@@ -18,8 +18,10 @@ identity JSON after it (job id, secret, arena path, server uid; up to byte 2048)
 of the arena, for a worker that handed it batches by offset, `joader.client.handoff`), notices u64
 at 4088 (one bit per advice already logged by some reader, so forked DataLoader workers give it
 once); the current pass of DataLoader workers at 4096 (key u64, token u64, then one u32 pid per
-worker slot that joined it, `claim_pass`); from byte 8192 one u32 per item of the source: the
-epoch in which this rank last received it (0: never).
+worker slot that joined it, `claim_pass`); at 8152 the epoch, share and base (u64 each) of an
+elastic resume's rest this rank reads (`note_rest`); at 8176 the offer and the pass token
+(u64 each) of the resume the training process loaded (`take_resume`); from byte 8192 one u32 per item of the
+source: the epoch in which this rank last received it (0: never).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ _RECEIPTS_AT = 2048
 _NOTICES_AT = 4088
 RECEIPT_SLOTS = (_NOTICES_AT - _RECEIPTS_AT) // 8
 _PASS_AT = 4096  # key, token, then RECEIPT_SLOTS pids
+_REST_AT = 8152  # epoch, share, base
+_TAKEN_AT = 8176  # offer, token
 MAX_EPOCH = 2**32 - 1  # epochs are marked as u32
 _U64 = struct.Struct("=Q")
 
@@ -233,6 +237,43 @@ class Board:
                 self._set(16, epoch)
         except BoardClosedError:
             pass  # a reply that arrived after the dataset closed: its job ended with it
+
+    def note_rest(self, epoch: int, share: int, base: int) -> None:
+        """This rank reads `epoch` as its share of an elastic resume's rest (`share` items,
+        counted from a consumed set of `base` items: NOTE [ An elastic resume ] in
+        server/registry/resumes.py); the keeper's report after a restart says so."""
+        try:
+            self._set(_REST_AT, 0)
+            self._set(_REST_AT + 8, share)
+            self._set(_REST_AT + 16, base)
+            self._set(_REST_AT, epoch)
+        except BoardClosedError:
+            pass  # as in note_pass
+
+    def rest(self, epoch: int) -> tuple[int, int] | None:
+        """(share, base) if this rank reads `epoch` as an elastic resume's rest, else None."""
+        if not epoch or self._get(_REST_AT) != epoch:
+            return None
+        return self._get(_REST_AT + 8), self._get(_REST_AT + 16)
+
+    def take_resume(self, offer: int, token: int) -> bool:
+        """Whether pass `token` resumes the checkpoint `offer` (a random id the training process
+        gave it when it loaded it): the first pass to ask takes it, and only its readers do.
+
+        NOTE [ A loaded resume is one pass's ]
+        A state loaded in the training process before its DataLoader's workers exist (every
+        rank's states, an elastic resume) is copied into every worker the DataLoader forks, at
+        each `iter()`: without this, the next epoch's workers resumed the same epoch again and
+        read nothing. A POSIX record lock makes the test-and-set atomic across the workers."""
+        fcntl.lockf(self.fd, fcntl.LOCK_EX, 16, _TAKEN_AT)
+        try:
+            if self._get(_TAKEN_AT) != offer:
+                self._set(_TAKEN_AT + 8, token)
+                self._set(_TAKEN_AT, offer)
+                return True
+            return self._get(_TAKEN_AT + 8) == token
+        finally:
+            fcntl.lockf(self.fd, fcntl.LOCK_UN, 16, _TAKEN_AT)
 
     def mark(self, item_ids: list[int], epoch: int) -> None:
         """These items reached a reader in `epoch`. An id beyond the source is refused, and

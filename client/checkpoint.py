@@ -9,7 +9,9 @@ must stay as they are, or checkpoints users already saved would no longer load.
   the hosts' layout); a checkpoint of another job or rank is refused, naming the difference;
 - `Checkpoint`: its owner, the epoch, the ids yielded of it, and how many readers reported;
 - `ResumePoint`: what a new pass carries to joaderd until its first reply (the epoch and the
-  ids consumed of it), the part of a checkpoint joaderd acts on.
+  ids consumed of it), the part of a checkpoint joaderd acts on;
+- `RestShare`: in an epoch whose rest was dealt anew to another layout of ranks (an elastic
+  resume, `joader.client.relayout`), this rank's share of that rest.
 
 Every field of a loaded state is checked before any is used (`joader.client.state_checks`):
 against the job that loads it when given its `Share`.
@@ -18,6 +20,7 @@ against the job that loads it when given its `Share`.
 from __future__ import annotations
 
 import hashlib
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,11 +31,19 @@ from joader.client.board import MAX_EPOCH
 from joader.client.state_checks import FIX_OWN, Share
 from joader.errors import InvalidArgumentError
 
-__all__ = ["MAX_PARTS", "STATE_VERSION", "Checkpoint", "Owner", "ResumePoint", "Share", "indices_digest"]
+__all__ = ["MAX_PARTS", "STATE_VERSION", "Checkpoint", "Owner", "RestShare", "ResumePoint", "Share",
+           "indices_digest"]
 
 STATE_VERSION = 1
 JOB_TAG = "joader"
 MAX_PARTS = 1024  # readers of one rank a state may say reported (DataLoader workers)
+# How to resume on another layout of ranks or hosts: the epoch's rest is dealt anew from the
+# union of what every rank consumed, so it needs every rank's state (`joader.client.relayout`).
+ANOTHER_LAYOUT = (
+    "an epoch resumes on another number of ranks or hosts from EVERY rank's state, not one's: save "
+    "through joader.client.loader.JoaderDataLoader (its state_dict() holds every rank's), or gather "
+    "each rank's JoaderDataset.state_dict() (torch.distributed.all_gather_object) and pass the list "
+    "to load_state_dict")
 
 
 def indices_digest(bitmap: BitMap | None) -> str:
@@ -42,13 +53,29 @@ def indices_digest(bitmap: BitMap | None) -> str:
 
 
 @dataclass(frozen=True)
+class RestShare:
+    """This rank's share of an epoch whose rest was dealt anew to another layout of ranks (an
+    elastic resume): `share` items, counted from a consumed set of which `base` ids are items
+    of this rank's joaderd job (NOTE [ An elastic resume ] in server/registry/resumes.py). What
+    the rank consumes beyond them comes off its share."""
+
+    share: int
+    base: int
+
+
+@dataclass(frozen=True)
 class ResumePoint:
     """Where a pass resumes: `consumed` of `epoch` were yielded by the readers that saved it
-    (`parts` of them: joaderd waits for as many reports)."""
+    (`parts` of them: joaderd waits for as many reports); `rest`, in an elastic resume's epoch,
+    the rank's share of its rest."""
 
     epoch: int
     consumed: BitMap
     parts: int = 1
+    rest: RestShare | None = None
+    # Loaded in the training process for the workers of its next `iter()` (parts 0): a random id
+    # the first pass to take it claims on the client board (NOTE [ A loaded resume is one pass's ]).
+    offer: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,10 +93,23 @@ class Owner:
     def check(self, state: dict[str, Any]) -> None:
         """Refuses `state` if another rank or another job saved it (keys an older joader did
         not write are not checked)."""
-        if state.get("world_size") != self.world_size or state.get("rank") != self.rank:
+        if state.get("world_size") != self.world_size:
+            raise InvalidArgumentError(
+                f"load_state_dict: the state is of rank {state.get('rank')} of {state.get('world_size')}, "
+                f"this dataset is rank {self.rank} of {self.world_size}; {ANOTHER_LAYOUT}")
+        if state.get("rank") != self.rank:
             raise InvalidArgumentError(
                 f"load_state_dict: the state is of rank {state.get('rank')} of {state.get('world_size')}, "
                 f"this dataset is rank {self.rank} of {self.world_size}; load each rank's own state")
+        self.check_job(state)
+        if state.get("hosts") != self.hosts:
+            raise InvalidArgumentError(
+                f"load_state_dict: the state was saved with its ranks on hosts {state.get('hosts')}, this "
+                f"rank's host is {self.hosts} (each host's joaderd serves its part of the items, cut by "
+                f"the layout); {ANOTHER_LAYOUT}")
+
+    def check_job(self, state: dict[str, Any]) -> None:
+        """Refuses `state` if another job saved it: another source, other indices or seed."""
         # A job without a seed gets a new one each run: resuming it is fine.
         problems = []
         if "source" in state and state["source"] != self.source:
@@ -82,12 +122,6 @@ class Owner:
             raise InvalidArgumentError(
                 f"load_state_dict: the state is of another job ({'; '.join(problems)}); {FIX_OWN} "
                 "(or build the dataset with the same source, indices and seed)")
-        if state.get("hosts") != self.hosts:
-            raise InvalidArgumentError(
-                f"load_state_dict: the state was saved with its ranks on hosts {state.get('hosts')}, this "
-                f"rank's host is {self.hosts} (each host's joaderd serves its part of the items, cut by "
-                "the layout); resume with the same ranks per host (torchrun's --nnodes and "
-                "--nproc-per-node), or start the epoch afresh")
 
 
 @dataclass(frozen=True)
@@ -100,6 +134,7 @@ class Checkpoint:
     epoch: int
     consumed: BitMap
     parts: int = 1
+    rest: RestShare | None = None  # in an elastic resume's epoch: this rank's share of its rest
 
     @staticmethod
     def check_tag(state: Any) -> None:
@@ -111,6 +146,7 @@ class Checkpoint:
     def state_dict(self) -> dict[str, Any]:
         """The saved form: picklable, small, version-tagged. Keys and values must not change."""
         owner = self.owner
+        rest = {} if self.rest is None else {"rest_share": self.rest.share, "rest_base": self.rest.base}
         return {
             "version": STATE_VERSION,
             "job": JOB_TAG,
@@ -124,6 +160,7 @@ class Checkpoint:
             "world_size": owner.world_size,
             "parts": self.parts,
             "hosts": owner.hosts,
+            **rest,
         }
 
     @classmethod
@@ -145,15 +182,20 @@ class Checkpoint:
         parts = checks.check_parts(state.get("parts", 1), MAX_PARTS)
         consumed = checks.read_consumed(state["consumed"])
         checks.check_coherent(epoch, consumed)
+        rest = checks.read_rest(state)
         if share is not None:
-            checks.check_share(consumed, parts, share)
+            checks.check_share(consumed, parts, share, whole_job=rest is not None)
         owner = Owner(source=state.get("source", expected.source), dataset=state.get("dataset", expected.dataset),
                       seed=state["seed"], seed_given=bool(state.get("seed_given")), rank=state["rank"],
                       world_size=state["world_size"], hosts=state.get("hosts"))
-        return cls(owner, epoch, consumed, parts)
+        return cls(owner, epoch, consumed, parts,
+                   RestShare(*rest) if rest is not None else None)
 
     @property
     def resume_point(self) -> ResumePoint | None:
         """What the next pass carries to joaderd; None for epoch 0 (nothing to resume: the job's
         first epoch starts whole)."""
-        return ResumePoint(self.epoch, self.consumed, self.parts) if self.epoch > 0 else None
+        if self.epoch <= 0:
+            return None
+        offer = secrets.randbits(63) | 1 if not self.parts else 0
+        return ResumePoint(self.epoch, self.consumed, self.parts, self.rest, offer)

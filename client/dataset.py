@@ -14,7 +14,8 @@ Real jobs (docs in the README, "Running real jobs"):
 - ranks: the processes of one DDP job attach as ranks of ONE job, and joaderd splits each epoch
   between them (`len(ds)` items each);
 - resume: `state_dict()` records the items this process (or DataLoader worker) yielded in its
-  epoch; `load_state_dict()` makes the next pass deliver exactly the rest;
+  epoch; `load_state_dict()` makes the next pass deliver exactly the rest (every rank's states
+  on another layout of ranks or hosts: `joader.client.relayout`);
 - restart: every reader marks what it received on the client board (`joader.client.board`); when
   joaderd restarts, the keeper attaches again and the readers resume their epoch without it;
 - audit: `epoch_order(epoch)` is the order this process yielded.
@@ -289,37 +290,36 @@ class JoaderDataset(IterableDataset):
     # ----------------------------------------------------------------------------- real jobs
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this reader is in its epoch: picklable, small, version-tagged
-        (`joader.client.checkpoint`).
-
-        `epoch`: the epoch of this process's newest pass; `consumed`: the ids it yielded of that
-        epoch (a serialized pyroaring BitMap), so a checkpoint taken between steps is exact.
-        Under a DataLoader with workers each worker has its own (torchdata's StatefulDataLoader
-        collects them); `parts` says how many readers reported, so that joaderd resumes with
-        all of them. A finished epoch read by one process is saved as the start of the next.
-        `source`, `dataset` (a digest of the indices) and `seed` say whose state it is.
-        """
+        """Where this reader is in its epoch: picklable, small, version-tagged (`joader.client.
+        checkpoint`). `epoch`: its newest pass's; `consumed`: the ids it yielded of it (a
+        serialized pyroaring BitMap), so a checkpoint taken between steps is exact. Under a
+        DataLoader with workers each worker has its own (torchdata's StatefulDataLoader collects
+        them); `parts` says how many readers reported, so that joaderd resumes with all of them.
+        A finished epoch read by one process is saved as the start of the next. `source`,
+        `dataset` (a digest of the indices) and `seed` say whose state it is."""
         self._attachment.settle()
         worker = get_worker_info()
-        parts = worker.num_workers if worker is not None else 1
-        epoch, consumed = self._progress.saved(parts)
-        return Checkpoint(self._attachment.owner(self._seed_given), epoch, consumed, parts).state_dict()
+        epoch, consumed, rest = self._progress.saved(parts := worker.num_workers if worker is not None else 1)
+        return Checkpoint(self._attachment.owner(self._seed_given), epoch, consumed, parts, rest).state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Makes the next `iter()` resume `state`'s epoch: exactly the items not consumed in it
-        (in a uniform random order), then whole epochs."""
-        Checkpoint.check_tag(state)
-        self._attachment.settle()
-        attachment = self._attachment
-        checkpoint = Checkpoint.from_state_dict(state, attachment.owner(self._seed_given), attachment.share())
-        self._progress.restore(checkpoint.epoch, checkpoint.consumed)
-        self._resume = checkpoint.resume_point
+        (in a uniform random order), then whole epochs. On another number of ranks or hosts,
+        give every rank's states (a list): the epoch's rest is dealt anew (`joader.client.relayout`)."""
+        checkpoint = self._attachment.checkpoint_of(state, self._seed_given)
+        if checkpoint is not None:
+            self._progress.restore(checkpoint.epoch, checkpoint.consumed, checkpoint.rest)
+        self._resume = checkpoint.resume_point if checkpoint is not None else None
 
     def _names(self) -> ItemNames:
         """How an error names this job's items: class, and path when `root` is known."""
         if self._item_names is None:
             self._item_names = ItemNames.of(self.root, self._attachment.description)
         return self._item_names
+
+    @property
+    def resuming(self) -> ResumePoint | None:  # what the next `iter()` resumes, if any
+        return self._resume
 
     def epoch_order(self, epoch: int) -> list[int]:
         """The indices this process yielded in `epoch`, in order (for epochs it read)."""
@@ -337,7 +337,8 @@ class JoaderDataset(IterableDataset):
         board = connection.board
         pass_ = Pass.start(worker, attachment.passes, board, os.getpid())
         attachment.passes += 1
-        pass_.resume, self._resume = self._resume, None
+        pass_.take(self._resume, board)
+        self._resume = None
         self._progress.current = pass_
         note_copy_only_workers(board, worker, self.transform, self.batched)
         # joaderd restarted since this process last read (a DataLoader worker forked from a

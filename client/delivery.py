@@ -153,8 +153,11 @@ class Reader:
             fields.update(stall_epoch=pass_.epoch, stall_wait_s=pass_.wait_s,
                           stall_step_s=pass_.step_s, stall_items=pass_.items)
         if max_items and pass_.resume is not None:  # until the pass's first reply
-            fields.update(resume_epoch=pass_.resume.epoch, resume_consumed=pass_.resume.consumed.serialize(),
-                          resume_parts=pass_.resume.parts)
+            resume = pass_.resume
+            fields.update(resume_epoch=resume.epoch, resume_consumed=resume.consumed.serialize(),
+                          resume_parts=resume.parts)
+            if resume.rest is not None:
+                fields.update(resume_rest=True, resume_share=resume.rest.share, resume_base=resume.rest.base)
         return fields
 
     def ask(self, acks: Reply | list[int] | None = None) -> Call:
@@ -190,6 +193,8 @@ class Reader:
         if board is None or resume is None or resume.epoch != epoch or not epoch:
             return
         board.note_pass(epoch, self.pass_.token)
+        if resume.rest is not None:
+            board.note_rest(epoch, resume.rest.share, resume.rest.base)
         if resume.consumed:
             board.mark(list(resume.consumed), epoch)
 

@@ -103,6 +103,26 @@ def lightning_epoch_done(skip: int = 1, depth: int = _MAX_DEPTH) -> bool:
     return False
 
 
+def lightning_resume_at(done: int, skip: int = 1, depth: int = _MAX_DEPTH) -> bool:
+    """Under a Lightning fit loop loading a checkpoint's loader state, its count of the current
+    epoch's batches set to `done` (ready, started, processed and completed): an elastic resume's
+    rank reads its share of the epoch's rest, not the old rank's, and Lightning ends the epoch
+    when the count reaches the loader's length (`joader.client.loader`). Whether one was found."""
+    for frame in _frames(sys._getframe(skip), depth):
+        owner = frame.f_locals.get("self")
+        kind = type(owner)
+        if kind.__name__ != "_FitLoop" or not kind.__module__.endswith("loops.fit_loop"):
+            continue
+        try:
+            current = owner.epoch_loop.batch_progress.current
+            for name in ("ready", "started", "processed", "completed"):
+                setattr(current, name, done)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
 SHARD_MESSAGE = (
     "accelerate wrapped this JoaderDataset in an IterableDatasetShard (prepare() with "
     "dispatch_batches=False), which keeps one slice of every batch_size x num_processes items a "

@@ -58,6 +58,9 @@ def _requests(registration: dict[str, Any], stop: threading.Event, interval: lis
         describe=bool(registration.get("describe")),
         resume_epoch=int(registration.get("resume_epoch", 0)),
         resume_consumed=registration.get("resume_consumed", b""),
+        resume_rest=bool(registration.get("resume_rest", False)),
+        resume_share=int(registration.get("resume_share", 0)),
+        resume_base=int(registration.get("resume_base", 0)),
         order=registration.get("order", "shared"),
     )
     if registration.get("describe"):
@@ -222,7 +225,11 @@ def _with_report(registration: dict[str, Any], board: Board) -> dict[str, Any]:
     epoch, _token = board.current_pass()
     if not epoch:
         return registration
-    return dict(registration, resume_epoch=epoch, resume_consumed=board.received(epoch).serialize())
+    report = dict(registration, resume_epoch=epoch, resume_consumed=board.received(epoch).serialize())
+    rest = board.rest(epoch)
+    if rest is not None:  # NOTE [ An elastic resume ] in server/registry/resumes.py
+        report.update(resume_rest=True, resume_share=rest[0], resume_base=rest[1])
+    return report
 
 
 def _reattach(address: str, registration: dict[str, Any], stop: threading.Event,

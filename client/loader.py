@@ -59,6 +59,16 @@ every rank) calls `_load_combined_loader_states` -> `CombinedLoader._load_state_
   skipped on resume; observed); with a length (JoaderDataset has `__len__`) it does not.
 With a plain StatefulDataLoader the same 2-rank mid-epoch resume failed on rank 1 at its first
 `iter()` (in `setup_data`), with the dataset's own rank check refusing rank 0's state.
+
+On another layout (`Trainer(devices=3)` resuming a checkpoint of 2 devices, torchrun with
+another --nproc-per-node or --nnodes): `load_state_dict` gives the dataset every rank's states,
+and the rest of the epoch is dealt anew to the new ranks (`joader.client.relayout`); the
+loader's own StatefulDataLoader state is not restored (its counts are the old rank's), so its
+next iterator starts afresh and reads that rest. Lightning's restored count of the epoch's
+batches is the old rank's too, and its epoch ends when that count reaches the loader's length
+(`_TrainingEpochLoop._num_ready_batches_reached`): the count is set to the length less the
+batches of this rank's share of the rest (`frameworks.lightning_resume_at`), so the epoch ends
+with the rest, not before it (items never trained) or after it.
 """
 
 from __future__ import annotations
@@ -68,6 +78,7 @@ from typing import Any
 import torch
 
 from joader.client import frameworks
+from joader.client.checkpoint import JOB_TAG
 from joader.errors import InvalidArgumentError
 
 try:
@@ -225,7 +236,11 @@ class JoaderDataLoader(StatefulDataLoader):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads this rank's entry of a gathered state, or a plain StatefulDataLoader state as
-        this rank's own; a state gathered on another world size is refused. Not a collective."""
+        this rank's own; a state gathered on another layout of ranks or hosts resumes the rest
+        of its epoch dealt anew to this job's ranks (the module docstring). Not a collective."""
+        if _saved_elsewhere(state_dict, self.dataset):
+            self._load_on_new_layout(state_dict)
+            return
         own = rank_state(state_dict)
         if own.get(_FRESH):
             return  # saved after its epoch's last batch, under Lightning: a fresh pass
@@ -238,3 +253,45 @@ class JoaderDataLoader(StatefulDataLoader):
                 f"worker's state is its own part of the epoch, so build the loader with "
                 f"num_workers={saved_workers!r}, or start without the loader state")
         super().load_state_dict(own)
+
+    def _load_on_new_layout(self, state: dict[str, Any]) -> None:
+        """Every rank's JoaderDataset states to the dataset (`joader.client.relayout`); under
+        Lightning, its epoch's batch count set to resume with this rank's share of the rest."""
+        if any(entry == {_FRESH: True} for entry in state["ranks"]):
+            return  # saved after its epoch's last batch, under Lightning: a fresh pass
+        states = [found for entry in state["ranks"] for found in dataset_states(entry)]
+        self.dataset.load_state_dict(states)
+        resume = self.dataset.resuming
+        if resume is not None and resume.rest is not None:
+            size = self.batch_size or self.dataset.batch_size
+            batches = resume.rest.share // size if self.drop_last else -(-resume.rest.share // size)
+            frameworks.lightning_resume_at(max(0, len(self) - batches), skip=2)
+
+
+def dataset_states(value: Any) -> list[dict[str, Any]]:
+    """Every JoaderDataset state in a StatefulDataLoader state: the training process's
+    (`dataset_state`) or each DataLoader worker's (in `_snapshot`), wherever torchdata keeps it."""
+    if isinstance(value, dict):
+        if value.get("job") == JOB_TAG and "consumed" in value:
+            return [value]
+        return [found for item in value.values() for found in dataset_states(item)]
+    if isinstance(value, (list, tuple)):
+        return [found for item in value for found in dataset_states(item)]
+    return []
+
+
+def _saved_elsewhere(state: Any, dataset: Any) -> bool:
+    """Whether `state` is a gathered state of another layout than `dataset`'s job: another world
+    size, or this rank's entry saved with its ranks on other hosts. Malformed states are not
+    (`rank_state` refuses them, naming the problem)."""
+    if not isinstance(state, dict) or _TAG not in state or not isinstance(state.get("ranks"), list):
+        return False
+    if not hasattr(dataset, "resuming"):
+        return False  # not a JoaderDataset: its own states, loaded as StatefulDataLoader does
+    world_size = dataset.world_size
+    if state.get("world_size") != world_size:
+        return True
+    rank = dataset.rank or 0
+    entry = state["ranks"][rank] if 0 <= rank < len(state["ranks"]) else None
+    hosts = dataset.hosts.as_dict() if dataset.hosts is not None else None
+    return any(found.get("hosts") != hosts for found in dataset_states(entry))

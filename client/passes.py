@@ -9,6 +9,7 @@ of that epoch the restarted joaderd learns from the lease keeper (`joader.client
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 from pyroaring import BitMap
 
 from joader.client.board import RECEIPT_SLOTS, Board
-from joader.client.checkpoint import ResumePoint
+from joader.client.checkpoint import RestShare, ResumePoint
 from joader.errors import InvalidArgumentError
 
 _TOKEN_MASK = (1 << 63) - 1
@@ -43,6 +44,16 @@ class Pass:
         self.wait_s = 0.0
         self.step_s = 0.0
         self.items = 0  # yielded in this pass
+
+    def take(self, resume: ResumePoint | None, board: Board | None) -> None:
+        """The checkpoint this pass resumes. One loaded from every rank's states (`parts` 0:
+        before the DataLoader's workers existed) is reported by each reader of this pass, and
+        resumed by the first pass only (NOTE [ A loaded resume is one pass's ] in board.py)."""
+        if resume is not None and resume.offer and board is not None and not board.take_resume(resume.offer, self.token):
+            resume = None
+        if resume is not None and not resume.parts:
+            resume = dataclasses.replace(resume, parts=self.num_workers)
+        self.resume = resume
 
     @classmethod
     def start(cls, worker: Any, passes: int, board: Board | None, pid: int) -> Pass:
@@ -82,37 +93,37 @@ def continued_epoch(board: Board | None, pass_: Pass) -> int:
 
 class Progress:
     """What this process (or DataLoader worker) yielded, for `state_dict` and `epoch_order`:
-    the epoch of its newest pass, the ids yielded of it, and each epoch's order."""
+    the epoch of its newest pass, the ids yielded of it (with, in an elastic resume's epoch,
+    every old rank's and the rank's share of the rest), and each epoch's order."""
 
     def __init__(self) -> None:
         self.current: Pass | None = None  # the newest pass in this process
         self.epoch = 0
         self.consumed = BitMap()
+        self.rest: RestShare | None = None
         self.finished = False
         self.orders: dict[int, list[int]] = {}
 
     def start_epoch(self, pass_: Pass, epoch: int) -> None:
         """The first reply of a pass names its epoch: this process's records follow it."""
         pass_.epoch = epoch
-        if pass_.resume is not None and pass_.resume.epoch == epoch:
-            consumed = pass_.resume.consumed
-        else:
-            consumed = BitMap()
+        resume = pass_.resume if pass_.resume is not None and pass_.resume.epoch == epoch else None
         pass_.resume = None
         if self.current is pass_:
             self.epoch = epoch
-            self.consumed = BitMap(consumed)
+            self.consumed = BitMap(resume.consumed) if resume is not None else BitMap()
+            self.rest = resume.rest if resume is not None else None
             self.finished = False
             self.orders.setdefault(epoch, [])
             while len(self.orders) > 1000:
                 del self.orders[min(self.orders)]
 
-    def saved(self, parts: int) -> tuple[int, BitMap]:
-        """The epoch and consumed ids a checkpoint records now: a finished epoch read by one
-        process is saved as the start of the next."""
+    def saved(self, parts: int) -> tuple[int, BitMap, RestShare | None]:
+        """The epoch, consumed ids and rest share a checkpoint records now: a finished epoch
+        read by one process is saved as the start of the next."""
         if self.finished and parts == 1:
-            return self.epoch + 1, BitMap()
-        return self.epoch, self.consumed
+            return self.epoch + 1, BitMap(), None
+        return self.epoch, self.consumed, self.rest
 
     def epoch_order(self, epoch: int) -> list[int]:
         """The indices this process yielded in `epoch`, in order (`JoaderDataset.epoch_order`)."""
@@ -124,10 +135,11 @@ class Progress:
                 f"{known}); with DataLoader workers, each worker process records its own")
         return list(order)
 
-    def restore(self, epoch: int, consumed: BitMap) -> None:
+    def restore(self, epoch: int, consumed: BitMap, rest: RestShare | None = None) -> None:
         """A loaded checkpoint: this process's records go on from it."""
         self.epoch = epoch
         self.consumed = consumed
+        self.rest = rest
         self.finished = False
 
     def yielded(self, pass_: Pass, indices: list[int]) -> None:

@@ -25,7 +25,8 @@ from joader.errors import InvalidArgumentError
 
 FIX_OWN = "load the state this job saved, or start without one"
 REQUIRED = ("version", "job", "epoch", "consumed", "seed", "rank", "world_size")
-OPTIONAL = ("seed_given", "source", "dataset", "parts", "hosts")  # not written by older joaders
+# not written by older joaders; the rest_ keys only in an elastic resume's epoch
+OPTIONAL = ("seed_given", "source", "dataset", "parts", "hosts", "rest_share", "rest_base")
 MAX_SEED = 2**64 - 1
 
 
@@ -124,13 +125,25 @@ def _ids(ids: BitMap, most: int = 5) -> str:
     return shown + (", ..." if len(ids) > most else "")
 
 
-def check_share(consumed: BitMap, parts: int, share: Share) -> None:
-    """The state fits the job that loads it: its ids, their count, its readers."""
-    foreign = share.holds(consumed)
+def read_rest(state: dict[str, Any]) -> tuple[int, int] | None:
+    """(rest_share, rest_base) of a state saved in an elastic resume's epoch, else None."""
+    if "rest_share" not in state and "rest_base" not in state:
+        return None
+    share, base = state.get("rest_share"), state.get("rest_base")
+    if not (is_int(share) and share >= 0 and is_int(base) and base >= 0):
+        raise refuse(f"rest_share {share!r} and rest_base {base!r} are not counts of items (ints from 0, "
+                     "both or neither)")
+    return int(share), int(base)
+
+
+def check_share(consumed: BitMap, parts: int, share: Share, *, whole_job: bool = False) -> None:
+    """The state fits the job that loads it: its ids, their count, its readers. `whole_job`: a
+    state of an elastic resume's epoch, whose consumed set is every rank's (of every host)."""
+    foreign = share.holds(consumed) if not whole_job else consumed - BitMap(range(share.num_source_items))
     if foreign:
         what = "id that is not an item" if len(foreign) == 1 else "ids that are not items"
         raise refuse(f"consumed holds {len(foreign)} {what} of this job ({_ids(foreign)})")
-    if len(consumed) > share.per_epoch:
+    if len(consumed) > share.per_epoch and not whole_job:
         raise refuse(f"consumed holds {len(consumed)} ids, more than the {share.per_epoch} items an "
                      "epoch gives this rank")
     if parts != share.readers:

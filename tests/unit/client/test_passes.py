@@ -104,9 +104,9 @@ def test_progress_follows_its_current_pass_and_saves_a_finished_epoch_as_the_nex
     stale = Pass(4, 0, 1)
     progress.yielded(stale, [9])  # an older pass of this process: not recorded
     assert progress.orders[3] == [7, 8] and progress.consumed == BitMap([1, 2, 7, 8])
-    assert progress.saved(parts=1) == (3, BitMap([1, 2, 7, 8]))
+    assert progress.saved(parts=1) == (3, BitMap([1, 2, 7, 8]), None)
     progress.finished = True
-    assert progress.saved(parts=1) == (4, BitMap()) and progress.saved(parts=2)[0] == 3
+    assert progress.saved(parts=1) == (4, BitMap(), None) and progress.saved(parts=2)[0] == 3
     progress.restore(6, BitMap([1]))
     assert (progress.epoch, progress.consumed, progress.finished) == (6, BitMap([1]), False)
 

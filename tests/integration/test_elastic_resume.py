@@ -1,0 +1,101 @@
+"""Elastic resume (issue 40): a mid-epoch checkpoint resumed on another number of ranks.
+
+The README's torchrun example (`<!-- readme-check: torchrun -->`), run as written but for what
+a test must see: the items' indices (`return_index=True`), a record of every sample the loop
+receives (epoch, index, label, crc32 of its pixels), a batch of 8, and a preemption right after
+the checkpoint of a given step (every rank SIGKILLs itself once the checkpoint is written, as a
+preempted job dies). Then the same script resumes on another layout. The chain: 2 ranks -> 3
+ranks with 2 DataLoader workers each -> 2 ranks with 2 workers -> 1 process; every epoch exactly
+once over all the runs, and every sample's pixels and label against a decode made here. The
+item count (144) and the steps are chosen so that no share needs padding (a padding copy would
+count as a duplicate): 144 - 48 = 96 is 3 x 32, 144 - 72 = 72 is 2 x 36.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from joader.testing.integrity import check_records, read_records
+from tests.support.processes import Clients, free_port, wait_for
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+pytestmark = pytest.mark.slow
+ITEMS = 144
+
+# What the test adds to the README's script: (the README's text, what replaces it).
+EDITS = [
+    ('ds = JoaderDataset("demo")', 'ds = JoaderDataset("demo", indices=range(ITEMS), return_index=True)'),
+    ("batch_size=32, num_workers=2", "batch_size=8, num_workers=WORKERS"),
+    ("for epoch in range(start, 2):", "for epoch in range(start, EPOCHS):"),
+    ("for step, (images, labels) in enumerate(loader):",
+     "for step, (indices, images, labels) in enumerate(loader):"),
+    ("...  # forward, backward (DDP all-reduces the gradients), optimizer step",
+     "record(epoch, indices, images, labels)\n        dist.all_reduce(torch.ones(1))  # DDP's step"),
+    ("            dist.barrier()\n", "            dist.barrier()\n            preempt_at(epoch, step)\n"),
+]
+PRELUDE = '''
+import json, os, signal, zlib
+ITEMS, WORKERS, EPOCHS = int(os.environ["ITEMS"]), int(os.environ["WORKERS"]), int(os.environ["EPOCHS"])
+_out = open(os.environ["RECORDS"] + f"-{os.environ['RANK']}.jsonl", "a")
+
+def record(epoch, indices, images, labels):
+    for index, image, label in zip(indices.tolist(), images, labels.tolist()):
+        _out.write(json.dumps({"kind": "sample", "epoch": epoch + 1, "index": index, "label": label,
+                               "crc": zlib.crc32(image.contiguous().numpy().tobytes())}) + "\\n")
+    _out.flush()
+
+def preempt_at(epoch, step):
+    if os.environ.get("PREEMPT") == f"{epoch}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+def _script() -> str:
+    block = dict(re.findall(r"<!-- readme-check: (\w+) -->\n```python\n(.*?)```", README.read_text(), re.S))["torchrun"]
+    for old, new in EDITS:
+        assert block.count(old) == 1, f"the README's torchrun example no longer has {old!r}: update EDITS"
+        block = block.replace(old, new)
+    head, _, rest = block.partition("dist.init_process_group")
+    return head + PRELUDE + "dist.init_process_group" + rest
+
+
+def _run(clients: Clients, tmp_path: Path, server: Any, name: str, ranks: int, workers: int,
+         preempt: str | None, epochs: int) -> None:
+    env = {"JOADER_ADDRESS": server.address, "ITEMS": str(ITEMS), "WORKERS": str(workers),
+           "EPOCHS": str(epochs), "RECORDS": str(tmp_path / name), "PREEMPT": preempt or ""}
+    run = clients.popen(name, [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+                               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                               "--max-restarts", "0", str(tmp_path / "train.py")], cwd=tmp_path, env=env)
+    clients.wait(run, timeout_s=240, expect=None if preempt else 0)
+    wait_for(lambda: server.status()["jobs"] == [], 30, f"{name}'s job to end")
+
+
+def test_a_checkpoint_resumes_on_3_then_2_ranks_with_workers_then_1_every_epoch_exactly_once(
+        demo_root: Path, start_joaderd: Any, clients: Clients, expected: Any, tmp_path: Path) -> None:
+    server = start_joaderd({"demo": demo_root}, cache_items=ITEMS)
+    (tmp_path / "train.py").write_text(_script())
+    chain = [("two", 2, 0, "0:2"),          # epoch 0: 3 batches of 8 per rank, then preempted
+             ("three", 3, 2, "1:2"),        # epoch 0's rest, 32 per rank; epoch 1 to step 2
+             ("two-again", 2, 2, "2:2"),    # epoch 1's rest, 36 per rank; epoch 2 to step 2
+             ("one", 1, 0, None)]           # epoch 2's rest, 96; epoch 3 whole
+    for name, ranks, workers, preempt in chain:
+        _run(clients, tmp_path, server, name, ranks, workers, preempt, epochs=4)
+    records = []
+    per_run: dict[str, Counter[int]] = {}
+    for name, ranks, _, _ in chain:
+        mine = [r for rank in range(ranks) for r in read_records(tmp_path / f"{name}-{rank}.jsonl")]
+        per_run[name] = Counter(r["epoch"] for r in mine)
+        records += mine
+    print(f"samples per epoch, by run: {per_run}")
+    findings = check_records(records, expected, set(range(ITEMS)), 4, "elastic chain 2 -> 3 -> 2 -> 1")
+    assert findings.ok, findings.summary()
+    assert per_run == {"two": Counter({1: 48}), "three": Counter({1: 96, 2: 72}),
+                       "two-again": Counter({2: 72, 3: 48}), "one": Counter({3: 96, 4: 144})}
+    assert json.loads(json.dumps(server.status()["jobs"])) == []
