@@ -105,9 +105,12 @@ def lightning_epoch_done(skip: int = 1, depth: int = _MAX_DEPTH) -> bool:
 
 def lightning_resume_at(done: int, skip: int = 1, depth: int = _MAX_DEPTH) -> bool:
     """Under a Lightning fit loop loading a checkpoint's loader state, its count of the current
-    epoch's batches set to `done` (ready, started, processed and completed): an elastic resume's
-    rank reads its share of the epoch's rest, not the old rank's, and Lightning ends the epoch
-    when the count reaches the loader's length (`joader.client.loader`). Whether one was found."""
+    epoch's batches moved to `done` ready: an elastic resume's rank reads its share of the
+    epoch's rest, not the old rank's, and Lightning ends the epoch when the count reaches the
+    loader's length (`joader.client.loader`). Every counter (ready, started, processed,
+    completed) moves by the same amount: a checkpoint saved at a batch's end has one fewer
+    completed, which Lightning's restart adds back (`_TrainingEpochLoop.reset`). Whether one was
+    found."""
     for frame in _frames(sys._getframe(skip), depth):
         owner = frame.f_locals.get("self")
         kind = type(owner)
@@ -115,8 +118,9 @@ def lightning_resume_at(done: int, skip: int = 1, depth: int = _MAX_DEPTH) -> bo
             continue
         try:
             current = owner.epoch_loop.batch_progress.current
+            shift = done - current.ready
             for name in ("ready", "started", "processed", "completed"):
-                setattr(current, name, done)
+                setattr(current, name, max(0, getattr(current, name) + shift))
         except AttributeError:
             return False
         return True

@@ -99,3 +99,39 @@ def test_a_checkpoint_resumes_on_3_then_2_ranks_with_workers_then_1_every_epoch_
     assert per_run == {"two": Counter({1: 48}), "three": Counter({1: 96, 2: 72}),
                        "two-again": Counter({2: 72, 3: 48}), "one": Counter({3: 96, 4: 144})}
     assert json.loads(json.dumps(server.status()["jobs"])) == []
+
+
+# ------------------------------------------------------------------------------ Lightning
+
+JOB = "tests.support.framework_jobs"
+
+
+def test_lightning_ddp_resumes_a_mid_epoch_checkpoint_of_2_devices_on_3(
+        demo_root: Path, start_joaderd: Any, clients: Clients, expected: Any, tmp_path: Path) -> None:
+    """`Trainer(devices=2)` checkpoints every 5 steps and is killed -9 in epoch 1 (9 batches of 8
+    per rank over 144 items; the checkpoint at step 15 is 6 batches into epoch 1); the same
+    script with `Trainer(devices=3)` and `ckpt_path=` of that checkpoint. The epoch's rest (48
+    items) is 16 per new rank, Lightning's epoch ends with it (its restored batch count is set
+    to the new length less the share's batches), and epoch 2 is whole on 3 ranks."""
+    server = start_joaderd({"demo": demo_root}, cache_items=ITEMS)
+    out = tmp_path / "lightning"
+    base = ("lightning", "--address", server.address, "--out", str(out), "--epochs", "3",
+            "--batch-size", "8", "--every", "5", "--items", str(ITEMS))
+    run = clients.popen("lightning-2", [sys.executable, "-m", JOB, *base, "--devices", "2", "--kill-at", "1:7"])
+    assert clients.wait(run, timeout_s=240, expect=None) != 0, "the run was to be killed mid-epoch"
+    checkpoint = out / "epoch=1-step=15.ckpt"
+    assert checkpoint.exists(), sorted(p.name for p in out.glob("*.ckpt"))
+    (out / "mark-2-15.json").write_text(json.dumps({"lines": 0}))  # rank 2 is new: nothing of it to keep
+    wait_for(lambda: server.status()["jobs"] == [], 30, "the killed run's job to end")
+    resumed = clients.popen("lightning-3", [sys.executable, "-m", JOB, *base, "--devices", "3",
+                                            "--resume", str(checkpoint)])
+    clients.wait(resumed, timeout_s=240)
+    records = [r for rank in range(3) for r in read_records(out / f"records-{rank}.jsonl")]
+    per_rank = {rank: Counter(r["epoch"] for r in records if r["rank"] == rank) for rank in range(3)}
+    print(f"Lightning 2 -> 3 devices: items per rank per epoch {per_rank}")
+    findings = check_records(records, expected, set(range(ITEMS)), 3, "Lightning DDP 2 -> 3 devices")
+    assert findings.ok, findings.summary()
+    assert per_rank == {0: Counter({1: 72, 2: 48 + 16, 3: 48}), 1: Counter({1: 72, 2: 48 + 16, 3: 48}),
+                        2: Counter({2: 16, 3: 48})}
+    done = json.loads((out / "done.json").read_text())
+    assert done["len_loader"] == done["batches_per_epoch"] == 6
