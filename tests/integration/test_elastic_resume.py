@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pyroaring import BitMap
 
+from joader.sampling.hosts import HostLayout, host_part, source_salt
 from joader.testing.integrity import check_records, read_records
 from tests.support.processes import Clients, free_port, wait_for
 
@@ -39,6 +41,8 @@ EDITS = [
     ("...  # forward, backward (DDP all-reduces the gradients), optimizer step",
      "record(epoch, indices, images, labels)\n        dist.all_reduce(torch.ones(1))  # DDP's step"),
     ("            dist.barrier()\n", "            dist.barrier()\n            preempt_at(epoch, step)\n"),
+    ('loader.load_state_dict(state["loader"])  # this rank\'s own entry',
+     'loader.load_state_dict(state["loader"])  # this rank\'s own entry\n    note_resume(ds)'),
 ]
 PRELUDE = '''
 import json, os, signal, zlib
@@ -50,6 +54,11 @@ def record(epoch, indices, images, labels):
         _out.write(json.dumps({"kind": "sample", "epoch": epoch + 1, "index": index, "label": label,
                                "crc": zlib.crc32(image.contiguous().numpy().tobytes())}) + "\\n")
     _out.flush()
+
+def note_resume(ds):
+    rest = ds.resuming.rest if ds.resuming is not None else None
+    with open(os.environ["RECORDS"] + f"-{os.environ['RANK']}.resume.json", "w") as out:
+        json.dump({"share": rest.share if rest else None, "hosts": ds.hosts.as_dict() if ds.hosts else None}, out)
 
 def preempt_at(epoch, step):
     if os.environ.get("PREEMPT") == f"{epoch}:{step}":
@@ -66,15 +75,25 @@ def _script() -> str:
     return head + PRELUDE + "dist.init_process_group" + rest
 
 
-def _run(clients: Clients, tmp_path: Path, server: Any, name: str, ranks: int, workers: int,
+def _run(clients: Clients, tmp_path: Path, nodes: list[tuple[Any, int]], name: str, workers: int,
          preempt: str | None, epochs: int) -> None:
-    env = {"JOADER_ADDRESS": server.address, "ITEMS": str(ITEMS), "WORKERS": str(workers),
-           "EPOCHS": str(epochs), "RECORDS": str(tmp_path / name), "PREEMPT": preempt or ""}
-    run = clients.popen(name, [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                               "--max-restarts", "0", str(tmp_path / "train.py")], cwd=tmp_path, env=env)
-    clients.wait(run, timeout_s=240, expect=None if preempt else 0)
-    wait_for(lambda: server.status()["jobs"] == [], 30, f"{name}'s job to end")
+    """The script under torchrun: one agent per (joaderd, ranks) node, over c10d when several
+    (each node's ranks read through its own joaderd, as JOADER_ADDRESS says on a real node)."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    runs = []
+    for index, (server, ranks) in enumerate(nodes):
+        env = {"JOADER_ADDRESS": server.address, "ITEMS": str(ITEMS), "WORKERS": str(workers),
+               "EPOCHS": str(epochs), "RECORDS": str(tmp_path / name), "PREEMPT": preempt or ""}
+        where = (["--nnodes", str(len(nodes)), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                  "--rdzv-id", name] if len(nodes) > 1 else
+                 ["--master_addr", "127.0.0.1", "--master_port", str(free_port())])
+        runs.append(clients.popen(f"{name}-{index}", [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), *where,
+            "--max-restarts", "0", str(tmp_path / "train.py")], cwd=tmp_path, env=env))
+    for run in runs:
+        clients.wait(run, timeout_s=240, expect=None if preempt else 0)
+    for server, _ in nodes:
+        wait_for(lambda server=server: server.status()["jobs"] == [], 30, f"{name}'s job to end")
 
 
 def test_a_checkpoint_resumes_on_3_then_2_ranks_with_workers_then_1_every_epoch_exactly_once(
@@ -86,7 +105,7 @@ def test_a_checkpoint_resumes_on_3_then_2_ranks_with_workers_then_1_every_epoch_
              ("two-again", 2, 2, "2:2"),    # epoch 1's rest, 36 per rank; epoch 2 to step 2
              ("one", 1, 0, None)]           # epoch 2's rest, 96; epoch 3 whole
     for name, ranks, workers, preempt in chain:
-        _run(clients, tmp_path, server, name, ranks, workers, preempt, epochs=4)
+        _run(clients, tmp_path, [(server, ranks)], name, workers, preempt, epochs=4)
     records = []
     per_run: dict[str, Counter[int]] = {}
     for name, ranks, _, _ in chain:
@@ -135,3 +154,41 @@ def test_lightning_ddp_resumes_a_mid_epoch_checkpoint_of_2_devices_on_3(
                         2: Counter({2: 16, 3: 48})}
     done = json.loads((out / "done.json").read_text())
     assert done["len_loader"] == done["batches_per_epoch"] == 6
+
+
+# ------------------------------------------------------------------------------ hosts
+
+def test_two_hosts_resume_on_one_and_one_on_two_each_host_serving_its_part_of_the_new_layout(
+        demo_root: Path, start_joaderd: Any, clients: Clients, expected: Any, tmp_path: Path) -> None:
+    """The README's script across simulated hosts (a joaderd and a torchrun agent each, c10d):
+    2 hosts x 1 rank, preempted mid-epoch 0; resumed on 1 host x 2 ranks, preempted mid-epoch
+    1; resumed on 2 hosts x 1 rank to the end of epoch 2. Every epoch: every item, every
+    sample's pixels, and no copy beyond the padding the shares need (a host whose part has
+    fewer left pads, so that every rank gets as many: `joader.client.relayout`). On 2 hosts
+    each rank reads only its host's part of the new layout."""
+    servers = [start_joaderd({"demo": demo_root}, cache_items=ITEMS) for _ in range(2)]
+    (tmp_path / "train.py").write_text(_script())
+    chain = [("hosts", [(servers[0], 1), (servers[1], 1)], "0:2"),
+             ("one-host", [(servers[0], 2)], "1:2"),
+             ("hosts-again", [(servers[0], 1), (servers[1], 1)], None)]
+    for name, nodes, preempt in chain:
+        _run(clients, tmp_path, nodes, name, 0, preempt, epochs=3)
+    records = {name: {rank: read_records(tmp_path / f"{name}-{rank}.jsonl") for rank in range(2)}
+               for name, _, _ in chain}
+    resumes = {name: [json.loads((tmp_path / f"{name}-{rank}.resume.json").read_text()) for rank in range(2)]
+               for name, _, _ in chain[1:]}
+    print(f"shares of the rest: {resumes}")
+    flat = [r for runs in records.values() for rank in runs.values() for r in rank]
+    findings = check_records(flat, expected, set(range(ITEMS)), 3, "2 hosts -> 1 -> 2")
+    assert not findings.wrong_pixels and not findings.wrong_labels and not findings.missing, findings.summary()
+    # Copies: only the padding of a resumed rest on 2 hosts (2 x share - what was left); 0 on one host.
+    left = ITEMS - sum(1 for rank in records["one-host"].values() for r in rank if r["epoch"] == 2)
+    shares = {entry["share"] for entry in resumes["hosts-again"]}
+    assert len(shares) == 1 and {entry["share"] for entry in resumes["one-host"]} == {(ITEMS - 48) // 2}
+    assert findings.duplicated == 2 * shares.pop() - left, findings.summary()
+    salt = source_salt("demo")
+    for rank in range(2):
+        part = host_part(BitMap(range(ITEMS)), salt, HostLayout(2, rank, 1, 0), drop_last=False)
+        read = BitMap(r["index"] for r in records["hosts-again"][rank])
+        assert read <= part, f"rank {rank} read {len(read - part)} items outside its host's part"
+        assert resumes["hosts-again"][rank]["hosts"] == {"world_size": 2, "first_rank": rank, "local_ranks": 1}
