@@ -93,3 +93,21 @@ def test_ids_beyond_the_source_are_refused_and_nothing_is_marked(board: Board) -
     assert board.received(1) == BitMap()
     board.mark([1, 2], 1)
     assert board.received(1) == BitMap([1, 2])
+
+
+def test_a_loaded_resume_is_taken_by_the_first_pass_only(board: Board) -> None:
+    """NOTE [ A loaded resume is one pass's ]: every DataLoader worker forked at each `iter()`
+    carries the resume the training process loaded; the first pass takes it (all its workers),
+    the next epoch's passes do not, and a newly loaded resume (a new offer) is taken again."""
+    assert board.take_resume(offer=11, token=5) and board.take_resume(offer=11, token=5)
+    assert not board.take_resume(offer=11, token=6)
+    assert board.take_resume(offer=12, token=6) and not board.take_resume(offer=12, token=5)
+
+
+def test_an_elastic_rest_share_is_kept_for_its_epoch(board: Board) -> None:
+    assert board.rest(3) is None
+    board.note_rest(3, share=27, base=20)
+    assert board.rest(3) == (27, 20) and board.rest(4) is None and board.rest(0) is None
+    for key in (77, 78):  # the pass bookkeeping beside it is untouched
+        board.claim_pass(key=key, slot=0, pid=1)
+    assert board.rest(3) == (27, 20)

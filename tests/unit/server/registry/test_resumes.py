@@ -341,3 +341,23 @@ def test_an_elastic_rest_goes_on_from_what_each_rank_consumed_since() -> None:
     assert epochs == {5}
     assert [len(got[0]), len(got[1])] == [3, 2]
     assert sorted(got[0] + got[1]) == sorted(items - union - read[0] - read[1])
+
+
+def test_a_restart_in_an_elastic_resumes_epoch_goes_on_from_each_ranks_share() -> None:
+    """joaderd restarted while 2 ranks read an elastic resume's rest: each keeper reports the
+    union the rank resumed from plus what it read since, with its share. The restarted joaderd
+    deals each rank its share less what it read since (the whole-epoch rule would give it
+    nothing: the union is more than a rank's epoch), every rest item once."""
+    registry, pool, _ = make_registry(num_slots=40)
+    items = BitMap(range(20))
+    union = BitMap(range(10))  # what the old layout's ranks consumed
+    read = {0: BitMap([10, 11]), 1: BitMap([12])}
+    job = None
+    for rank in range(2):
+        job = attach(registry, "demo", items, "ddp", 4, rank=rank, world_size=2,
+                     restart_report=(3, union | read[rank], RestShare(5, len(union))))
+    assert job is not None and job.resumed_epoch == 3
+    got, epochs = _read_ddp_epoch(registry, pool, job, {rank: {"token": 50 + rank, "continue_epoch": 3}
+                                                        for rank in range(2)})
+    assert epochs == {3} and [len(got[0]), len(got[1])] == [3, 4]
+    assert sorted(got[0] + got[1]) == sorted(items - union - read[0] - read[1])
