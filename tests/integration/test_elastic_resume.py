@@ -1,14 +1,13 @@
-"""Elastic resume (issue 40): a mid-epoch checkpoint resumed on another number of ranks.
+"""Elastic resume (issue 40): a mid-epoch checkpoint resumed on another number of ranks or hosts.
 
 The README's torchrun example (`<!-- readme-check: torchrun -->`), run as written but for what
 a test must see: the items' indices (`return_index=True`), a record of every sample the loop
-receives (epoch, index, label, crc32 of its pixels), a batch of 8, and a preemption right after
-the checkpoint of a given step (every rank SIGKILLs itself once the checkpoint is written, as a
-preempted job dies). Then the same script resumes on another layout. The chain: 2 ranks -> 3
-ranks with 2 DataLoader workers each -> 2 ranks with 2 workers -> 1 process; every epoch exactly
-once over all the runs, and every sample's pixels and label against a decode made here. The
-item count (144) and the steps are chosen so that no share needs padding (a padding copy would
-count as a duplicate): 144 - 48 = 96 is 3 x 32, 144 - 72 = 72 is 2 x 36.
+receives (epoch, index, label, crc32 of its pixels), a batch of 8, a note of the share each rank
+resumed, and a preemption right after the checkpoint of a given step (every rank SIGKILLs itself
+once the checkpoint is written, as a preempted job dies). Then the same script resumes on
+another layout. The item count (144) and the steps are chosen so that a share on one host needs
+no padding (a copy counts as a duplicate): 144 - 48 = 96 is 3 x 32 and 1 x 96. And Lightning,
+`Trainer(devices=2)` resumed with `devices=3`.
 """
 
 from __future__ import annotations
@@ -96,28 +95,43 @@ def _run(clients: Clients, tmp_path: Path, nodes: list[tuple[Any, int]], name: s
         wait_for(lambda server=server: server.status()["jobs"] == [], 30, f"{name}'s job to end")
 
 
-def test_a_checkpoint_resumes_on_3_then_2_ranks_with_workers_then_1_every_epoch_exactly_once(
+def test_a_checkpoint_moves_between_layouts_of_ranks_and_hosts_every_epoch_exactly_once(
         demo_root: Path, start_joaderd: Any, clients: Clients, expected: Any, tmp_path: Path) -> None:
-    server = start_joaderd({"demo": demo_root}, cache_items=ITEMS)
+    """The README's script, preempted after a mid-epoch checkpoint and resumed on another layout,
+    four times: 2 hosts x 1 rank -> 1 host x 3 ranks with 2 DataLoader workers each -> 2 hosts x
+    1 rank with 2 workers -> 1 process (two joaderds, torchrun over c10d for 2 hosts). Every
+    epoch: every item, every sample's pixels and label, and no copy beyond the padding of the
+    one share that needs it (2 hosts: a host whose part has fewer left pads, so that every rank
+    gets as many; `joader.client.relayout`). On 2 hosts each rank reads only its host's part of
+    the new layout."""
+    servers = [start_joaderd({"demo": demo_root}, cache_items=ITEMS) for _ in range(2)]
     (tmp_path / "train.py").write_text(_script())
-    chain = [("two", 2, 0, "0:2"),          # epoch 0: 3 batches of 8 per rank, then preempted
-             ("three", 3, 2, "1:2"),        # epoch 0's rest, 32 per rank; epoch 1 to step 2
-             ("two-again", 2, 2, "2:2"),    # epoch 1's rest, 36 per rank; epoch 2 to step 2
-             ("one", 1, 0, None)]           # epoch 2's rest, 96; epoch 3 whole
-    for name, ranks, workers, preempt in chain:
-        _run(clients, tmp_path, [(server, ranks)], name, workers, preempt, epochs=4)
-    records = []
-    per_run: dict[str, Counter[int]] = {}
-    for name, ranks, _, _ in chain:
-        mine = [r for rank in range(ranks) for r in read_records(tmp_path / f"{name}-{rank}.jsonl")]
-        per_run[name] = Counter(r["epoch"] for r in mine)
-        records += mine
-    print(f"samples per epoch, by run: {per_run}")
-    findings = check_records(records, expected, set(range(ITEMS)), 4, "elastic chain 2 -> 3 -> 2 -> 1")
-    assert findings.ok, findings.summary()
-    assert per_run == {"two": Counter({1: 48}), "three": Counter({1: 96, 2: 72}),
-                       "two-again": Counter({2: 72, 3: 48}), "one": Counter({3: 96, 4: 144})}
-    assert json.loads(json.dumps(server.status()["jobs"])) == []
+    two_hosts = [(servers[0], 1), (servers[1], 1)]
+    chain = [("hosts", two_hosts, 0, "0:2"),           # epoch 0: 3 batches of 8 per rank
+             ("three", [(servers[0], 3)], 2, "1:2"),   # epoch 0's rest, 32 per rank; epoch 1 to step 2
+             ("hosts-again", two_hosts, 2, "2:2"),     # epoch 1's rest, about 36 per rank; epoch 2 to step 2
+             ("one", [(servers[0], 1)], 0, None)]      # epoch 2's rest, 96; epoch 3 whole
+    for name, nodes, workers, preempt in chain:
+        _run(clients, tmp_path, nodes, name, workers, preempt, epochs=4)
+    ranks = {name: sum(local for _, local in nodes) for name, nodes, _, _ in chain}
+    records = {name: {rank: read_records(tmp_path / f"{name}-{rank}.jsonl") for rank in range(ranks[name])}
+               for name in ranks}
+    shares = {name: {json.loads((tmp_path / f"{name}-{rank}.resume.json").read_text())["share"]
+                     for rank in range(ranks[name])} for name in list(ranks)[1:]}
+    per_run = {name: Counter(r["epoch"] for rank in runs.values() for r in rank) for name, runs in records.items()}
+    print(f"samples per epoch, by run: {per_run}; shares of the rest: {shares}")
+    findings = check_records([r for runs in records.values() for rank in runs.values() for r in rank],
+                             expected, set(range(ITEMS)), 4, "2 hosts -> 3 ranks -> 2 hosts -> 1")
+    assert not (findings.wrong_pixels or findings.wrong_labels or findings.missing), findings.summary()
+    assert shares["three"] == {32} and shares["one"] == {96} and len(shares["hosts-again"]) == 1
+    padding = 2 * shares["hosts-again"].pop() - 72  # epoch 1's rest on 2 hosts: the one share that pads
+    assert findings.duplicated == padding <= 8, findings.summary()
+    assert per_run == {"hosts": Counter({1: 48}), "three": Counter({1: 96, 2: 72}),
+                       "hosts-again": Counter({2: 72 + padding, 3: 48}), "one": Counter({3: 96, 4: 144})}
+    for rank in range(2):
+        part = host_part(BitMap(range(ITEMS)), source_salt("demo"), HostLayout(2, rank, 1, 0), drop_last=False)
+        read = BitMap(r["index"] for r in records["hosts-again"][rank])
+        assert read <= part, f"rank {rank} read {len(read - part)} items outside its host's part"
 
 
 # ------------------------------------------------------------------------------ Lightning
@@ -154,41 +168,3 @@ def test_lightning_ddp_resumes_a_mid_epoch_checkpoint_of_2_devices_on_3(
                         2: Counter({2: 16, 3: 48})}
     done = json.loads((out / "done.json").read_text())
     assert done["len_loader"] == done["batches_per_epoch"] == 6
-
-
-# ------------------------------------------------------------------------------ hosts
-
-def test_two_hosts_resume_on_one_and_one_on_two_each_host_serving_its_part_of_the_new_layout(
-        demo_root: Path, start_joaderd: Any, clients: Clients, expected: Any, tmp_path: Path) -> None:
-    """The README's script across simulated hosts (a joaderd and a torchrun agent each, c10d):
-    2 hosts x 1 rank, preempted mid-epoch 0; resumed on 1 host x 2 ranks, preempted mid-epoch
-    1; resumed on 2 hosts x 1 rank to the end of epoch 2. Every epoch: every item, every
-    sample's pixels, and no copy beyond the padding the shares need (a host whose part has
-    fewer left pads, so that every rank gets as many: `joader.client.relayout`). On 2 hosts
-    each rank reads only its host's part of the new layout."""
-    servers = [start_joaderd({"demo": demo_root}, cache_items=ITEMS) for _ in range(2)]
-    (tmp_path / "train.py").write_text(_script())
-    chain = [("hosts", [(servers[0], 1), (servers[1], 1)], "0:2"),
-             ("one-host", [(servers[0], 2)], "1:2"),
-             ("hosts-again", [(servers[0], 1), (servers[1], 1)], None)]
-    for name, nodes, preempt in chain:
-        _run(clients, tmp_path, nodes, name, 0, preempt, epochs=3)
-    records = {name: {rank: read_records(tmp_path / f"{name}-{rank}.jsonl") for rank in range(2)}
-               for name, _, _ in chain}
-    resumes = {name: [json.loads((tmp_path / f"{name}-{rank}.resume.json").read_text()) for rank in range(2)]
-               for name, _, _ in chain[1:]}
-    print(f"shares of the rest: {resumes}")
-    flat = [r for runs in records.values() for rank in runs.values() for r in rank]
-    findings = check_records(flat, expected, set(range(ITEMS)), 3, "2 hosts -> 1 -> 2")
-    assert not findings.wrong_pixels and not findings.wrong_labels and not findings.missing, findings.summary()
-    # Copies: only the padding of a resumed rest on 2 hosts (2 x share - what was left); 0 on one host.
-    left = ITEMS - sum(1 for rank in records["one-host"].values() for r in rank if r["epoch"] == 2)
-    shares = {entry["share"] for entry in resumes["hosts-again"]}
-    assert len(shares) == 1 and {entry["share"] for entry in resumes["one-host"]} == {(ITEMS - 48) // 2}
-    assert findings.duplicated == 2 * shares.pop() - left, findings.summary()
-    salt = source_salt("demo")
-    for rank in range(2):
-        part = host_part(BitMap(range(ITEMS)), salt, HostLayout(2, rank, 1, 0), drop_last=False)
-        read = BitMap(r["index"] for r in records["hosts-again"][rank])
-        assert read <= part, f"rank {rank} read {len(read - part)} items outside its host's part"
-        assert resumes["hosts-again"][rank]["hosts"] == {"world_size": 2, "first_rank": rank, "local_ranks": 1}
