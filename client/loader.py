@@ -61,8 +61,9 @@ With a plain StatefulDataLoader the same 2-rank mid-epoch resume failed on rank 
 `iter()` (in `setup_data`), with the dataset's own rank check refusing rank 0's state.
 
 On another layout (`Trainer(devices=3)` resuming a checkpoint of 2 devices, torchrun with
-another --nproc-per-node or --nnodes): `load_state_dict` gives the dataset every rank's states,
-and the rest of the epoch is dealt anew to the new ranks (`joader.client.relayout`); the
+another --nproc-per-node or --nnodes, or another num_workers): `load_state_dict` gives the
+dataset every rank's states, and the rest of the epoch is dealt anew to the new ranks (or
+workers: each worker's state is its part of the rank's share) (`joader.client.relayout`); the
 loader's own StatefulDataLoader state is not restored (its counts are the old rank's), so its
 next iterator starts afresh and reads that rest. Lightning's restored count of the epoch's
 batches is the old rank's too, and its epoch ends when that count reaches the loader's length
@@ -238,7 +239,7 @@ class JoaderDataLoader(StatefulDataLoader):
         """Loads this rank's entry of a gathered state, or a plain StatefulDataLoader state as
         this rank's own; a state gathered on another layout of ranks or hosts resumes the rest
         of its epoch dealt anew to this job's ranks (the module docstring). Not a collective."""
-        if _saved_elsewhere(state_dict, self.dataset):
+        if _saved_elsewhere(state_dict, self.dataset, self.num_workers):
             self._load_on_new_layout(state_dict)
             return
         own = rank_state(state_dict)
@@ -280,10 +281,12 @@ def dataset_states(value: Any) -> list[dict[str, Any]]:
     return []
 
 
-def _saved_elsewhere(state: Any, dataset: Any) -> bool:
+def _saved_elsewhere(state: Any, dataset: Any, num_workers: int) -> bool:
     """Whether `state` is a gathered state of another layout than `dataset`'s job: another world
-    size, or this rank's entry saved with its ranks on other hosts. Malformed states are not
-    (`rank_state` refuses them, naming the problem)."""
+    size, or this rank's entry saved with its ranks on other hosts or by another number of
+    DataLoader workers (each worker's state is its part of the rank's share: the rest is dealt
+    anew, to these workers, as to new ranks). Malformed states are not (`rank_state` refuses
+    them, naming the problem)."""
     if not isinstance(state, dict) or _TAG not in state or not isinstance(state.get("ranks"), list):
         return False
     if not hasattr(dataset, "resuming"):
@@ -294,4 +297,8 @@ def _saved_elsewhere(state: Any, dataset: Any) -> bool:
     rank = dataset.rank or 0
     entry = state["ranks"][rank] if 0 <= rank < len(state["ranks"]) else None
     hosts = dataset.hosts.as_dict() if dataset.hosts is not None else None
-    return any(found.get("hosts") != hosts for found in dataset_states(entry))
+    found = dataset_states(entry)
+    if any(saved.get("hosts") != hosts for saved in found):
+        return True
+    saved_workers = _saved_workers(entry) if isinstance(entry, dict) and entry != {_FRESH: True} else None
+    return saved_workers is not None and saved_workers != num_workers

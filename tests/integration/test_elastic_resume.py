@@ -168,3 +168,49 @@ def test_lightning_ddp_resumes_a_mid_epoch_checkpoint_of_2_devices_on_3(
                         2: Counter({2: 16, 3: 48})}
     done = json.loads((out / "done.json").read_text())
     assert done["len_loader"] == done["batches_per_epoch"] == 6
+
+
+# ------------------------------------------------------------------------------ DataLoader workers
+
+WORKERS_SCRIPT = '''
+import json, sys, zlib
+from joader import JoaderDataLoader, JoaderDataset
+
+def run(workers, batches, state):
+    ds = JoaderDataset("demo", indices=range(int(sys.argv[3])), address=sys.argv[1], return_index=True)
+    loader = JoaderDataLoader(ds, batch_size=8, num_workers=workers)
+    if state is not None:
+        loader.load_state_dict(state)
+    got = []
+    for step, (indices, images, labels) in enumerate(loader):
+        got += [{"kind": "sample", "epoch": 1, "index": index, "label": label,
+                 "crc": zlib.crc32(image.contiguous().numpy().tobytes())}
+                for index, image, label in zip(indices.tolist(), images, labels.tolist())]
+        if step + 1 == batches:
+            break
+    saved = loader.state_dict()
+    ds.close()
+    return got, saved
+
+runs, state = [], None
+for workers, batches in ((2, 5), (0, 4), (3, None)):
+    got, state = run(workers, batches, state)
+    runs.append(got)
+json.dump(runs, open(sys.argv[2], "w"))
+'''
+
+
+def test_a_checkpoint_resumes_under_another_number_of_dataloader_workers(
+        demo_root: Path, start_joaderd: Any, clients: Clients, expected: Any, tmp_path: Path) -> None:
+    """One process, an epoch read by 2 DataLoader workers, checkpointed after 5 batches, resumed
+    with none for 4 batches, checkpointed, resumed with 3: each worker's state is its part of
+    the rank's share, so the rest is dealt anew to the new readers, and the epoch is exactly
+    once over the three loaders, every sample's pixels checked."""
+    server = start_joaderd({"demo": demo_root}, cache_items=ITEMS)
+    out = tmp_path / "runs.json"
+    run = clients.popen("workers", [sys.executable, "-c", WORKERS_SCRIPT, server.address, str(out), str(ITEMS)])
+    clients.wait(run, timeout_s=120)
+    runs = json.loads(out.read_text())
+    assert [len(r) for r in runs] == [40, 32, ITEMS - 72]
+    findings = check_records([r for got in runs for r in got], expected, set(range(ITEMS)), 1, "2 -> 0 -> 3 workers")
+    assert findings.ok, findings.summary()
