@@ -345,11 +345,15 @@ async def _serve(
     return 0
 
 
+# cheap decodes: results gathered up to this long into one filing (NOTE [ Results in batches ])
+RESULTS_GATHER_S = 0.003
+
+
 def _forward_results(pool: DecodePool, registry: Registry, stop: threading.Event) -> None:
     """The results thread: files the pool's finished decodes, whatever is queued at once
     (NOTE [ Filing a batch under one lock ], server/registry/filing.py)."""
     while not stop.is_set():
-        results = pool.get_results(timeout_s=0.2)
+        results = pool.get_results(timeout_s=0.2, gather_s=RESULTS_GATHER_S)
         if results:
             fault_hooks.reached(fault_hooks.RESULTS)  # tests only: server/fault_hooks.py
             registry.file_results(results)

@@ -9,7 +9,7 @@ from typing import NamedTuple, Protocol
 
 from joader.server.books.records import Item
 
-__all__ = ["DecodeSubmitter", "Filed", "Lookups"]
+__all__ = ["DecodeSubmitter", "Filed", "Lookups", "submit_together"]
 
 
 class DecodeSubmitter(Protocol):
@@ -27,6 +27,21 @@ class DecodeSubmitter(Protocol):
     # sizes_first: bool   (submit takes capacity 0: the result says the size, `joader.server.books.item_sizes`)
     # def probe(self, source_index: int, item_ids: Sequence[int]) -> None
     # def take_sizes(self) -> list[tuple[int, int, int]]   (source index, item id, bytes or 0)
+    # Optional too (a pool without them gets its decodes one `submit` each, one per slot):
+    # tasks_per_slot: int   (decodes one slot of the registry's limit holds: NOTE [ Decode tasks
+    #                        in batches ] in joader.server.pool.batching)
+    # def submit_many(self, tasks: Sequence[tuple[int, int, int, int, int]]) -> None   (`submit`'s arguments)
+
+
+def submit_together(pool: DecodeSubmitter, tasks: list[tuple[int, int, int, int, int]]) -> None:
+    """The decodes of one dispatch (`submit`'s arguments each), to the pool together (one by
+    one to a pool without `submit_many`)."""
+    submit_many = getattr(pool, "submit_many", None)
+    if submit_many is not None:
+        submit_many(tasks)
+        return
+    for task in tasks:
+        pool.submit(*task)
 
 
 class Filed(NamedTuple):

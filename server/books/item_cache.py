@@ -53,7 +53,7 @@ from joader.cache.interning import Interner
 from joader.cache.policy import RefCntPolicy
 from joader.errors import InvariantError
 from joader.server.books import cache_audit
-from joader.server.books.cache_records import DecodeSubmitter, Filed, Lookups
+from joader.server.books.cache_records import DecodeSubmitter, Filed, Lookups, submit_together
 from joader.server.books.item_sizes import ItemSizes, bound_is_nominal, range_kind
 from joader.server.books.pacing import RateMeter
 from joader.server.books.recipients import CopyRecipients
@@ -335,54 +335,73 @@ class ItemCache:
     # ----------------------------------------------------------------------------- decoding
 
     def dispatch(self, pool: DecodeSubmitter, limit: int, source_index: Callable[[Source], int]) -> None:
-        """Hands waiting items to the pool, earliest due first, while fewer than `limit` run,
-        each given exactly its bytes when known (`range_kind`); takes the probes' answers
-        first and asks for the sizes of items that started waiting since."""
+        """Hands waiting items to the pool, earliest due first, while fewer than `limit` slots'
+        worth run, each given exactly its bytes when known (`range_kind`); takes the probes'
+        answers first and asks for the sizes of items that started waiting since.
+
+        A slot is `pool.tasks_per_slot` decodes (1 for a pool without it), and the decodes of one
+        call go to the pool together (`submit_many`): NOTE [ Decode tasks in batches ] in
+        joader.server.pool.batching."""
         self._dispatcher = (pool, limit, source_index)
         self.sizes.probe(pool, source_index, self.items)
         demand = self._demand
-        while demand and pool.in_flight < limit:
-            key = demand[0][2]
-            item = self.items.get(key)
-            if item is None or item.state is not ItemState.WAITING:
+        if not demand:
+            return
+        per_slot, in_flight = getattr(pool, "tasks_per_slot", 1), pool.in_flight
+        room = limit * per_slot - in_flight
+        busy_at = pool.num_workers * per_slot  # every worker has a slot of decodes
+        batch: list[tuple[int, int, int, int, int]] = []
+        try:
+            while demand and len(batch) < room:
+                key = demand[0][2]
+                item = self.items.get(key)
+                if item is None or item.state is not ItemState.WAITING:
+                    heapq.heappop(demand)
+                    continue
+                if item.pins == 0:  # every job that wanted it left before it was decoded
+                    heapq.heappop(demand)
+                    del self.items[key]
+                    self._unsettled -= 1
+                    self.sizes.fitted(key)
+                    self.decodes_cancelled += 1
+                    continue
+                how, nbytes, offset = self._place(item, busy=in_flight + len(batch) >= busy_at,
+                                                  can_size_first=getattr(pool, "sizes_first", False))
+                if offset is None:
+                    return  # its size is coming while every worker is busy; or everything cached is pinned
                 heapq.heappop(demand)
-                continue
-            if item.pins == 0:  # every job that wanted it left before it was decoded
-                heapq.heappop(demand)
-                del self.items[key]
-                self._unsettled -= 1
-                self.sizes.fitted(key)
-                self.decodes_cancelled += 1
-                continue
-            source = item.source
-            bound = source.max_item_bytes
-            known = self.sizes.known(source, item.item_id)
-            how = range_kind(
-                known=known, misfits=self.sizes.misfits(key),
-                size_coming_while_busy=self.sizes.probing(key) and pool.in_flight >= pool.num_workers,
-                can_size_first=(getattr(pool, "sizes_first", False) and not known
-                                and not bound_is_nominal(source)))
-            if how == "exact":
-                nbytes, offset = known, self._allocate(known)
-            elif how == "wait":
-                return  # its size is coming, and every worker has a decode meanwhile
-            elif how == "sized_first":
-                nbytes, offset = 0, -1  # no range yet: the result says its size
-            else:
-                nbytes, offset = bound, self._allocate(bound)
-            if offset is None:
-                return  # everything cached is pinned: decoding waits for acknowledgements
-            heapq.heappop(demand)
-            self._move(item, ItemState.DECODING)
-            item.offset = offset
-            self._capacity[key] = nbytes
-            if how == "exact":
-                self.decodes_exact += 1
-            elif how == "sized_first":
-                self.decodes_sized_first += 1
-            else:
-                self.decodes_at_bound += 1
-            pool.submit(key, source_index(source), item.item_id, max(offset, 0), nbytes)
+                self._move(item, ItemState.DECODING)
+                item.offset = offset
+                self._capacity[key] = nbytes
+                if how == "exact":
+                    self.decodes_exact += 1
+                elif how == "sized_first":
+                    self.decodes_sized_first += 1
+                else:
+                    self.decodes_at_bound += 1
+                batch.append((key, source_index(item.source), item.item_id, max(offset, 0), nbytes))
+        finally:
+            if batch:
+                submit_together(pool, batch)
+
+    def _place(self, item: Item, *, busy: bool, can_size_first: bool) -> tuple[str, int, int | None]:
+        """How a waiting item is decoded (`range_kind`): (how, bytes given, offset: -1 for
+        none yet (size first), None if it cannot go now (its size is coming while every
+        worker is busy; or every cached item is pinned))."""
+        source = item.source
+        known = self.sizes.known(source, item.item_id)
+        how = range_kind(
+            known=known, misfits=self.sizes.misfits(item.key),
+            size_coming_while_busy=busy and self.sizes.probing(item.key),
+            can_size_first=can_size_first and not known and not bound_is_nominal(source))
+        if how == "exact":
+            return how, known, self._allocate(known)
+        if how == "wait":
+            return how, 0, None
+        if how == "sized_first":
+            return how, 0, -1  # no range yet: the result says its size
+        bound = source.max_item_bytes
+        return how, bound, self._allocate(bound)
 
     # ----------------------------------------------------------------------------- sizes
 

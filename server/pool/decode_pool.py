@@ -1,10 +1,12 @@
 """The decode pool: joaderd's side of the decode workers. This module is its facade and its
-dispatch: tasks in (`submit`), results out (`get_results`, in batches), tasks sent to the least loaded worker.
+dispatch: tasks in (`submit`, `submit_many`), results out (`get_results`, in batches), tasks sent to the least
+loaded worker a slot per message (NOTE [ Decode tasks in batches ] in batching.py).
 
 Three process kinds, each in a module of its own:
 
 - **joaderd** (the pool, the owner) talks to every worker directly over a socket of its own,
-  sends it tasks (`tasks_per_worker` ahead) and reads its results;
+  sends it tasks (`tasks_per_worker` slots ahead, framed on a stream: `joader.server.pool.wire`)
+  and reads its results;
 - **the forker** (`joader.server.pool.forker`) forks every worker, because joaderd must never fork
   once gRPC runs;
 - **the workers** (`joader.server.pool.worker`) run the shared stage and write into the arena.
@@ -36,14 +38,14 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import select
+import selectors
 import time
-from collections import deque
 from collections.abc import Sequence
-from typing import Any, Self
+from typing import Self
 
 from joader.errors import InvalidArgumentError, JoaderError
+from joader.server.pool.batching import TaskBatching
 from joader.server.pool.faults import FaultHandling
 from joader.server.pool.probes import Probing
 from joader.server.pool.records import (
@@ -57,12 +59,11 @@ from joader.server.pool.records import (
     ProbeSizes,
     SourceSpec,
     Worker,
-    recv_nowait,
 )
 from joader.server.pool.resizing import Resizing
 from joader.server.pool.roster import Roster
 from joader.server.pool.spawning import WorkerSpawning
-from joader.server.pool.worker import MAX_MESSAGE
+from joader.server.pool.wire import READ_BYTES, recv_nowait, send_message
 
 __all__ = ["DecodePool", "DecodeResult", "Finished", "NeedsBytes", "PoolConfig", "PoolStats", "SourceSpec"]
 
@@ -103,6 +104,7 @@ class DecodePool:
         self.config = config
         self.arena_bytes = arena_bytes
         self._roster = roster = Roster(config, tuple(sources), arena_bytes)
+        self._batching = TaskBatching()  # tasks per message (NOTE [ Decode tasks in batches ], batching.py)
         self._probing = Probing(roster, self._dispatch)
         self._spawning = WorkerSpawning(roster, self._dispatch)
         self._faults = FaultHandling(roster, self._spawning, self._probing, self._dispatch)
@@ -137,40 +139,61 @@ class DecodePool:
         (`joader.server.pool.faults`, "Suspects": the healthy queue must not wait for the lane)."""
         return len(self._roster.tasks) - len(self._faults.suspect_ids)
 
+    @property
+    def tasks_per_slot(self) -> int:
+        """The decode tasks one slot of the registry's limit (and of `tasks_per_worker`) holds,
+        sent to a worker in one message: about `batching.SLOT_S` of decoding at the measured
+        decode time (NOTE [ Decode tasks in batches ], batching.py)."""
+        return self._batching.tasks_per_slot
+
     def submit(self, task_id: int, source_index: int, item_id: int, offset: int, capacity: int) -> None:
         """Queue one item for preparation into `capacity` bytes at `offset`; never blocks.
 
         Capacity 0: size first (the module docstring, "Exact sizes"): the result says how many bytes
         it needs.
         """
+        self.submit_many([(task_id, source_index, item_id, offset, capacity)])
+
+    def submit_many(self, tasks: Sequence[tuple[int, int, int, int, int]]) -> None:
+        """`submit` for each (task id, source index, item id, offset, capacity), in order, and
+        one dispatch after them all: tasks go to the workers in batches (NOTE [ Decode tasks in
+        batches ], batching.py). Raises before queueing any if one is invalid."""
         roster, faults = self._roster, self._faults
-        if not 0 <= source_index < len(roster.sources):
-            raise InvalidArgumentError(f"decode pool: no source with index {source_index}")
-        num_items = len(roster.sources[source_index].source.paths)
-        if not 0 <= item_id < num_items:
-            raise InvalidArgumentError(f"decode pool: item id {item_id} out of range 0..{num_items - 1}")
-        if offset < 0 or capacity < 0 or offset + capacity > self.arena_bytes:
-            raise InvalidArgumentError(
-                f"decode pool: {capacity} bytes at {offset} are outside the arena ({self.arena_bytes} bytes)")
+        sources, arena_bytes = roster.sources, self.arena_bytes
+        for _task_id, source_index, item_id, offset, capacity in tasks:
+            if not 0 <= source_index < len(sources):
+                raise InvalidArgumentError(f"decode pool: no source with index {source_index}")
+            num_items = len(sources[source_index].source.paths)
+            if not 0 <= item_id < num_items:
+                raise InvalidArgumentError(f"decode pool: item id {item_id} out of range 0..{num_items - 1}")
+            if offset < 0 or capacity < 0 or offset + capacity > arena_bytes:
+                raise InvalidArgumentError(
+                    f"decode pool: {capacity} bytes at {offset} are outside the arena ({arena_bytes} bytes)")
         with roster.lock:
             if roster.closed:
                 raise JoaderError("decode pool is closed")
-            if task_id in roster.tasks:
-                raise InvalidArgumentError(f"decode pool: task id {task_id} is already in flight")
-            task = DecodeTask(task_id, source_index, item_id, offset, capacity)
-            roster.tasks[task_id] = task
-            if task.key in faults.quarantine:  # unchanged since it hung or crashed twice: not run
-                roster.fail(task, faults.quarantine.reason(task.key))
-                return
-            if task.key in faults.lifted:  # it changed on disk since: tried again, alone
-                faults.lifted.discard(task.key)
-                task.attempts = self.config.max_attempts - 1
-                faults.to_lane(task)
-                self._dispatch()
-                return
-            keeper = roster.workers.get(roster.staged.pop((source_index, item_id), -1))
-            if keeper is None or keeper.retiring or keeper.probation or not roster.send(keeper, task):
-                roster.pending.append(task)
+            in_flight = roster.tasks
+            if len({fields[0] for fields in tasks}) != len(tasks) or any(fields[0] in in_flight for fields in tasks):
+                raise InvalidArgumentError(f"decode pool: a task id of {[fields[0] for fields in tasks]} is "
+                                           "already in flight")
+            staged, quarantine, lifted, pending = roster.staged, faults.quarantine, faults.lifted, roster.pending
+            for fields in tasks:
+                task = DecodeTask(*fields)
+                in_flight[task.task_id] = task
+                key = task.key
+                if quarantine and key in quarantine:  # unchanged since it hung or crashed twice: not run
+                    roster.fail(task, quarantine.reason(key))
+                    continue
+                if lifted and key in lifted:  # it changed on disk since: tried again, alone
+                    lifted.discard(key)
+                    task.attempts = self.config.max_attempts - 1
+                    faults.to_lane(task)
+                    continue
+                if staged and key in staged:  # the size-first copy goes to the worker that keeps it
+                    keeper = roster.workers.get(staged.pop(key))
+                    if keeper is not None and not (keeper.retiring or keeper.probation) and roster.send(keeper, task):
+                        continue
+                pending.append(task)
             self._dispatch()
 
     def get_result(self, timeout_s: float | None) -> Finished | None:
@@ -178,9 +201,10 @@ class DecodePool:
         results = self.get_results(timeout_s, limit=1)
         return results[0] if results else None
 
-    def get_results(self, timeout_s: float | None, limit: int = RESULTS_BATCH) -> list[Finished]:
+    def get_results(self, timeout_s: float | None, limit: int = RESULTS_BATCH, gather_s: float = 0.0) -> list[Finished]:
         """The final results ready now, at least one and at most `limit`, in the order they
-        came; [] after `timeout_s` (None: wait indefinitely) or once closed.
+        came; [] after `timeout_s` (None: wait indefinitely) or once closed. `gather_s`: once a
+        result is in, wait that long for more while decodes are cheap (below).
 
         NOTE [ Results in batches ]
         The results thread took one result per call, and filed each under the registry's lock
@@ -188,6 +212,14 @@ class DecodePool:
         (`Registry.file_results`). A worker still sends each result as it finishes (a
         result is never held back to fill a batch); a batch is what queued while the last one
         was filed, and every message a worker's socket holds is read at once (`_read_worker`).
+        With cheap decodes (0.1 ms) that batch was one result: the thread woke, took the
+        registry's lock, filed, dispatched one task and woke the waiting `Next`s once per
+        decode (joaderd spent about 210 us of main-process CPU per decode in all at 128k items,
+        `bench.system.scale`). So while a batch of tasks holds more than
+        one (`tasks_per_slot`: decodes well under `batching.SLOT_S`) and more results are on
+        their way, the caller's `gather_s` (joaderd: 3 ms) passes before the batch is taken:
+        a result waits at most that long, and the workers, a slot or more of tasks ahead, do
+        not wait for it (NOTE [ Decode tasks in batches ], batching.py).
         """
         roster, faults = self._roster, self._faults
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -208,14 +240,17 @@ class DecodePool:
             with roster.lock:
                 if roster.closed:
                     return []
-                for key, _ in events:
-                    worker = key.data
-                    if worker is None:
-                        self._spawning.read_control()
-                    else:
-                        self._read_worker(worker)
+                self._read_events(events)
                 if roster.ready and not faults.quarantine.unstamped:
-                    return self._take_ready(limit)
+                    if not (gather_s and self._more_coming(limit)):
+                        return self._take_ready(limit)
+                    gather = True
+                else:
+                    gather = False
+            if gather:  # then the top of the loop takes the batch (and stamps a new quarantine first)
+                self._gather(gather_s)
+                gather_s = 0.0
+                continue
             if deadline is not None and time.monotonic() >= deadline:
                 return []
 
@@ -279,7 +314,7 @@ class DecodePool:
             roster.workers.clear()
         for worker in workers:
             try:
-                worker.sock.send(pickle.dumps(None))
+                send_message(worker.sock, None)
             except OSError:
                 pass
         deadline = time.monotonic() + _CLOSE_TIMEOUT_S
@@ -288,7 +323,7 @@ class DecodePool:
                 ready, _, _ = select.select([worker.sock], [], [], 0.1)
                 if ready:
                     try:
-                        if not worker.sock.recv(MAX_MESSAGE):
+                        if not worker.sock.recv(READ_BYTES):
                             break
                     except OSError:
                         break
@@ -305,6 +340,21 @@ class DecodePool:
 
     # ----------------------------------------------------------------------------- internals
 
+    def _more_coming(self, limit: int) -> bool:
+        """Whether gathering is worth a wait: decodes are cheap (a batch holds more than one),
+        fewer than `limit` results are ready, and some task has yet to answer."""
+        roster = self._roster
+        return self._batching.tasks_per_slot > 1 and len(roster.tasks) > len(roster.ready) < limit
+
+    def _gather(self, gather_s: float) -> None:
+        """Reads the results that came within `gather_s` more (NOTE [ Results in batches ])."""
+        roster = self._roster
+        time.sleep(gather_s)  # one wait, not a poll: each wake and read costs the GIL's hand-over
+        events = roster.selector.select(0)
+        with roster.lock:
+            if not roster.closed:
+                self._read_events(events)
+
     def _take(self, result: Finished) -> Finished:
         self._roster.tasks.pop(result.task_id, None)
         self._faults.suspect_ids.discard(result.task_id)
@@ -317,22 +367,30 @@ class DecodePool:
     def _dispatch(self) -> None:
         """Send the next suspect to the probation worker; then pending probes, then pending tasks,
         to the least loaded members (never to a retiring one)."""
-        roster, faults, probes = self._roster, self._faults, self._probing.queue
+        roster, faults, probes, pending = self._roster, self._faults, self._probing.queue, self._roster.pending
         faults.run_suspect()
-        limit = self.config.tasks_per_worker
-        members = roster.members() if probes or roster.pending else []  # once per call, unless one dies
-        while probes or roster.pending:
+        per_slot = self._batching.tasks_per_slot
+        limit = self.config.tasks_per_worker * per_slot
+        members = roster.members() if probes or pending else []  # once per call, unless one dies
+        while probes or pending:
             if not members:
                 break
             worker = members[0] if len(members) == 1 else min(members, key=_load)
-            if len(worker.tasks) >= limit:
+            room = limit - len(worker.tasks)
+            if room <= 0:
                 return
-            queue: deque[Any] = probes if probes else roster.pending
-            task = queue.popleft()
-            if not roster.send(worker, task):
-                queue.appendleft(task)
-                faults.worker_died(worker, "its socket closed")
-                members = roster.members()
+            if probes:
+                probe = probes.popleft()
+                if roster.send(worker, probe):
+                    continue
+                probes.appendleft(probe)
+            else:  # a batch: at most one slot, so that the next slot goes to the least loaded worker
+                batch = [pending.popleft() for _ in range(min(room, per_slot, len(pending)))]
+                if roster.send_batch(worker, batch):
+                    continue
+                pending.extendleft(reversed(batch))
+            faults.worker_died(worker, "its socket closed")
+            members = roster.members()
         if self._spawning.forker_gone:
             reason = ("no decode worker is left and none can be started: the decode pool's forker "
                       "process is gone (see joaderd's log); restart joaderd")
@@ -341,19 +399,37 @@ class DecodePool:
             if faults.suspects and roster.probation is None:
                 faults.fail_suspects(reason)
 
+    def _read_events(self, events: list[tuple[selectors.SelectorKey, int]]) -> None:
+        """Reads what the selector saw: the forker's control socket, and workers' results."""
+        for key, _ in events:
+            worker = key.data
+            if worker is None:
+                self._spawning.read_control()
+            else:
+                self._read_worker(worker)
+
     def _read_worker(self, worker: Worker) -> None:
         """Reads every message `worker`'s socket holds (in order; its EOF after them)."""
-        while self._roster.workers.get(worker.index) is worker:  # not yet handled, or not since
+        workers, messages = self._roster.workers, worker.inbox.messages
+        read = False
+        while workers.get(worker.index) is worker:  # not yet handled, or not since
+            if messages:  # in order, each whole one before the EOF (NOTE [ One read per batch of results ])
+                self._read_message(worker, messages.popleft())
+                read = True
+                continue
             data = recv_nowait(worker.sock)
             if data is None:
-                return
+                break
             if not data:
-                self._faults.worker_died(worker, "its connection closed")
+                self._faults.worker_died(worker, "its connection closed")  # (it dispatches)
                 return
-            self._read_message(worker, pickle.loads(data))
+            worker.inbox.feed(data)
+        if read:
+            self._dispatch()  # once for what was read: the worker's next batch goes out whole
 
     def _read_message(self, worker: Worker, message: DecodeResult | NeedsBytes | ProbeSizes) -> None:
-        """Files one message of `worker` (NOTE [ Named worker results ] in records.py)."""
+        """Files one message of `worker` (NOTE [ Named worker results ] in records.py); the
+        caller dispatches once its messages are read."""
         roster = self._roster
         head = worker.tasks[0] if worker.tasks else None
         if isinstance(message, ProbeSizes):
@@ -365,6 +441,7 @@ class DecodePool:
             needs_bytes = isinstance(result, NeedsBytes)
             if result.ok or needs_bytes:  # decoded (a misfit too: it decoded, then did not fit)
                 self._faults.measured(result.decode_s)
+                self._batching.add(result.decode_s)
             if isinstance(head, DecodeTask) and head.task_id == result.task_id:
                 worker.tasks.popleft()
                 if worker.probation:
@@ -378,4 +455,3 @@ class DecodePool:
         worker.started_s = time.monotonic()  # the next queued task starts now
         if worker.retiring and not worker.tasks:
             roster.stop(worker)
-        self._dispatch()

@@ -57,7 +57,8 @@ def forker_main(control: socket.socket, ctx: WorkerContext, parent: int, keep: s
                 return
             if not message:  # the pool closed, or joaderd died
                 return
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            # a stream: NOTE [ One read per batch of results ] in wire.py
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             pid = os.fork()
             if pid == 0:
                 try:

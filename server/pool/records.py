@@ -13,16 +13,17 @@ and parts split by concern; every part works on these records:
 
 from __future__ import annotations
 
-import pickle
 import socket
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from joader.server.pool.wire import Inbox, frame, recv_nowait
+
 __all__ = ["MAX_MESSAGE", "PROBE", "DecodeResult", "DecodeTask", "Finished", "NeedsBytes", "PoolConfig", "PoolStats",
            "Probe", "ProbeSizes", "SourceSpec", "Worker", "recv_nowait"]
 
-MAX_MESSAGE = 1 << 16  # bytes of one message over a worker's socket, at most
+MAX_MESSAGE = 1 << 16  # bytes of one message on the forker's control socket, at most
 PROBE = "probe"  # a probe task: (PROBE, probe id, source index, item ids)
 
 
@@ -166,8 +167,12 @@ class DecodeTask:
     def key(self) -> tuple[int, int]:
         return self.source_index, self.item_id
 
+    def fields(self) -> tuple[int, int, int, int, int]:
+        """What its worker runs (`joader.server.pool.worker.run_task`)."""
+        return self.task_id, self.source_index, self.item_id, self.offset, self.capacity
+
     def message(self) -> bytes:
-        return pickle.dumps((self.task_id, self.source_index, self.item_id, self.offset, self.capacity))
+        return frame(self.fields())
 
 
 class Probe:
@@ -182,13 +187,13 @@ class Probe:
         self.item_ids = item_ids
 
     def message(self) -> bytes:
-        return pickle.dumps((PROBE, self.probe_id, self.source_index, self.item_ids))
+        return frame((PROBE, self.probe_id, self.source_index, self.item_ids))
 
 
 class Worker:
     """joaderd's end of one decode worker: its socket and the tasks sent to it."""
 
-    __slots__ = ("born", "index", "pid", "probation", "retiring", "sock", "started_s", "tasks")
+    __slots__ = ("born", "inbox", "index", "pid", "probation", "retiring", "sock", "started_s", "tasks")
 
     def __init__(self, index: int, pid: int, sock: socket.socket, born: int, probation: bool = False) -> None:
         self.index = index
@@ -199,17 +204,4 @@ class Worker:
         self.started_s = 0.0  # when the head task started
         self.retiring = False  # gets no new task; stopped once `tasks` is empty
         self.probation = probation  # runs suspects only, one at a time; not a member of the pool
-
-
-def recv_nowait(sock: socket.socket) -> bytes | None:
-    """One message, b"" at EOF (or a broken socket), None if there is none now.
-
-    Never blocks: `WorkerSpawning.spawn` (which may run on the submitting thread, when a send
-    finds a worker dead) can take the message select saw before the consumer thread got the lock.
-    """
-    try:
-        return sock.recv(MAX_MESSAGE, socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        return None
-    except OSError:
-        return b""
+        self.inbox = Inbox()  # its messages as read off its socket (joader.server.pool.wire)

@@ -18,7 +18,6 @@ worker* (`joader.server.pool.records`, `Worker`). Everything here runs with `loc
 from __future__ import annotations
 
 import logging
-import pickle
 import selectors
 import threading
 import time
@@ -33,6 +32,7 @@ from joader.server.pool.records import (
     SourceSpec,
     Worker,
 )
+from joader.server.pool.wire import send_message
 from joader.sources.safe_open import display_path
 
 __all__ = ["Roster"]
@@ -76,12 +76,26 @@ class Roster:
     def send(self, worker: Worker, task: DecodeTask | Probe) -> bool:
         """Sends `task` to `worker`; False if its socket is closed (the caller handles the death)."""
         try:
-            worker.sock.send(task.message())
+            worker.sock.sendall(task.message())
         except OSError:
             return False
         if not worker.tasks:
             worker.started_s = time.monotonic()
         worker.tasks.append(task)
+        return True
+
+    def send_batch(self, worker: Worker, tasks: list[DecodeTask]) -> bool:
+        """Sends `tasks` to `worker` in one message (NOTE [ Decode tasks in batches ] in
+        batching.py); False if its socket is closed (the caller handles the death)."""
+        if len(tasks) == 1:
+            return self.send(worker, tasks[0])
+        try:
+            send_message(worker.sock, [task.fields() for task in tasks])
+        except OSError:
+            return False
+        if not worker.tasks:
+            worker.started_s = time.monotonic()
+        worker.tasks.extend(tasks)
         return True
 
     def forget_staged(self, worker: Worker) -> None:
@@ -101,7 +115,7 @@ class Roster:
         except (KeyError, ValueError):
             pass
         try:
-            worker.sock.send(pickle.dumps(None))  # it exits on this, or on the EOF just after
+            send_message(worker.sock, None)  # it exits on this, or on the EOF just after
         except OSError:
             pass  # already gone
         worker.sock.close()

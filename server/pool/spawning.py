@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Literal
 from joader.server.pool.forker import forker_main, log_exit
 from joader.server.pool.records import SourceSpec, Worker
 from joader.server.pool.roster import Roster
+from joader.server.pool.wire import send_message
 from joader.server.pool.worker import MAX_MESSAGE, WorkerContext
 
 if TYPE_CHECKING:
@@ -240,7 +241,7 @@ class WorkerSpawning:
                         probation_wanted=roster.probation is None and bool(self.faults.suspects))
         if owed is None or roster.closed or self.forker_gone or role is None:
             try:
-                sock.send(pickle.dumps(None))  # it exits; the forker reaps it
+                send_message(sock, None)  # it exits; the forker reaps it
             except OSError:
                 pass
             sock.close()

@@ -21,10 +21,11 @@ first place.
 
 Each worker maps the arena file
 read-write itself: only small task and result tuples cross its socket, never pixels. It talks to
-joaderd over that socket alone (`AF_UNIX`, `SOCK_SEQPACKET`: one message per task or result,
-atomic, no framing); there is no shared task queue, because a process killed while it waits on a
-shared `multiprocessing.Queue` dies holding the queue's read lock, and every other worker then
-blocks forever.
+joaderd over that socket alone (`AF_UNIX`, `SOCK_STREAM`, each message framed by its length:
+`joader.server.pool.wire`); a message holds one task, a batch of tasks (NOTE [ Decode tasks in
+batches ] in batching.py) or one result, sent as each task finishes. There is no shared task
+queue, because a process killed while it waits on a shared `multiprocessing.Queue` dies holding
+the queue's read lock, and every other worker then blocks forever.
 
 Workers are forked by the forker (`joader.server.pool.forker`); this module is what runs in them, and
 the process hygiene both share: close every inherited descriptor (a `flock` belongs to the open
@@ -38,7 +39,6 @@ import ctypes
 import logging
 import mmap
 import os
-import pickle
 import signal
 import socket
 import time
@@ -52,6 +52,7 @@ import numpy as np
 from joader.errors import DecodeError
 from joader.proto import DTYPE_CODES
 from joader.server.pool.records import MAX_MESSAGE, PROBE, DecodeResult, NeedsBytes, ProbeSizes
+from joader.server.pool.wire import READ_BYTES, Inbox, send_message
 from joader.sources.safe_open import display_path
 
 __all__ = ["MAX_MESSAGE", "PROBE", "Staging", "WorkerContext", "close_inherited", "die_with_parent",
@@ -59,7 +60,9 @@ __all__ = ["MAX_MESSAGE", "PROBE", "Staging", "WorkerContext", "close_inherited"
 
 ERROR_LIMIT = 2000  # characters of an error text; results must stay small messages
 _PR_SET_PDEATHSIG = 1
-STAGED_ITEMS = 8  # prepared arrays a worker keeps for the copy joaderd asks for next
+# prepared arrays a worker keeps for the copy joaderd asks for next (a batch of size-first tasks,
+# up to `batching.MAX_TASKS_PER_SLOT` of them, keeps each)
+STAGED_ITEMS = 64
 STAGED_BYTES = 256 << 20  # ... and their bytes at most (the newest is kept whatever its size)
 STAGED_S = 10.0  # ... for this long at most: a placement comes within milliseconds, unless the
 # cache is all pinned; a later decode of the item must read its file again (it may have changed)
@@ -85,25 +88,42 @@ def worker_main(sock: socket.socket, ctx: WorkerContext, keep: set[int]) -> None
     finally:
         os.close(fd)  # the mapping stays; no descriptor (and no lock) is kept
     staging = Staging()
+    inbox = Inbox()
     while True:
-        try:
-            data = sock.recv(MAX_MESSAGE)
-        except OSError:
-            return
-        if not data:
-            return  # joaderd closed its end
-        task = pickle.loads(data)
+        if not inbox.messages:
+            try:
+                data = sock.recv(READ_BYTES)
+            except OSError:
+                return
+            if not data:
+                return  # joaderd closed its end
+            inbox.feed(data)
+            continue
+        task = inbox.messages.popleft()
         if task is None:
             return
+        if isinstance(task, list):  # a batch of decode tasks (NOTE [ Decode tasks in batches ], batching.py)
+            for one in task:  # each answered as it finishes: a result is never held back
+                if not _answer(sock, run_task(one, arena, ctx.sources, staging)):
+                    return
+            continue
         result: ProbeSizes | DecodeResult | NeedsBytes
         if task[0] == PROBE:
             result = run_probe(task, ctx.sources)
         else:
             result = run_task(task, arena, ctx.sources, staging)
-        try:
-            sock.send(pickle.dumps(result))
-        except OSError:
-            return  # joaderd is gone
+        if not _answer(sock, result):
+            return
+
+
+def _answer(sock: socket.socket, result: ProbeSizes | DecodeResult | NeedsBytes) -> bool:
+    """Sends one result, at once (NOTE [ One read per batch of results ] in wire.py); False
+    if joaderd is gone."""
+    try:
+        send_message(sock, result)
+    except OSError:
+        return False
+    return True
 
 
 class Staging:

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from joader.server.books.cache_records import Filed
 from joader.server.books.containment import contained, is_bookkeeping_error
-from joader.server.books.records import Item, Source
+from joader.server.books.records import Item, Job, Source
 from joader.server.registry.state import RegistryState
 
 logger = logging.getLogger(__name__)
@@ -73,9 +73,10 @@ class ResultFiling(RegistryState):
         later ones only repeated its scan of the waiting items."""
         with self._cond:
             settled = False
+            woken: dict[int, Job] = {}  # the jobs to wake once the batch is filed, by id
             for result in results:
                 try:
-                    settled = self._file_finished(result) or settled
+                    settled = self._file_finished(result, woken) or settled
                 except Exception as error:
                     if not is_bookkeeping_error(error):
                         raise
@@ -84,6 +85,8 @@ class ResultFiling(RegistryState):
                     except Exception:  # noqa: BLE001  the ids are a best effort; nobody is ended
                         ids = []
                     self._contain(error, ids, "filing a decode")
+            for job in woken.values():  # NOTE [ One wake per job and batch ]
+                self.item_settled(job)
             if settled:
                 self._dispatch_contained()
 
@@ -97,19 +100,29 @@ class ResultFiling(RegistryState):
                 raise
             self._contain(error, [], "filing a decode")
 
-    def _file_finished(self, result: FinishedDecode) -> bool:
+    def _file_finished(self, result: FinishedDecode, woken: dict[int, Job]) -> bool:
         """Files one result of a batch (the lock is held): a size (`ItemCache.file_size`, never
-        settles) or a decode (`_file_one`); whether it settled."""
+        settles) or a decode (`_file_one`); whether it settled. The jobs waiting for it go
+        into `woken`, to be woken once the batch is filed."""
         if result.size_only:
             self._follow(self.cache.file_size(result.task_id, result.nbytes, result.error, result.decode_s))
             return False
         return self._file_one(result.task_id, result.ok, result.error, result.decode_s, result.shape, result.dtype,
-                              result.nbytes, result.checksum)
+                              result.nbytes, result.checksum, woken)
+
+    # NOTE [ One wake per job and batch ]
+    # Each filed decode woke every job that queued it (`item_settled`: a look at the waiting
+    # `Next`s of the job and at its rank's ready head): 4 jobs sharing every item made that
+    # four calls per decode, about as many as deliveries (issue 37). A batch's jobs are now
+    # collected and each woken once, after the batch: the lock is held throughout, so no
+    # `Next` could have looked in between anyway, and the ready counts it then sees are the
+    # batch's.
 
     def _file_one(self, key: int, ok: bool, error: str | None, decode_s: float, shape: tuple[int, ...],
-                  dtype: str, nbytes: int, checksum: int) -> bool:
+                  dtype: str, nbytes: int, checksum: int, woken: dict[int, Job] | None = None) -> bool:
         """Files one finished decode (the lock is held); whether it settled (the caller then
-        dispatches: the cache may have room for more decodes)."""
+        dispatches: the cache may have room for more decodes). The jobs waiting for it are
+        woken now, or added to `woken` (NOTE [ One wake per job and batch ])."""
         filed = self.cache.file_result(key, ok, error, decode_s, self._needed, shape=shape,
                                        dtype=dtype, nbytes=nbytes, checksum=checksum)
         self._follow(filed)
@@ -118,8 +131,13 @@ class ResultFiling(RegistryState):
             return False
         if ok:
             self._note_size(item)
-        for job in item.waiters:
-            self.item_settled(job)  # wakes its Next only when its batch may be ready (next_protocol.py)
+        waiters = item.waiters
+        if woken is None:
+            for job in waiters:
+                self.item_settled(job)  # wakes its Next only when its batch may be ready (next_protocol.py)
+        else:
+            for job in waiters:
+                woken[id(job)] = job
         item.waiters = []
         return True
 

@@ -393,3 +393,41 @@ def test_an_item_a_queue_will_still_read_is_evicted_after_every_item_nobody_will
     assert cache.policy.refcount(key) == 0 and key not in cache.planned
     with pytest.raises(InvariantError):
         cache.unplan(key)
+
+
+class BatchingPool(Pool):
+    """A pool whose slot holds several decodes, taken together (`submit_many`)."""
+
+    def __init__(self, tasks_per_slot: int) -> None:
+        super().__init__(num_workers=1)
+        self.tasks_per_slot = tasks_per_slot
+        self.calls: list[int] = []  # decodes per `submit_many` call
+
+    def submit_many(self, tasks: list[tuple[int, int, int, int, int]]) -> None:
+        self.calls.append(len(tasks))
+        for task in tasks:
+            self.submit(*task)
+
+
+def test_a_dispatch_hands_the_pool_a_slot_of_decodes_per_slot_of_its_limit_together() -> None:
+    """NOTE [ Decode tasks in batches ] (joader.server.pool.batching): the limit counts slots of
+    `tasks_per_slot` decodes, and one dispatch submits what it planned in one call."""
+    cache, source = make(NUM_ITEMS * BOUND)
+    pool = BatchingPool(tasks_per_slot=4)
+    want(cache, source, range(20))
+    pool.answer()  # nothing probed yet: the first dispatch asks
+    dispatch(cache, pool, limit=2)
+    pool.answer()
+    dispatch(cache, pool, limit=2)
+    assert pool.in_flight == 8 and pool.calls[-1] == 8 - sum(pool.calls[:-1])
+    assert [task[1] for task in pool.tasks] == list(range(8))  # earliest due first
+    pool.finish(cache, count=3)
+    dispatch(cache, pool, limit=2)
+    assert pool.in_flight == 8 and pool.calls[-1] == 3  # the three freed, in one call
+    pool.finish(cache)
+    while cache.decodes_in_flight():
+        pool.answer()
+        dispatch(cache, pool, limit=2)
+        pool.finish(cache)
+    assert cache.items_decoded == 20 and all(
+        source.checksums is not None and source.checksums[i] == i for i in range(20))

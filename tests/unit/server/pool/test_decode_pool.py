@@ -125,6 +125,36 @@ def test_decodes_into_the_arena(listing: SourceListing, num_workers: int) -> Non
     assert _children() - before == set()
 
 
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_tasks_sent_in_batches_decode_the_right_pixels_each_answered_as_it_finishes(
+        listing: SourceListing, num_workers: int) -> None:
+    """NOTE [ Decode tasks in batches ] (server/pool/batching.py) with real workers: tasks go
+    three per message, and each result says its own item, with its pixels at its own range
+    (the corrupt file fails alone)."""
+    spec = spec_of(listing)
+    with Arena.create(14 * NBYTES, NBYTES) as arena:
+        with DecodePool(PoolConfig(num_workers), str(arena.path), [spec]) as pool:
+            pool._batching.tasks_per_slot = 3
+            pool._batching.add = lambda decode_s: None  # type: ignore[method-assign]  # kept at 3
+            units = {task_id: 13 - task_id for task_id in range(12)}  # task t: item t % 6 into unit 13 - t
+            pool.submit_many([(t, 0, t % 6, unit * NBYTES, NBYTES) for t, unit in units.items()])
+            results = _collect(pool, 12)
+            assert pool.in_flight == 0
+            for task_id, unit in units.items():
+                result, item_id = results[task_id], task_id % 6
+                if item_id == 5:
+                    assert not result.ok and listing.paths[5] in result.error
+                    continue
+                assert result.ok and result.path == listing.paths[item_id]
+                got = view(arena, unit)
+                assert np.array_equal(got, prepare(listing, item_id))
+                assert result.checksum == zlib.crc32(got.tobytes())
+                del got
+            with pytest.raises(InvalidArgumentError, match="already in flight"):
+                pool.submit_many([(20, 0, 0, 0, NBYTES), (20, 0, 1, NBYTES, NBYTES)])
+            assert pool.in_flight == 0  # refused whole: nothing queued
+
+
 def test_submit_validates_and_close_stops_everything(listing: SourceListing) -> None:
     before = _children()
     spec = spec_of(listing)

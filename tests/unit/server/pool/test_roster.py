@@ -3,7 +3,6 @@ adding, sending to and stopping a worker does to the books; socket pairs, no pro
 
 from __future__ import annotations
 
-import pickle
 import socket
 from collections.abc import Iterator
 
@@ -11,6 +10,7 @@ import pytest
 
 from joader.server.pool.records import DecodeTask, PoolConfig, Probe, Worker
 from joader.server.pool.roster import Roster
+from joader.server.pool.wire import Inbox
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -33,8 +33,16 @@ def pairs() -> Iterator[Pairs]:
         theirs.close()
 
 
+def _received(sock: socket.socket, count: int) -> list[object]:
+    """The first `count` messages sent to `sock`'s peer (joader.server.pool.wire)."""
+    inbox = Inbox()
+    while len(inbox.messages) < count:
+        inbox.feed(sock.recv(4096))
+    return list(inbox.messages)
+
+
 def _worker(pairs: Pairs, index: int, *, probation: bool = False) -> Worker:
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     pairs.append((ours, theirs))
     return Worker(index, 1000 + index, ours, index, probation)
 
@@ -59,8 +67,8 @@ def test_send_queues_the_task_and_starts_its_clock_only_when_the_worker_was_idle
     assert roster.send(worker, second)
     assert list(worker.tasks) == [first, second] and worker.started_s == started
     theirs = pairs[0][1]
-    assert pickle.loads(theirs.recv(4096)) == (1, 0, 1, 0, 8)
-    assert pickle.loads(theirs.recv(4096))[1:] == (7, 0, (2, 3))
+    first_sent, second_sent = _received(theirs, 2)
+    assert first_sent == (1, 0, 1, 0, 8) and second_sent[1:] == (7, 0, (2, 3))
     theirs.close()
     assert not roster.send(worker, DecodeTask(2, 0, 2, 8, 8))  # the caller handles the death
     assert list(worker.tasks) == [first, second]
@@ -77,4 +85,4 @@ def test_stop_takes_the_worker_off_the_roster_and_tells_it_to_exit(roster: Roste
     assert dict(roster.staged) == {(0, 6): kept.index}  # what it kept is gone with it
     assert [key.data for key in roster.selector.get_map().values()] == [kept]
     assert probation.sock.fileno() == -1
-    assert pickle.loads(pairs[1][1].recv(4096)) is None  # the stop message
+    assert _received(pairs[1][1], 1) == [None]  # the stop message

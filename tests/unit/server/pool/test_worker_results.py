@@ -5,7 +5,6 @@ apart by type."""
 from __future__ import annotations
 
 import mmap
-import pickle
 import socket
 from types import SimpleNamespace
 
@@ -20,6 +19,7 @@ from joader.server.pool.records import (
     ProbeSizes,
     Worker,
 )
+from joader.server.pool.wire import send_message
 from joader.server.pool.worker import Staging, run_probe, run_task
 from tests.unit.server.pool.test_decode_pool_batches import _bare_pool
 
@@ -61,14 +61,14 @@ def test_a_decode_answers_with_a_named_result_and_its_bytes_are_written() -> Non
 
 
 def test_the_reader_tells_a_probe_answer_from_a_decode_by_type() -> None:
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         worker = Worker(0, 0, ours, 0)
         probe, task = Probe(9, 0, (0, 1)), DecodeTask(4, 0, 0, 0, 8)
         worker.tasks.extend([probe, task])
         pool = _bare_pool(worker, [task])
-        theirs.send(pickle.dumps(ProbeSizes(9, ((0, 4), (1, 8)))))
-        theirs.send(pickle.dumps(DecodeResult(4, True, None, "a.bin", 0.001, (4,), "uint8", 4, 1)))
+        send_message(theirs, ProbeSizes(9, ((0, 4), (1, 8))))
+        send_message(theirs, DecodeResult(4, True, None, "a.bin", 0.001, (4,), "uint8", 4, 1))
         pool._read_worker(worker)
         assert not worker.tasks
         assert pool.take_sizes() == [(0, 0, 4), (0, 1, 8)]
@@ -94,13 +94,13 @@ def test_a_decode_that_does_not_fit_answers_with_the_bytes_it_needs_not_a_failur
 
 
 def test_the_reader_remembers_which_worker_keeps_an_item_that_needs_bytes() -> None:
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         worker = Worker(0, 0, ours, 0)
         task = DecodeTask(4, 0, 2, 0, 0)
         worker.tasks.append(task)
         pool = _bare_pool(worker, [task])
-        theirs.send(pickle.dumps(NeedsBytes(4, "a.bin: 8 bytes, 0 allocated", "a.bin", 0.001, (8,), "uint8", 8)))
+        send_message(theirs, NeedsBytes(4, "a.bin: 8 bytes, 0 allocated", "a.bin", 0.001, (8,), "uint8", 8))
         pool._read_worker(worker)
         assert dict(pool._roster.staged) == {(0, 2): 0}
         [result] = pool._take_ready(limit=8)

@@ -180,3 +180,24 @@ def test_one_result_that_cannot_be_filed_ends_its_waiters_and_the_rest_of_the_ba
     assert others
     registry.check_invariants()
     assert registry.status()["internal_errors"] == 1
+
+
+def test_a_batch_wakes_each_waiting_job_once_not_once_per_item(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ One wake per job and batch ] (server/registry/filing.py)."""
+    registry, pool, _ = make_registry(num_slots=NUM_ITEMS)
+    jobs = [attach(registry, "demo", BitMap(range(20)), name, 4, seed=3) for name in ("a", "b")]
+    for job in jobs:
+        nxt(registry, job.job_id, 1, 4, [])
+    registry.schedule_once()
+    results = [Result(task_id, True, None) for task_id, _, _, _ in pool.submitted]
+    pool.submitted.clear()
+    waits = [job_id for r in results for job_id in registry.waiting_for(r.task_id)]
+    waiting = set(waits)
+    assert waiting == {job.job_id for job in jobs} and len(waits) > len(waiting)  # a job waits for several
+    woken: list[str] = []
+    original = registry.item_settled
+    monkeypatch.setattr(registry, "item_settled", lambda job: (woken.append(job.job_id), original(job))[1])
+    registry.file_results(results)
+    assert sorted(woken) == sorted(waiting)  # each once, after the batch
+    assert all(registry.cache.items[r.task_id].state.name == "READY" and not registry.waiting_for(r.task_id)
+               for r in results)
