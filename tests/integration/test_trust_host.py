@@ -310,12 +310,15 @@ def test_a_client_that_cannot_read_the_arena_holds_no_job_slot(demo_root: Path, 
     server = start_joaderd({"demo": demo_root}, cache_items=NUM_DEMO_ITEMS, listen="127.0.0.1:0",
                            extra=["--max-jobs", "2"])
     other = client(server.address, "other-user", "--jobs", "2", stdin=True)
-    raw = client(server.address, "attach-only", stdin=True)
+    raw = None
     try:
         results = read_line(other)["results"]
         assert [r["ok"] for r in results] == [False, False], results
         assert all(r["class"] == "UntrustedServerError" and "run the job as that user" in r["message"]
                    for r in results), results
+        # Started once the other user's jobs failed (the raw client imports no torch, and would
+        # otherwise take a --max-jobs slot first): it attaches only if they left theirs.
+        raw = client(server.address, "attach-only", stdin=True)
         read_line(raw)  # attached, heartbeating, never asking
         ended = read_line(raw, timeout_s=30)["ended"]  # lease_s is 3 s
         assert "sent no request within 3 s of attaching" in ended, ended
@@ -331,4 +334,5 @@ def test_a_client_that_cannot_read_the_arena_holds_no_job_slot(demo_root: Path, 
         assert findings.ok, findings.summary()
     finally:
         for proc in (other, raw):
-            end(proc)
+            if proc is not None:
+                end(proc)
