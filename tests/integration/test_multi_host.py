@@ -149,7 +149,7 @@ def test_a_checkpoint_mid_epoch_resumes_across_both_hosts(
     """A 2+1-rank job checkpoints every 5 steps (JoaderDataLoader gathers all 3 ranks' states),
     is killed (-9, every rank) mid-epoch 2, and resumes from its last checkpoint (the same
     joaderds; the killed run's jobs ended with their leases): each rank's records cut back to
-    that checkpoint, every epoch exactly once. The same checkpoint on 1 + 2 ranks is refused."""
+    that checkpoint, every epoch exactly once. The same checkpoint on 1 + 2 ranks resumes too."""
     servers = [start_joaderd({"demo": demo_root}, cache_items=NUM_DEMO_ITEMS) for _ in range(2)]
     out = tmp_path / "run"
     base = ("--out", str(out), "--epochs", "3", "--batch-size", "4", "--items", "159", "--every", "5")
@@ -162,8 +162,8 @@ def test_a_checkpoint_mid_epoch_resumes_across_both_hosts(
         clients.wait(run, timeout_s=240)
     per_rank = _check(out, expected, 3, 159, 3, "2+1 ranks killed mid-epoch 2 and resumed")
     assert per_rank == {r: [53] * 3 for r in range(3)}
-    # The same checkpoint on another layout (1 + 2 ranks): each host's part would differ.
+    # The same checkpoint on another layout (1 + 2 ranks) resumes too, each host's part cut by
+    # the new layout (issue 40; what it delivers: tests/integration/test_elastic_resume.py).
     moved = _nodes(clients, "moved", servers, [1, 2], *base, "--resume", "yes")
-    codes = [clients.wait(run, timeout_s=240, expect=None) for run in moved]
-    errors = "".join(run.stderr() for run in moved)
-    assert any(codes) and "resume with the same ranks per host" in errors, errors[-3000:]
+    for run in moved:
+        clients.wait(run, timeout_s=240)
