@@ -130,10 +130,11 @@ def read_rest(state: dict[str, Any]) -> tuple[int, int] | None:
     if "rest_share" not in state and "rest_base" not in state:
         return None
     share, base = state.get("rest_share"), state.get("rest_base")
-    if not (is_int(share) and share >= 0 and is_int(base) and base >= 0):
+    if not (isinstance(share, int) and is_int(share) and share >= 0
+            and isinstance(base, int) and is_int(base) and base >= 0):
         raise refuse(f"rest_share {share!r} and rest_base {base!r} are not counts of items (ints from 0, "
                      "both or neither)")
-    return int(share), int(base)
+    return share, base
 
 
 def check_share(consumed: BitMap, parts: int, share: Share, *, whole_job: bool = False) -> None:

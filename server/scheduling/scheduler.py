@@ -183,8 +183,8 @@ class Scheduler:
         targets = []
         for index, ids in enumerate(consumed):
             count = len(ids & job.dataset)
-            share = rest[index] if rest is not None else None
-            targets.append(share.target(count) if share is not None else max(0, per - count))
+            mine = rest[index] if rest is not None else None
+            targets.append(mine.target(count) if mine is not None else max(0, per - count))
         if remaining:
             sampler.add_job(job.job_id, job.dataset, remaining=remaining, rng=job.rng,
                             independent=_alone(job))
