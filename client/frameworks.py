@@ -85,22 +85,27 @@ def process_index(dispatcher: Any, default: int) -> int:
     return index if isinstance(index, int) else default
 
 
+def _fit_loop(frame: FrameType | None, depth: int) -> Any:
+    """Lightning's `_FitLoop` on the call stack from `frame`, if one is."""
+    for caller in _frames(frame, depth):
+        owner = caller.f_locals.get("self")
+        kind = type(owner)
+        if kind.__name__ == "_FitLoop" and kind.__module__.endswith("loops.fit_loop"):
+            return owner
+    return None
+
+
 def lightning_epoch_done(skip: int = 1, depth: int = _MAX_DEPTH) -> bool:
     """Whether a Lightning fit loop on the call stack (saving a checkpoint) has processed every
     batch of its current epoch. Lightning resumes such a checkpoint at the NEXT epoch, and its
     next epoch then read the loader's empty rest of the saved one: it trained nothing."""
-    for frame in _frames(sys._getframe(skip), depth):
-        owner = frame.f_locals.get("self")
-        kind = type(owner)
-        if kind.__name__ != "_FitLoop" or not kind.__module__.endswith("loops.fit_loop"):
-            continue
-        try:
-            processed = owner.epoch_loop.batch_progress.current.processed
-            total = owner.max_batches
-        except AttributeError:
-            return False
-        return isinstance(total, int) and total > 0 and processed >= total
-    return False
+    loop = _fit_loop(sys._getframe(skip), depth)
+    try:
+        processed = loop.epoch_loop.batch_progress.current.processed
+        total = loop.max_batches
+    except AttributeError:  # none found (None), or a Lightning of another shape
+        return False
+    return isinstance(total, int) and total > 0 and processed >= total
 
 
 def lightning_resume_at(done: int, skip: int = 1, depth: int = _MAX_DEPTH) -> bool:
@@ -111,20 +116,15 @@ def lightning_resume_at(done: int, skip: int = 1, depth: int = _MAX_DEPTH) -> bo
     completed) moves by the same amount: a checkpoint saved at a batch's end has one fewer
     completed, which Lightning's restart adds back (`_TrainingEpochLoop.reset`). Whether one was
     found."""
-    for frame in _frames(sys._getframe(skip), depth):
-        owner = frame.f_locals.get("self")
-        kind = type(owner)
-        if kind.__name__ != "_FitLoop" or not kind.__module__.endswith("loops.fit_loop"):
-            continue
-        try:
-            current = owner.epoch_loop.batch_progress.current
-            shift = done - current.ready
-            for name in ("ready", "started", "processed", "completed"):
-                setattr(current, name, max(0, getattr(current, name) + shift))
-        except AttributeError:
-            return False
-        return True
-    return False
+    loop = _fit_loop(sys._getframe(skip), depth)
+    try:
+        current = loop.epoch_loop.batch_progress.current
+        shift = done - current.ready
+        for name in ("ready", "started", "processed", "completed"):
+            setattr(current, name, max(0, getattr(current, name) + shift))
+    except AttributeError:
+        return False
+    return True
 
 
 SHARD_MESSAGE = (
