@@ -346,7 +346,7 @@ async def _serve(
 
 
 # cheap decodes: results gathered up to this long into one filing (NOTE [ Results in batches ])
-RESULTS_GATHER_S = 0.003
+RESULTS_GATHER_S = 0.005
 
 
 def _forward_results(pool: DecodePool, registry: Registry, stop: threading.Event) -> None:

@@ -460,20 +460,24 @@ class ItemCache:
             watch.settled(key, item.item_id, ok)
         if ok and not capacity:  # cannot happen: a worker writes nothing without a range
             ok, error = False, f"the decode of item {item.item_id} reported bytes written without a range"
-        if ok:
-            self._move(item, ItemState.READY)
-            item.shape, item.dtype = self._shared(tuple(shape)), self._shared(dtype)
-            item.nbytes, item.due_s = self._shared(nbytes), NEVER_DUE
-            if source.checksums is None:
-                source.checksums = np.zeros(source.num_items, np.uint32)
-            source.checksums[item.item_id] = checksum
+        if ok:  # once per decode (issue 37): `_move`, `_shared` and `item_id` inline
+            item_id = key - source.key_base
+            item.state = ItemState.READY  # DECODING -> READY: one item less not settled
+            self._unsettled -= 1
+            shared = self._shared_values.get
+            item.shape, item.dtype, item.nbytes = shared(tuple(shape)), shared(dtype), shared(nbytes)
+            item.due_s = NEVER_DUE
+            checksums = source.checksums
+            if checksums is None:
+                checksums = source.checksums = np.zeros(source.num_items, np.uint32)
+            checksums[item_id] = checksum
             self.ready_bytes += nbytes
             self.allocator.shrink(item.offset, max(nbytes, 1))
-            self.sizes.remember(source, item.item_id, nbytes)
+            self.sizes.remember(source, item_id, nbytes)
             self.policy.insert(key, refcount(item), pinned=item.pins)
-            source.cached_ids.add(item.item_id)
-            if source.failed.pop(item.item_id, None) is not None:
-                logger.info("source %s: item %d decodes again", source.name, item.item_id)
+            source.cached_ids.add(item_id)
+            if source.failed and source.failed.pop(item_id, None) is not None:
+                logger.info("source %s: item %d decodes again", source.name, item_id)
             self.items_decoded += 1
             self.decode_rate.add(self._clock(), 1)
         else:

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 __all__ = ["MAX_TASKS_PER_SLOT", "SLOT_S", "TaskBatching"]
 
-SLOT_S = 0.002  # seconds of decoding one batch of tasks aims at
-MAX_TASKS_PER_SLOT = 32  # tasks in one message at most (a message stays well under MAX_MESSAGE)
+SLOT_S = 0.005  # seconds of decoding one batch of tasks aims at
+MAX_TASKS_PER_SLOT = 64  # tasks in one message at most (a message stays well under MAX_MESSAGE)
 _WEIGHT = 1 / 64  # of each new decode time in the moving average
 _RECOMPUTE_EVERY = 16  # decodes between two computations of `tasks_per_slot`
 

@@ -159,11 +159,12 @@ class DecodePool:
         one dispatch after them all: tasks go to the workers in batches (NOTE [ Decode tasks in
         batches ], batching.py). Raises before queueing any if one is invalid."""
         roster, faults = self._roster, self._faults
-        sources, arena_bytes = roster.sources, self.arena_bytes
+        arena_bytes = self.arena_bytes
+        num_items_of = [len(spec.source.paths) for spec in roster.sources]
         for _task_id, source_index, item_id, offset, capacity in tasks:
-            if not 0 <= source_index < len(sources):
+            if not 0 <= source_index < len(num_items_of):
                 raise InvalidArgumentError(f"decode pool: no source with index {source_index}")
-            num_items = len(sources[source_index].source.paths)
+            num_items = num_items_of[source_index]
             if not 0 <= item_id < num_items:
                 raise InvalidArgumentError(f"decode pool: item id {item_id} out of range 0..{num_items - 1}")
             if offset < 0 or capacity < 0 or offset + capacity > arena_bytes:
@@ -177,11 +178,12 @@ class DecodePool:
                 raise InvalidArgumentError(f"decode pool: a task id of {[fields[0] for fields in tasks]} is "
                                            "already in flight")
             staged, quarantine, lifted, pending = roster.staged, faults.quarantine, faults.lifted, roster.pending
+            any_quarantined = bool(quarantine)
             for fields in tasks:
                 task = DecodeTask(*fields)
                 in_flight[task.task_id] = task
-                key = task.key
-                if quarantine and key in quarantine:  # unchanged since it hung or crashed twice: not run
+                key = fields[1], fields[2]  # task.key
+                if any_quarantined and key in quarantine:  # unchanged since it hung or crashed twice: not run
                     roster.fail(task, quarantine.reason(key))
                     continue
                 if lifted and key in lifted:  # it changed on disk since: tried again, alone

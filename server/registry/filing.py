@@ -125,7 +125,8 @@ class ResultFiling(RegistryState):
         woken now, or added to `woken` (NOTE [ One wake per job and batch ])."""
         filed = self.cache.file_result(key, ok, error, decode_s, self._needed, shape=shape,
                                        dtype=dtype, nbytes=nbytes, checksum=checksum)
-        self._follow(filed)
+        if filed.dispatch:  # `_follow`, inline (once per decode)
+            self.cache.dispatch_again()
         item = filed.item
         if item is None:
             return False
