@@ -11,12 +11,15 @@ sat idle most of the time while joaderd's main process spent about 200 us of CPU
 
 A *slot* (what the registry's limit and the pool's `tasks_per_worker` count) is now a batch:
 enough tasks for about `SLOT_S` of decoding (`tasks_per_slot`), sent to a worker in one
-message. A decode of `SLOT_S` or more is a batch of one, as before; a 0.1 ms decode a batch of
-20. The work queued ahead per worker stays about the same in time, so the decodes the pool
-has committed to, out of the registry's earliest-due order, do not grow; only their count
-does. Results still come one message per task (a worker never holds one back: a result that
-waited in a worker that then crashed would blame the wrong file, joader.server.pool.faults);
-the results thread gathers them (`DecodePool.get_results`, NOTE [ Results in batches ]).
+message. A decode of 2.5 ms or more (a photo) is a batch of one, as before; a 0.1 ms decode a
+batch of 50. So with cheap decodes a worker has about 2 x `SLOT_S` (10 ms) of them committed
+ahead, out of the registry's earliest-due order: enough to stay busy while the results thread
+gathers their results for up to 5 ms (`DecodePool.get_results`, NOTE [ Results in batches ]).
+2 ms and 5 ms were within the noise of single runs of the 128k bench (162 and 159 us of main
+CPU per decode); 5 ms files fewer, larger batches. Results still come one message per task
+(a worker never holds one back: a result that waited in a worker that then crashed would
+blame the wrong file, joader.server.pool.faults; NOTE [ One read per batch of results ] in
+wire.py).
 """
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ class DecodePool:
         decode (joaderd spent about 210 us of main-process CPU per decode in all at 128k items,
         `bench.system.scale`). So while a batch of tasks holds more than
         one (`tasks_per_slot`: decodes well under `batching.SLOT_S`) and more results are on
-        their way, the caller's `gather_s` (joaderd: 3 ms) passes before the batch is taken:
+        their way, the caller's `gather_s` (joaderd: 5 ms) passes before the batch is taken:
         a result waits at most that long, and the workers, a slot or more of tasks ahead, do
         not wait for it (NOTE [ Decode tasks in batches ], batching.py).
         """
