@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -11,6 +12,13 @@ from pathlib import Path
 import pytest
 
 SHM_DIR = Path("/dev/shm")
+
+# NOTE [ Rewritten test modules are cached ]
+# pytest rewrites each test module's asserts and caches the result beside it as a .pyc, unless
+# sys.dont_write_bytecode (PYTHONDONTWRITEBYTECODE, set on this machine): then every pytest
+# process rewrote all of them again, about 3 CPU-s each (`make test` starts four). Only this
+# process writes them; the processes the tests start keep the environment's setting.
+sys.dont_write_bytecode = False
 
 
 def joader_segments() -> set[str]:
