@@ -352,6 +352,8 @@ class DecodePool:
         """Reads the results that came within `gather_s` more (NOTE [ Results in batches ])."""
         roster = self._roster
         time.sleep(gather_s)  # one wait, not a poll: each wake and read costs the GIL's hand-over
+        if roster.closed:  # closed meanwhile: its selector too
+            return
         events = roster.selector.select(0)
         with roster.lock:
             if not roster.closed:
