@@ -34,12 +34,19 @@ import threading
 import time
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from joader import JoaderDataset
 from joader.client.tools.cli import fetch_status
+
+if TYPE_CHECKING:
+    import torch
+
+    from joader import JoaderDataset
+
+# NOTE [ Drivers import no torch ]
+# torch (and JoaderDataset, which imports it) is imported where a trial runs, not at the top:
+# the processes that only create a study or drive Ray Tune (its trials run in Ray's workers)
+# spent 1.5-2 CPU-s importing it for nothing.
 
 SOURCE = "demo"
 BATCH = 16
@@ -75,16 +82,14 @@ def status_names() -> dict[str, str]:
     return {job["job_id"]: job["name"] for job in fetch_status()["jobs"]}
 
 
-class Net(torch.nn.Module):
-    def __init__(self, channels: int, classes: int) -> None:
-        super().__init__()
-        self.body = torch.nn.Sequential(
-            torch.nn.Conv2d(channels, 8, 3, stride=2), torch.nn.ReLU(),
-            torch.nn.Conv2d(8, 16, 3, stride=2), torch.nn.ReLU(),
-            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(16, classes))
+def net(channels: int, classes: int) -> torch.nn.Module:
+    """A small convolutional classifier of uint8 images (`train_epoch` scales them to [0, 1])."""
+    import torch
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.body(images.float() / 255)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(channels, 8, 3, stride=2), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 16, 3, stride=2), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(16, classes))
 
 
 def attached(ds: JoaderDataset, record: Record, trial: str) -> None:
@@ -92,14 +97,17 @@ def attached(ds: JoaderDataset, record: Record, trial: str) -> None:
                  pid=os.getpid(), script=os.path.basename(sys.argv[0]))
 
 
-def train_epoch(ds: JoaderDataset, model: Net, optimizer: torch.optim.Optimizer, epoch: int, record: Record) -> float:
+def train_epoch(ds: JoaderDataset, model: torch.nn.Module, optimizer: torch.optim.Optimizer, epoch: int,
+                record: Record) -> float:
     """One epoch, every sample recorded; the mean loss."""
+    import torch
+
     losses = []
     for indices, images, labels in torch.utils.data.DataLoader(ds, batch_size=BATCH):
         for index, image, label in zip(indices.tolist(), images, labels.tolist(), strict=True):
             record.write(kind="sample", epoch=epoch, index=index, label=label,
                          crc=zlib.crc32(image.contiguous().numpy().tobytes()))
-        loss = torch.nn.functional.cross_entropy(model(images), labels)
+        loss = torch.nn.functional.cross_entropy(model(images.float() / 255), labels)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -125,6 +133,10 @@ def ray_sweep(out: Path, epochs: int) -> None:
     from ray import tune
 
     def trainable(config: dict[str, Any]) -> None:
+        import torch
+
+        from joader import JoaderDataset
+
         context = tune.get_context()
         trial = context.get_trial_name()
         record = Record(out / f"trial-{context.get_trial_id()}.jsonl")
@@ -132,7 +144,7 @@ def ray_sweep(out: Path, epochs: int) -> None:
         with JoaderDataset(SOURCE, return_index=True, batch_size=BATCH) as ds:  # JOADER_ADDRESS
             attached(ds, record, trial)
             # Not len(ds.classes): see the NOTE in examples/ray_tune_sweep.py.
-            model = Net(ds.item_shape[0], len(ds.class_to_idx))
+            model = net(ds.item_shape[0], len(ds.class_to_idx))
             optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"])
             for epoch in range(1, epochs + 1):
                 loss = train_epoch(ds, model, optimizer, epoch, record)
@@ -214,6 +226,10 @@ def objective_for(out: Path, epochs: int, driver: Record) -> Any:
     import optuna
 
     def objective(trial: optuna.Trial) -> float:
+        import torch
+
+        from joader import JoaderDataset
+
         plan = PLAN[trial.number]
         record = Record(out / f"trial-{trial.number}.jsonl")
         lr = trial.suggest_float("lr", 0.01, 0.2, log=True)
@@ -222,7 +238,7 @@ def objective_for(out: Path, epochs: int, driver: Record) -> Any:
             ds = JoaderDataset(SOURCE, return_index=True, batch_size=BATCH)
             trial.set_user_attr("job_id", ds.job_id)
             attached(ds, record, str(trial.number))
-            model = Net(ds.item_shape[0], len(ds.classes))
+            model = net(ds.item_shape[0], len(ds.classes))
             optimizer = torch.optim.SGD(model.parameters(), lr=lr)
             loss = 0.0
             for epoch in range(1, epochs + 1):
@@ -232,7 +248,7 @@ def objective_for(out: Path, epochs: int, driver: Record) -> Any:
         with JoaderDataset(SOURCE, return_index=True, batch_size=BATCH) as ds:
             trial.set_user_attr("job_id", ds.job_id)
             attached(ds, record, str(trial.number))
-            model = Net(ds.item_shape[0], len(ds.classes))
+            model = net(ds.item_shape[0], len(ds.classes))
             optimizer = torch.optim.SGD(model.parameters(), lr=lr)
             loss = 0.0
             for epoch in range(1, epochs + 1):
