@@ -24,10 +24,12 @@ wire.py).
 
 from __future__ import annotations
 
-__all__ = ["MAX_TASKS_PER_SLOT", "SLOT_S", "TaskBatching"]
+__all__ = ["MAX_TASKS_PER_SLOT", "SLOT_S", "STALL_FLOOR_S", "STALL_MULTIPLE", "TaskBatching", "tasks_per_slot"]
 
 SLOT_S = 0.005  # seconds of decoding one batch of tasks aims at
 MAX_TASKS_PER_SLOT = 64  # tasks in one message at most (a message stays well under MAX_MESSAGE)
+STALL_FLOOR_S = 0.05  # a running task older than this (and than STALL_MULTIPLE x the mean) is stalled
+STALL_MULTIPLE = 10.0
 _WEIGHT = 1 / 64  # of each new decode time in the moving average
 _RECOMPUTE_EVERY = 16  # decodes between two computations of `tasks_per_slot`
 
@@ -42,6 +44,13 @@ class TaskBatching:
         self.mean_s: float | None = None
         self.tasks_per_slot = 1
         self._since = 0
+
+    @property
+    def stall_s(self) -> float:
+        """How long a worker's running task may go on before the worker is stalled and gets no
+        new task while another does not (NOTE [ A stalled worker gets no more tasks ] in
+        decode_pool.py)."""
+        return max(STALL_FLOOR_S, STALL_MULTIPLE * (self.mean_s or 0.0))
 
     def add(self, decode_s: float) -> None:
         """One decode's time, as its worker measured it (a decode that did not fit too)."""

@@ -375,7 +375,7 @@ class DecodePool:
         faults.run_suspect()
         per_slot = self._batching.tasks_per_slot
         limit = self.config.tasks_per_worker * per_slot
-        members = roster.members() if probes or pending else []  # once per call, unless one dies
+        members = self._takers() if probes or pending else []  # once per call, unless one dies
         while probes or pending:
             if not members:
                 break
@@ -394,7 +394,7 @@ class DecodePool:
                     continue
                 pending.extendleft(reversed(batch))
             faults.worker_died(worker, "its socket closed")
-            members = roster.members()
+            members = self._takers()
         if self._spawning.forker_gone:
             reason = ("no decode worker is left and none can be started: the decode pool's forker "
                       "process is gone (see joaderd's log); restart joaderd")
@@ -402,6 +402,24 @@ class DecodePool:
                 faults.fail_all(reason)
             if faults.suspects and roster.probation is None:
                 faults.fail_suspects(reason)
+
+    # NOTE [ A stalled worker gets no more tasks ]
+    # With a slot of tens of cheap decodes per message, a member whose running decode hangs (a
+    # hung read, a pathological file) would be handed up to `tasks_per_worker` slots of healthy
+    # tasks by the least-loaded rule, all held until its decode timeout (2-60 s) ends it; one
+    # task was held that way before batches. So a member whose running task has gone on longer
+    # than `TaskBatching.stall_s` (50 ms, or 10 times the mean decode) gets no new task while
+    # another member is not stalled; with every member stalled the rule is the plain one.
+
+    def _takers(self) -> list[Worker]:
+        """The members that may take the next tasks: those not stalled (NOTE [ A stalled
+        worker gets no more tasks ]), or every member if each is."""
+        members = self._roster.members()
+        if len(members) < 2:
+            return members
+        now, stall_s = time.monotonic(), self._batching.stall_s
+        fresh = [w for w in members if not w.tasks or now - w.started_s < stall_s]
+        return fresh or members
 
     def _read_events(self, events: list[tuple[selectors.SelectorKey, int]]) -> None:
         """Reads what the selector saw: the forker's control socket, and workers' results."""

@@ -5,6 +5,7 @@ in batches, a slot per message (server/pool/batching.py)."""
 from __future__ import annotations
 
 import socket
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -97,3 +98,32 @@ def test_tasks_go_to_a_worker_a_slot_per_message() -> None:
     finally:
         ours.close()
         theirs.close()
+
+
+def test_a_worker_whose_task_stalls_gets_no_more_tasks_while_another_does_not() -> None:
+    """NOTE [ A stalled worker gets no more tasks ] (server/pool/decode_pool.py): a slot of
+    healthy tasks is not handed to a member whose running decode hangs, to wait for its timeout."""
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(2)]
+    try:
+        stalled, healthy = Worker(0, 0, pairs[0][0], 0), Worker(1, 0, pairs[1][0], 1)
+        hung = DecodeTask(99, 0, 9, 990, 10)
+        pool = _bare_pool(stalled, [hung])
+        pool._roster.workers[healthy.index] = healthy
+        del pool._dispatch  # the pool's own dispatch, not the stub
+        pool.config = pool._roster.config  # tasks_per_worker 2
+        pool.arena_bytes = 1 << 20
+        pool._roster.sources = (SourceSpec(SimpleNamespace(paths=("a.jpg",) * 20), None),)
+        pool._batching.tasks_per_slot = 4
+        stalled.tasks.append(hung)
+        stalled.started_s = time.monotonic() - 10 * pool._batching.stall_s  # its decode hangs
+        pool.submit_many([(task_id, 0, task_id, task_id * 10, 10) for task_id in range(12)])
+        assert list(stalled.tasks) == [hung]  # nothing more for it
+        assert [task.task_id for task in healthy.tasks] == list(range(8))  # two slots, its limit
+        assert [task.task_id for task in pool._roster.pending] == [8, 9, 10, 11]  # wait for a free slot
+        stalled.started_s = time.monotonic()  # it answered; its next task started just now
+        pool._dispatch()
+        assert [task.task_id for task in stalled.tasks] == [99, 8, 9, 10, 11]
+    finally:
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
