@@ -274,9 +274,12 @@ def test_jobs_survive_a_joaderd_restart_on_the_same_address(demo_root: Path, sta
     subsets = {"j1": ("0:100", "0"), "j2": ("60:160", "2"), "j3": ("0:160:2", "0")}  # indices, workers
     jobs = {
         name: clients.start("job", server, name, "--indices", indices, "--workers", workers, "--batch-size", "4",
-                            "--epochs", "2", "--sleep", "0.1", "--timeout-s", "60")
+                            "--epochs", "2", "--sleep", "0.25", "--timeout-s", "60")
         for name, (indices, workers) in subsets.items()
     }
+    # A step of 0.25 s: j1's 2 epochs take 12.5 s at least, longer than the other jobs' start
+    # (torch's import) takes on a loaded machine; at 0.1 s, j1 once finished before j3 read its
+    # second batch, and the test could not show anything.
     wait_for(lambda: all(len(job.batches()) >= 2 for job in jobs.values()), 40, "every job's second batch")
     old_children = _descendants(server.proc.pid)
     assert old_children, "joaderd has no forker or decode worker?"
