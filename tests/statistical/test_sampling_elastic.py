@@ -47,7 +47,7 @@ def _resumed_orders(trial: int) -> list[list[int]]:
     registry, pool, _ = make_registry(num_slots=40)
     job = None
     for rank in range(NEW_RANKS):
-        job = attach(registry, "demo", DATASET, "elastic", 2, rank=rank, world_size=NEW_RANKS,
+        job = attach(registry, "demo", DATASET, "elastic", SHARE, rank=rank, world_size=NEW_RANKS,
                      seed=SEED * 100_000 + trial)
     assert job is not None
     report: dict[str, Any] = {"resume_epoch": 2, "resume_consumed": BitMap(CONSUMED),
@@ -59,7 +59,7 @@ def _resumed_orders(trial: int) -> list[list[int]]:
         pump(registry, pool)
         for rank in range(NEW_RANKS):
             if not done[rank]:
-                reply = nxt(registry, job.job_id, 10 + rank, 2, acks[rank], rank=rank, pid=100 + rank, **report)
+                reply = nxt(registry, job.job_id, 10 + rank, SHARE, acks[rank], rank=rank, pid=100 + rank, **report)
                 acks[rank], done[rank] = reply.item_ids, reply.end_of_epoch
                 got[rank] += reply.item_ids
         if all(done):
