@@ -87,6 +87,8 @@ class RegistryConfig:
     # more CPU to the decoders when decoding is the bottleneck.
     linger_s: float = 0.05
     rounds_per_lock: int = 64
+    # Slots of decode tasks (server/pool/batching.py: about 5 ms of decoding each) in flight per
+    # decode worker, not single decodes.
     decodes_in_flight_per_worker: int = 2
     retry_failed_s: float = 60.0  # a failed file is decoded again at its next use after this
     max_jobs: int = 1024
