@@ -17,10 +17,13 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
+from joader.address import resolve_address
 from joader.client.tools.demo_data import make_demo_data
 from joader.launch import JoaderdProcess, JoaderdStartError
+from joader.proto import GRPC_OPTIONS, joader_pb2, joader_pb2_grpc
 from joader.testing.integrity import reference
 from tests.support.processes import IMAGE_SIZE, ITEM_NBYTES, NUM_DEMO_ITEMS, ROOT, Clients
 
@@ -66,11 +69,14 @@ class Joaderd:
         return self.log_path.read_text(errors="replace")
 
     def status(self) -> dict[str, Any]:
-        out = subprocess.run(
-            [sys.executable, "-m", "joader.client.tools.cli", "status", "--json", "--address", self.address],
-            capture_output=True, text=True, timeout=60, check=True,
-        )
-        return json.loads(out.stdout)
+        """joaderd's status snapshot (what `joader status --json` prints), asked from this
+        process on a channel of its own, closed at once (NOTE [ No gRPC channel outlives these
+        tests ] in tests/unit/client/conftest.py: this process forks). Each call was a CLI
+        process, 0.14 CPU-s, and tests poll it while they wait; the CLI itself is tested in
+        tests/unit/client/tools and test_tools_find_servers."""
+        with grpc.insecure_channel(resolve_address(self.address), options=GRPC_OPTIONS) as channel:
+            response = joader_pb2_grpc.JoaderStub(channel).Status(joader_pb2.StatusRequest(), timeout=60)
+        return json.loads(response.json)
 
     def job(self, *args: str, name: str = "job") -> subprocess.Popen[bytes]:
         """Starts an emulated training job; its JSON report goes to `report_path(name)`."""
