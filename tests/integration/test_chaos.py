@@ -17,8 +17,8 @@ def test_a_short_soak_delivers_only_the_right_samples_exactly_once() -> None:
     print(summary.line())
     assert summary.ok, summary.line() + "".join(f"\n  {p}" for p in summary.problems[:15])
     # Real work was checked: at least two epochs' worth of the soak's 240 items. Not a rate: a
-    # floor of samples in 60 s (it was 3,000) failed on a loaded machine (2,984 samples) with
-    # every sample right, which is a speed assertion (it ran 2,984-7,376 here).
+    # floor of 3,000 samples in the 60 s failed on a loaded machine (2,984) with every sample
+    # right, which is a speed assertion (it checked 2,984-7,376 here).
     assert summary.samples_checked >= 2 * 240, summary.line()
     assert summary.joaderd_restarts >= 2 and summary.restarts_at_epoch_end >= 1, summary.line()
     assert summary.client_kills >= 1 and summary.worker_kills >= 1, summary.line()
