@@ -55,11 +55,12 @@ venv: $(BASE)
 
 # The suite runs in TEST_WORKERS pytest processes at once (pytest-xdist): one at a time, its tests
 # leave a core idle while they wait on the processes they start (joaderd, jobs, torchrun); three
-# keep both cores busy (17.5 minutes become about 9, most of it CPU: each job imports torch). The few
+# kept both cores busy 91% of the time (17.5 minutes became about 9, most of it CPU: each job
+# imports torch), four fill more of the waits (polls, leases, sleeps of emulated steps). The few
 # tests marked `serial` need the machine to themselves (an idle core, no other joaderd starting,
 # jobs running in step) and run after, alone.
 # pytest exits 5 when it collects no test: that is a failure here, not a silent pass.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 4
 test: $(EXTRA)test
 	$(COMPILE)
 	@rc=0; \
