@@ -79,9 +79,7 @@ class Roster:
             worker.sock.sendall(task.message())
         except OSError:
             return False
-        if not worker.tasks:
-            worker.started_s = time.monotonic()
-        worker.tasks.append(task)
+        self._sent(worker, [task])
         return True
 
     def send_batch(self, worker: Worker, tasks: list[DecodeTask]) -> bool:
@@ -93,10 +91,15 @@ class Roster:
             send_message(worker.sock, [task.fields() for task in tasks])
         except OSError:
             return False
+        self._sent(worker, tasks)
+        return True
+
+    @staticmethod
+    def _sent(worker: Worker, tasks: list[DecodeTask | Probe] | list[DecodeTask]) -> None:
+        """`tasks` are the worker's now; an idle worker's clock starts with the first."""
         if not worker.tasks:
             worker.started_s = time.monotonic()
         worker.tasks.extend(tasks)
-        return True
 
     def forget_staged(self, worker: Worker) -> None:
         """What a worker that is gone kept is gone too (and a new worker may get its index)."""
