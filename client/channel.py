@@ -69,6 +69,14 @@ def translate(error: grpc.RpcError, address: str) -> Exception:
             "`joaderd --source NAME=PATH`, or point JOADER_ADDRESS (or address=) at the one running, "
             "or pass root=PATH to JoaderDataset and it starts one itself."
         )
+    if code == grpc.StatusCode.CANCELLED:
+        # NOTE [ A stopping server cancels its calls ]
+        # This client never cancels a call it then waits for; joaderd's gRPC server (grpc.aio)
+        # ends the calls in flight CANCELLED when it stops (killed driver, `joader servers
+        # --stop`, a shutdown). That is the server going away, as UNAVAILABLE is: raised as a
+        # joaderd failure, it ended a job that should have learned why (a restart to wait for,
+        # or ServerStoppedError naming the fix).
+        return ConnectionError(f"joaderd at {address} went away while a call was in flight ({details})")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return TimeoutError(f"joaderd at {address} did not answer in time ({details})")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # gRPC's own limits, not joaderd's errors
