@@ -97,13 +97,8 @@ def _share(rest: BitMap, layout: NewLayout) -> int:
     w = layout.world_size
     if layout.hosts is None:
         return len(rest) // w if layout.drop_last else -(-len(rest) // w)
-    n = len(layout.items)
-    m = n // w if layout.drop_last else -(-n // w)
-    order = hosts.keyed_order(layout.items, layout.salt)
-    if w * m > n:  # padding: the order wraps, as `hosts.host_part` cuts it
-        order = np.concatenate([order] * (-(-(w * m) // n)))
-    left = np.isin(order[: w * m], np.fromiter(rest, dtype=np.uint64, count=len(rest)))
-    per_chunk = left.reshape(w, m).sum(axis=1)
+    chunks = hosts.rank_chunks(layout.items, layout.salt, w, drop_last=layout.drop_last)
+    per_chunk = np.isin(chunks, np.fromiter(rest, dtype=np.uint64, count=len(rest))).sum(axis=1)
     return int(per_chunk.min() if layout.drop_last else per_chunk.max())
 
 

@@ -40,7 +40,7 @@ from pyroaring import BitMap
 
 from joader.errors import InvalidArgumentError
 
-__all__ = ["HostLayout", "host_part", "keyed_order", "layout_from_env", "source_salt"]
+__all__ = ["HostLayout", "host_part", "keyed_order", "layout_from_env", "rank_chunks", "source_salt"]
 
 _MASK = (1 << 64) - 1
 
@@ -118,23 +118,29 @@ def layout_from_env(rank: int, world_size: int, env: Mapping[str, str]) -> HostL
     return HostLayout(world_size, first, local_size, local_rank)
 
 
+def rank_chunks(items: BitMap, salt: int, world_size: int, *, drop_last: bool) -> np.ndarray:
+    """The keyed order cut into one chunk of m items per global rank (the module docstring):
+    a (world_size, m) array; without drop_last the order wraps to fill the last chunks."""
+    n = len(items)
+    m = n // world_size if drop_last else -(-n // world_size)
+    if m == 0:
+        raise InvalidArgumentError(
+            f"{n} items for {world_size} ranks: every rank needs at least one item per epoch; use more items "
+            "or fewer ranks" + (" (or drop_last=False)" if drop_last else ""))
+    order = keyed_order(items, salt)
+    if world_size * m > n:  # padding: the order wraps
+        order = np.concatenate([order] * (-(-(world_size * m) // n)))
+    return order[: world_size * m].reshape(world_size, m)
+
+
 def host_part(items: BitMap, salt: int, layout: HostLayout, *, drop_last: bool) -> BitMap:
     """The items this host's joaderd serves the job: its ranks' chunks of the keyed order (module
     docstring). Every rank of the host then gets `rank_items` of them per epoch."""
-    n = len(items)
-    w = layout.world_size
-    m = n // w if drop_last else -(-n // w)
-    if m == 0:
+    chunks = rank_chunks(items, salt, layout.world_size, drop_last=drop_last)
+    mine = chunks[layout.first_rank:layout.first_rank + layout.local_ranks]
+    part = BitMap(mine.ravel().astype(np.uint32))
+    if len(part) != mine.size:
         raise InvalidArgumentError(
-            f"{n} items for {w} ranks: every rank needs at least one item per epoch; use more items "
-            "or fewer ranks" + (" (or drop_last=False)" if drop_last else ""))
-    order = keyed_order(items, salt)
-    start, stop = layout.first_rank * m, (layout.first_rank + layout.local_ranks) * m
-    if stop > n:  # padding: the order wraps
-        order = np.concatenate([order] * (-(-stop // n)))
-    part = BitMap(order[start:stop].astype(np.uint32))
-    if len(part) != stop - start:
-        raise InvalidArgumentError(
-            f"{n} items are too few for this host's {layout.local_ranks} ranks of {w} ({m} each, "
-            "with padding some would repeat on one rank); use more items or fewer ranks")
+            f"{len(items)} items are too few for this host's {layout.local_ranks} ranks of {layout.world_size} "
+            f"({mine.shape[1]} each, with padding some would repeat on one rank); use more items or fewer ranks")
     return part
