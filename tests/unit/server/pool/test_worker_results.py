@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 import socket
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import numpy as np
@@ -60,22 +61,27 @@ def test_a_decode_answers_with_a_named_result_and_its_bytes_are_written() -> Non
         arena.close()
 
 
-def test_the_reader_tells_a_probe_answer_from_a_decode_by_type() -> None:
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """A worker's socket: the pool's end and the worker's."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        worker = Worker(0, 0, ours, 0)
-        probe, task = Probe(9, 0, (0, 1)), DecodeTask(4, 0, 0, 0, 8)
-        worker.tasks.extend([probe, task])
-        pool = _bare_pool(worker, [task])
-        send_message(theirs, ProbeSizes(9, ((0, 4), (1, 8))))
-        send_message(theirs, DecodeResult(4, True, None, "a.bin", 0.001, (4,), "uint8", 4, 1))
-        pool._read_worker(worker)
-        assert not worker.tasks
-        assert pool.take_sizes() == [(0, 0, 4), (0, 1, 8)]
-        assert [r.task_id for r in pool._take_ready(limit=8)] == [4]
-    finally:
-        ours.close()
-        theirs.close()
+    yield ours, theirs
+    ours.close()
+    theirs.close()
+
+
+def test_the_reader_tells_a_probe_answer_from_a_decode_by_type(pair: tuple[socket.socket, socket.socket]) -> None:
+    ours, theirs = pair
+    worker = Worker(0, 0, ours, 0)
+    probe, task = Probe(9, 0, (0, 1)), DecodeTask(4, 0, 0, 0, 8)
+    worker.tasks.extend([probe, task])
+    pool = _bare_pool(worker, [task])
+    send_message(theirs, ProbeSizes(9, ((0, 4), (1, 8))))
+    send_message(theirs, DecodeResult(4, True, None, "a.bin", 0.001, (4,), "uint8", 4, 1))
+    pool._read_worker(worker)
+    assert not worker.tasks
+    assert pool.take_sizes() == [(0, 0, 4), (0, 1, 8)]
+    assert [r.task_id for r in pool._take_ready(limit=8)] == [4]
 
 
 def test_a_decode_that_does_not_fit_answers_with_the_bytes_it_needs_not_a_failure() -> None:
@@ -93,18 +99,15 @@ def test_a_decode_that_does_not_fit_answers_with_the_bytes_it_needs_not_a_failur
         arena.close()
 
 
-def test_the_reader_remembers_which_worker_keeps_an_item_that_needs_bytes() -> None:
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        worker = Worker(0, 0, ours, 0)
-        task = DecodeTask(4, 0, 2, 0, 0)
-        worker.tasks.append(task)
-        pool = _bare_pool(worker, [task])
-        send_message(theirs, NeedsBytes(4, "a.bin: 8 bytes, 0 allocated", "a.bin", 0.001, (8,), "uint8", 8))
-        pool._read_worker(worker)
-        assert dict(pool._roster.staged) == {(0, 2): 0}
-        [result] = pool._take_ready(limit=8)
-        assert isinstance(result, NeedsBytes) and result.nbytes == 8
-    finally:
-        ours.close()
-        theirs.close()
+def test_the_reader_remembers_which_worker_keeps_an_item_that_needs_bytes(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    ours, theirs = pair
+    worker = Worker(0, 0, ours, 0)
+    task = DecodeTask(4, 0, 2, 0, 0)
+    worker.tasks.append(task)
+    pool = _bare_pool(worker, [task])
+    send_message(theirs, NeedsBytes(4, "a.bin: 8 bytes, 0 allocated", "a.bin", 0.001, (8,), "uint8", 8))
+    pool._read_worker(worker)
+    assert dict(pool._roster.staged) == {(0, 2): 0}
+    [result] = pool._take_ready(limit=8)
+    assert isinstance(result, NeedsBytes) and result.nbytes == 8
