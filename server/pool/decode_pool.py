@@ -5,7 +5,7 @@ loaded worker a slot per message (NOTE [ Decode tasks in batches ] in batching.p
 Three process kinds, each in a module of its own:
 
 - **joaderd** (the pool, the owner) talks to every worker directly over a socket of its own,
-  sends it tasks (`tasks_per_worker` slots ahead, framed on a stream: `joader.server.pool.wire`)
+  sends it tasks (`tasks_per_worker` slots ahead, framed on a stream: `joader.server.wire`)
   and reads its results;
 - **the forker** (`joader.server.pool.forker`) forks every worker, because joaderd must never fork
   once gRPC runs;
@@ -63,7 +63,7 @@ from joader.server.pool.records import (
 from joader.server.pool.resizing import Resizing
 from joader.server.pool.roster import Roster
 from joader.server.pool.spawning import WorkerSpawning
-from joader.server.pool.wire import READ_BYTES, recv_nowait, send_message
+from joader.server.wire import READ_BYTES, recv_nowait, send_message
 
 __all__ = ["DecodePool", "DecodeResult", "Finished", "NeedsBytes", "PoolConfig", "PoolStats", "SourceSpec"]
 

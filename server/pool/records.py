@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from joader.server.pool.wire import Inbox, frame, recv_nowait
+from joader.server.wire import Inbox, frame, recv_nowait
 
 __all__ = ["MAX_MESSAGE", "PROBE", "DecodeResult", "DecodeTask", "Finished", "NeedsBytes", "PoolConfig", "PoolStats",
            "Probe", "ProbeSizes", "SourceSpec", "Worker", "recv_nowait"]
@@ -204,4 +204,4 @@ class Worker:
         self.started_s = 0.0  # when the head task started
         self.retiring = False  # gets no new task; stopped once `tasks` is empty
         self.probation = probation  # runs suspects only, one at a time; not a member of the pool
-        self.inbox = Inbox()  # its messages as read off its socket (joader.server.pool.wire)
+        self.inbox = Inbox()  # its messages as read off its socket (joader.server.wire)

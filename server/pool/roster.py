@@ -32,7 +32,7 @@ from joader.server.pool.records import (
     SourceSpec,
     Worker,
 )
-from joader.server.pool.wire import send_message
+from joader.server.wire import send_message
 from joader.sources.safe_open import display_path
 
 __all__ = ["Roster"]

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Literal
 from joader.server.pool.forker import forker_main, log_exit
 from joader.server.pool.records import SourceSpec, Worker
 from joader.server.pool.roster import Roster
-from joader.server.pool.wire import send_message
+from joader.server.wire import send_message
 from joader.server.pool.worker import MAX_MESSAGE, WorkerContext
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ first place.
 Each worker maps the arena file
 read-write itself: only small task and result tuples cross its socket, never pixels. It talks to
 joaderd over that socket alone (`AF_UNIX`, `SOCK_STREAM`, each message framed by its length:
-`joader.server.pool.wire`); a message holds one task, a batch of tasks (NOTE [ Decode tasks in
+`joader.server.wire`); a message holds one task, a batch of tasks (NOTE [ Decode tasks in
 batches ] in batching.py) or one result, sent as each task finishes. There is no shared task
 queue, because a process killed while it waits on a shared `multiprocessing.Queue` dies holding
 the queue's read lock, and every other worker then blocks forever.
@@ -52,7 +52,7 @@ import numpy as np
 from joader.errors import DecodeError
 from joader.proto import DTYPE_CODES
 from joader.server.pool.records import MAX_MESSAGE, PROBE, DecodeResult, NeedsBytes, ProbeSizes
-from joader.server.pool.wire import READ_BYTES, Inbox, send_message
+from joader.server.wire import READ_BYTES, Inbox, send_message
 from joader.sources.safe_open import display_path
 
 __all__ = ["MAX_MESSAGE", "PROBE", "Staging", "WorkerContext", "close_inherited", "die_with_parent",

@@ -17,7 +17,7 @@ from joader.server.pool.probes import Probing
 from joader.server.pool.records import DecodeResult, DecodeTask, PoolConfig, SourceSpec, Worker
 from joader.server.pool.roster import Roster
 from joader.server.pool.spawning import WorkerSpawning
-from joader.server.pool.wire import Inbox, send_message
+from joader.server.wire import Inbox, send_message
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -10,7 +10,7 @@ import pytest
 
 from joader.server.pool.records import DecodeTask, PoolConfig, Probe, Worker
 from joader.server.pool.roster import Roster
-from joader.server.pool.wire import Inbox
+from joader.server.wire import Inbox
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -34,7 +34,7 @@ def pairs() -> Iterator[Pairs]:
 
 
 def _received(sock: socket.socket, count: int) -> list[object]:
-    """The first `count` messages sent to `sock`'s peer (joader.server.pool.wire)."""
+    """The first `count` messages sent to `sock`'s peer (joader.server.wire)."""
     inbox = Inbox()
     while len(inbox.messages) < count:
         inbox.feed(sock.recv(4096))

@@ -1,4 +1,4 @@
-"""The wire between joaderd and a decode worker (server/pool/wire.py): framed messages on a
+"""The wire between joaderd and a decode worker (server/wire.py): framed messages on a
 stream, reassembled from reads of any size, in order."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 
 from joader.server.pool.records import DecodeResult
-from joader.server.pool.wire import Inbox, frame, recv_nowait, send_message
+from joader.server.wire import Inbox, frame, recv_nowait, send_message
 
 
 def test_messages_come_back_whole_and_in_order_whatever_the_reads_cut() -> None:
