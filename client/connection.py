@@ -67,6 +67,9 @@ class Identity:
     # This process's rank in the job on this joaderd: its global rank, or its place among its
     # host's ranks when the job spans hosts (`joader.sampling.hosts`).
     rank: int = 0
+    # Where this rank's Next calls go: a front of joaderd's (NOTE [ Next fronts ] in
+    # server/fronts/__init__.py), or "" for joaderd's own address.
+    next_address: str = ""
 
     @property
     def arena(self) -> str:
@@ -80,6 +83,7 @@ class Identity:
             arena_path=info["arena_path"], server_uid=info.get("server_uid"),
             fingerprint=info.get("fingerprint", ""), generation=generation,
             keeper_pid=info.get("keeper_pid"), arena_fd=info.get("arena_fd"), rank=int(info.get("rank", 0)),
+            next_address=info.get("next_address") or "",
         )
 
 
@@ -163,7 +167,7 @@ class Connection:
         self._arenas[identity.arena] = identity
         while len(self._arenas) > _ARENAS_KEPT + 1:
             del self._arenas[next(iter(self._arenas))]
-        reset_channel(self.address)
+        self._reset_channels()
         self.mapping(identity.arena)  # mapped now, while its file surely exists
         logger.debug("job %s: attached again to the restarted joaderd", identity.job_id)
         return True
@@ -185,7 +189,7 @@ class Connection:
                 # The keeper's stream breaks as soon as joaderd dies; until it says so, or
                 # after joaderd came back, a refused call is worth repeating.
                 time.sleep(0.2)
-                reset_channel(self.address)
+                self._reset_channels()
                 return True
             return False
         deadline = now + self.timeout_s
@@ -200,6 +204,11 @@ class Connection:
         self.refresh()
         unreachable_since[0] = None
         return True
+
+    def _reset_channels(self) -> None:
+        reset_channel(self.address)
+        if self.identity.next_address:
+            reset_channel(self.identity.next_address)
 
     def _stopped_message(self, waited: str) -> str:
         return (
@@ -223,7 +232,7 @@ class Connection:
             ids = acks
         request = joader_pb2.NextRequest(job_id=identity.job_id, job_secret=identity.secret, acks=ids,
                                          pid=os.getpid(), **fields)
-        pending = call_async(self.address, "Next", request, timeout_s=self.timeout_s + 30)
+        pending = call_async(identity.next_address or self.address, "Next", request, timeout_s=self.timeout_s + 30)
         if on_reply is not None:
             pending.on_success(on_reply)
         return Call(pending, identity)

@@ -121,7 +121,22 @@ def _identity(first: joader_pb2.AttachResponse, server_uid: int | None) -> dict[
         "keeper_pid": os.getpid(),
         "arena_fd": _hold_arena(first.arena_path),
         "rank": first.rank,  # in the job on this joaderd (a host's ranks count from 0)
+        "next_address": _checked_front(first.next_address),
     }
+
+
+def _checked_front(address: str) -> str:
+    """The Next front joaderd named (NOTE [ Next fronts ] in server/fronts/__init__.py), if its
+    socket passes the checks joaderd's own did (our directory, served by our uid); else "": the
+    readers then send Next to joaderd's own socket, which serves it too."""
+    if not address:
+        return ""
+    try:
+        verify_server(address, timeout_s=2.0)
+    except (OSError, JoaderError) as error:
+        print(f"joader: the Next front joaderd named ({address}) is not used: {error}", file=sys.stderr)
+        return ""
+    return address
 
 
 def _attach(address: str, registration: dict[str, Any], stop: threading.Event,

@@ -7,6 +7,7 @@ TOML (`--config FILE`), every key optional, command-line flags win:
     cache_size = "2GiB"         # or "auto": the whole prepared dataset, within /dev/shm and RAM
     cache_budget_dir = "/run/user/1000/joader"  # auto sizes share one budget with the servers there
     workers = "auto"           # default: adapt between 1 and the CPUs this process may use; or a fixed count
+    fronts = "auto"            # processes serving the jobs' Next calls (taking gRPC off joaderd's core); auto: none below 4 CPUs
     lease_s = 10
     lookahead_batches = 4
     image_size = 256           # default S for sources that do not set one
@@ -108,6 +109,8 @@ class ServerConfig:
     num_workers: int = field(default_factory=lambda: initial_auto_workers())  # at start (fixed unless autoscale)
     autoscale: bool = True  # --workers auto: the pool adapts (joader.server.autoscale)
     max_workers: int = field(default_factory=default_num_workers)  # autoscale's upper bound
+    # Next fronts: gRPC servers in processes of their own (server/fronts/); --fronts auto by default
+    num_fronts: int = field(default_factory=lambda: auto_fronts(default_num_workers()))
     lease_s: float = 10.0
     lookahead_batches: int = 4
     seed: int = 0
@@ -125,6 +128,12 @@ class ServerConfig:
     metrics_listen: str | None = None  # HOST:PORT of Prometheus /metrics; None: off
     idle_exit_s: float = 0.0  # exit after this long with no job attached (server/registry/idle_exit.py); 0: never
     exit_with: str | None = None  # PID:START_TICKS of a process joaderd exits with (a `joader.serve` driver)
+
+
+def auto_fronts(cpus: int) -> int:
+    """`--fronts auto` (NOTE [ Next fronts ]): none below 4 CPUs (a front would take a core from
+    the decoders and the jobs), then one per 16 CPUs, at most 4."""
+    return 0 if cpus < 4 else min(4, 1 + cpus // 16)
 
 
 def initial_auto_workers() -> int:
@@ -152,6 +161,7 @@ _KEYS: dict[str, _Key] = {
     "cache_size": _Key("--cache-size", values.cache_size, '"2GiB"'),
     "cache_budget_dir": _Key("--cache-budget-dir", values.path, '"/run/user/1000/joader"'),
     "workers": _Key("--workers", values.workers, '"auto"'),
+    "fronts": _Key("--fronts", values.fronts, '"auto"'),
     "lease_s": _Key("--lease-s", values.positive_seconds, "10"),
     "lookahead_batches": _Key("--lookahead-batches", values.positive_int, "4"),
     "image_size": _Key("--image-size", values.positive_int, "256"),
@@ -231,6 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode worker processes: auto (default) starts with half the CPUs this process may "
              "use and adapts between 1 and all of them, by the jobs' stalls and the host's idle CPU; "
              "N fixes the count")
+    add("--fronts", metavar="N|auto",
+        help="processes that serve the jobs' Next calls beside joaderd, taking gRPC's work off its "
+             "one core: auto (default) none below 4 CPUs, then one per 16 CPUs, at most 4; 0: "
+             "joaderd serves every call itself")
     add("--lease-s", type=float, help="drop a job after this long without a request (default 10)")
     add("--lookahead-batches", type=int, help="batches prepared ahead per job (default 4)")
     add("--seed", type=int, help="seed of the jobs that do not give their own (default 0)")
@@ -297,6 +311,7 @@ def load_config(argv: list[str] | None = None) -> ServerConfig:
         listen=settings.get("listen"),
         cache_size_bytes=_cache_bytes(settings.get("cache_size", DEFAULT_CACHE_SIZE)),
         **_worker_settings(settings.get("workers", "auto")),
+        **_front_settings(settings.get("fronts", "auto")),
         **{k: settings[k] for k in _PLAIN_FIELDS if k in settings},
     )
     _check_listen(config)
@@ -305,6 +320,10 @@ def load_config(argv: list[str] | None = None) -> ServerConfig:
 
 def _cache_bytes(cache_size: int | str) -> int | None:
     return None if cache_size == "auto" else parse_size(cache_size)
+
+
+def _front_settings(fronts: int | str) -> dict[str, Any]:
+    return {"num_fronts": auto_fronts(default_num_workers()) if fronts == "auto" else fronts}
 
 
 def _worker_settings(workers: int | str) -> dict[str, Any]:

@@ -50,6 +50,16 @@ def workers(value: Any, where: str, example: str) -> int | str:
     return int(value)
 
 
+def fronts(value: Any, where: str, example: str) -> int | str:
+    if value == "auto":
+        return "auto"
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if not is_int(value) or value < 0:
+        raise fail(where, '"auto" or a count (0: joaderd serves Next itself)', value, example)
+    return int(value)
+
+
 def is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -124,12 +124,21 @@ class Supervisor:
                 "internal thread %s died; joaderd stops:\n%s",
                 name, "".join(traceback.format_exception(error)),
             )
-            with self._lock:
-                first = self.failure is None
-                if first:
-                    self.failure = f"thread {name} died: {type(error).__name__}: {error}"
+            self._record(f"thread {name} died: {type(error).__name__}: {error}")
+
+    def fail(self, reason: str) -> None:
+        """A part that is not a thread failed (a Next front that died): the same as a death."""
+        logger.critical("%s", reason)
+        self._record(reason)
+
+    def _record(self, reason: str) -> None:
+        """The first failure stops the server; later ones only add to the log."""
+        with self._lock:
+            first = self.failure is None
             if first:
-                self._on_failure(self.failure or name)
+                self.failure = reason
+        if first:
+            self._on_failure(reason)
 
     def join(self, timeout_s: float) -> None:
         for thread in self.threads:
@@ -251,6 +260,7 @@ async def _serve(
     cache_size: CacheSize,
     bound_socket: list[tuple[int, int]],
 ) -> int:
+    from joader.server.fronts.fronts import Fronts  # grpc only after the fork
     from joader.server.service import (  # grpc only after the fork
         JoaderServicer,
         receive_limit_bytes,
@@ -287,10 +297,15 @@ async def _serve(
     if (unix_path := socket_path(address)) is not None:
         prepare_server_socket(unix_path, address)  # checked again; a dead socket goes now
         bind_address = f"unix:{_bind_path(unix_path)}"
-    server, port = await start_server(servicer, bind_address, receive_limit_bytes(source_sizes))
+    receive_limit = receive_limit_bytes(source_sizes)
+    server, port = await start_server(servicer, bind_address, receive_limit)
     registry.serving()  # --idle-exit-s counts from here
     metrics_server = None
+    fronts = Fronts(config.num_fronts, socket_path(address), receive_limit, servicer, supervisor.fail)
+    status.fronts = fronts
     try:
+        await fronts.start()
+        servicer.next_address = fronts.next_address
         if config.idle_exit_s > 0:
             supervisor.spawn("joaderd-idle", lambda: _exit_when_idle(registry, config.idle_exit_s, stopping,
                                                                      lambda: loop.call_soon_threadsafe(stop.set)))
@@ -335,6 +350,7 @@ async def _serve(
         if metrics_server is not None:
             metrics_server.shutdown()
         registry.stop()
+        await fronts.stop()
         await server.stop(grace=0.5)
         supervisor.join(timeout_s=5)
         if config.ready_file is not None:

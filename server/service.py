@@ -18,7 +18,7 @@ NOTE [ A malformed message is the client's error, in one line ]
 With the generated handlers, bytes that are not a valid message (or a string field that is not
 UTF-8) made protobuf raise inside gRPC's deserializer: gRPC logged ten lines of traceback at
 ERROR for each, and the client got a bare UNKNOWN. Anyone who can reach the socket could fill
-joaderd's log that way. The handlers here parse with `_tolerant`, which returns a `Malformed`
+joaderd's log that way. The handlers here parse with `tolerant`, which returns a `Malformed`
 instead of raising; the method refuses it with InvalidArgumentError (what was wrong, which
 message, the fix), and joaderd logs one line per kind of malformed message per minute, then how
 many more there were (`server/log_limits.py`; every one with --log-level DEBUG).
@@ -63,7 +63,7 @@ _SERVICE = "joader.Joader"
 
 @dataclass(frozen=True)
 class Malformed:
-    """What `_tolerant` makes of bytes that do not parse as the method's request message."""
+    """What `tolerant` makes of bytes that do not parse as the method's request message."""
 
     message: str  # the message type's name, e.g. NextRequest
     num_bytes: int
@@ -77,7 +77,7 @@ class Malformed:
         )
 
 
-def _tolerant(message_type: Any) -> Callable[[bytes], Any]:
+def tolerant(message_type: Any) -> Callable[[bytes], Any]:
     """`message_type.FromString`, returning a `Malformed` instead of raising (NOTE [ A malformed
     message is the client's error, in one line ])."""
     def parse(data: bytes) -> Any:
@@ -95,11 +95,15 @@ async def _abort(context: grpc.aio.ServicerContext, error: JoaderError) -> None:
 
 
 async def _refuse(method: str, malformed: Malformed, context: grpc.aio.ServicerContext) -> None:
-    # One line a minute per kind (method, problem) in joaderd's log: an outsider repeats it at will.
-    logger.warning("refused a malformed %s (%d bytes) on %s from %s: %s", malformed.message,
-                   malformed.num_bytes, method, _peer(context) or "an unknown peer", malformed.problem,
-                   extra={"repeat_key": ("malformed", method, malformed.problem), "repeat_burst": 1})
+    log_refusal(method, malformed, _peer(context) or "an unknown peer")
     await _abort(context, malformed.error(method))
+
+
+def log_refusal(method: str, malformed: Malformed, peer: str) -> None:
+    """One line a minute per kind (method, problem) in joaderd's log: an outsider repeats it at will."""
+    logger.warning("refused a malformed %s (%d bytes) on %s from %s: %s", malformed.message,
+                   malformed.num_bytes, method, peer, malformed.problem,
+                   extra={"repeat_key": ("malformed", method, malformed.problem), "repeat_burst": 1})
 
 
 def _peer(context: grpc.aio.ServicerContext) -> str:
@@ -180,6 +184,15 @@ class _Waker:
             future.set_result(None)
 
 
+@dataclass(frozen=True)
+class WaitingNext:
+    """A Next call that waits for its batch: the registry's call, and how it is woken."""
+
+    call: Any  # the registry's NextCall
+    waker: _Waker
+    future: asyncio.Future[None]
+
+
 class JoaderServicer(joader_pb2_grpc.JoaderServicer):
     """Serves `Attach`, `Next` and `Status` from a `Registry`."""
 
@@ -188,6 +201,8 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
         self._arena_path = arena_path
         self._arena_name = os.path.basename(arena_path)  # what every Next reply names
         self._extra_status = extra_status
+        # Where an attaching rank is told to send its Next calls (NOTE [ Next fronts ]); "": here.
+        self.next_address: Callable[[], str] = lambda: ""
 
     async def Attach(
         self, request_iterator: AsyncIterator[joader_pb2.AttachRequest], context: grpc.aio.ServicerContext
@@ -297,6 +312,7 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
             num_rank_items=job.per_rank,
             seed=job.seed,
             notice=job.ranks[rank].notice,
+            next_address=self.next_address(),
         ))
         return self._checked_size(reply, source)
 
@@ -358,9 +374,15 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
 
     @_translating
     async def Next(self, request: joader_pb2.NextRequest, context: grpc.aio.ServicerContext) -> joader_pb2.NextResponse:
+        started = self.start_next(request)
+        if isinstance(started, joader_pb2.NextResponse):
+            return started
+        return await self.finish_next(started)
+
+    def start_next(self, request: joader_pb2.NextRequest) -> joader_pb2.NextResponse | WaitingNext:
+        """A Next call's start, on the event loop's thread: its reply if the rank's batch is
+        ready, else the call to wait for (`finish_next`). Raises `JoaderError`s as the call's."""
         registry = self._registry
-        loop = asyncio.get_running_loop()
-        waker = _Waker(loop)
         consumed = None
         if request.resume_epoch:
             job_source = registry.job_source(request.job_id)
@@ -373,10 +395,17 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
             if request.stall_epoch else None, request.num_workers, request.continue_epoch,
             _rest_share(request) if request.resume_epoch else None,
         )  # fmt: skip
+        waker = _Waker(asyncio.get_running_loop())
         future = waker.arm()
         call = registry.begin_next(args, waker)
         if isinstance(call, Batch):
             return _response(call, self._arena_name)
+        return WaitingNext(call, waker, future)
+
+    async def finish_next(self, waiting: WaitingNext) -> joader_pb2.NextResponse:
+        """Waits for a started call's batch (woken as its items settle); its reply."""
+        registry, waker, future, call = self._registry, waiting.waker, waiting.future, waiting.call
+        loop = asyncio.get_running_loop()
         try:
             while True:
                 result = registry.poll_next(call)
@@ -486,7 +515,7 @@ async def start_server(
 
 
 def add_servicer(servicer: JoaderServicer, server: grpc.aio.Server) -> None:
-    """`joader_pb2_grpc.add_JoaderServicer_to_server`, but every request parsed by `_tolerant`
+    """`joader_pb2_grpc.add_JoaderServicer_to_server`, but every request parsed by `tolerant`
     (NOTE [ A malformed message is the client's error, in one line ]); the methods are read from
     the service's descriptor, so a method added to joader.proto is served the same way."""
     kinds = {
@@ -501,7 +530,7 @@ def add_servicer(servicer: JoaderServicer, server: grpc.aio.Server) -> None:
         reply_type = getattr(joader_pb2, method.output_type.name)
         handlers[method.name] = make(
             getattr(servicer, method.name),
-            request_deserializer=_tolerant(getattr(joader_pb2, method.input_type.name)),
+            request_deserializer=tolerant(getattr(joader_pb2, method.input_type.name)),
             response_serializer=reply_type.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))

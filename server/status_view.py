@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from joader.server.cache_sizing import CacheSize
     from joader.server.config import ServerConfig
+    from joader.server.fronts.fronts import Fronts
     from joader.server.pool.decode_pool import DecodePool
     from joader.server.registry.registry import Registry
 
@@ -29,6 +30,7 @@ class StatusView:
     address: str
     arena_path: str
     cache_size: CacheSize
+    fronts: Fronts | None = None  # set once serving (NOTE [ Next fronts ])
 
     def extra(self) -> dict[str, Any]:
         """The daemon's own part of the status."""
@@ -38,6 +40,7 @@ class StatusView:
             "address": self.address,
             "arena_path": self.arena_path,
             "num_workers": stats.workers_configured,
+            "fronts": self.fronts.status() if self.fronts is not None else [],
             "workers": {
                 "configured": stats.workers_configured,
                 "alive": stats.workers_alive,

@@ -76,6 +76,32 @@ def _serve(address: str, wake: bool, ready: Any) -> None:
     asyncio.run(main())
 
 
+class _FrontServicer:
+    """What a front's relay asks of joaderd's servicer (`start_next`), answering at once."""
+
+    def __init__(self) -> None:
+        self._replies = {items: _reply(items) for items in BATCHES}
+
+    def start_next(self, request: Any) -> Any:
+        return self._replies[request.max_items]
+
+
+def _serve_via_front(sock: Path, ready: Any) -> None:
+    """joaderd's side of one Next front (server/fronts/) with a servicer that does nothing:
+    the relay's cost in the main process, the front's in its own."""
+    from joader.server.fronts.fronts import Fronts
+
+    async def main() -> None:
+        fronts = Fronts(1, sock, 1 << 20, _FrontServicer(), lambda why: os._exit(f"front failed: {why}"))  # type: ignore[arg-type, func-returns-value]
+        await fronts.start()
+        while not fronts.next_address():
+            await asyncio.sleep(0.01)
+        ready.put((os.getpid(), fronts.pids()[0], fronts.next_address()))
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
 def _calls(address: str, items: int, calls: int, threads: int) -> float:
     """Runs `calls` calls on each of `threads` threads; returns the wall seconds."""
     channel = grpc.insecure_channel(address)
@@ -96,16 +122,22 @@ def _calls(address: str, items: int, calls: int, threads: int) -> float:
     return time.perf_counter() - started
 
 
-def one_case(address: str, server_pid: int, items: int, calls: int, threads: int) -> dict[str, float]:
+def one_case(address: str, server_pid: int, items: int, calls: int, threads: int,
+             front_pid: int | None = None) -> dict[str, float]:
+    """`server_pid`'s CPU per call (the main process: grpc.aio itself, or a front's relay);
+    with `front_pid`, the front's beside it."""
     _calls(address, items, max(50, calls // 20), threads)  # warm up the channel and the server
     process = psutil.Process(server_pid)
+    front = psutil.Process(front_pid) if front_pid else None
     before = sum(process.cpu_times()[:2])
+    front_before = sum(front.cpu_times()[:2]) if front else 0.0
     wall_s = _calls(address, items, calls, threads)
     cpu_s = sum(process.cpu_times()[:2]) - before
+    front_s = sum(front.cpu_times()[:2]) - front_before if front else 0.0
     total = calls * threads
     return {"calls": total, "wall_s": round(wall_s, 3), "server_cpu_s": round(cpu_s, 3),
             "us_per_call": round(1e6 * cpu_s / total, 1), "us_per_item": round(1e6 * cpu_s / total / items, 2),
-            "calls_per_s": round(total / wall_s)}
+            "front_us_per_call": round(1e6 * front_s / total, 1), "calls_per_s": round(total / wall_s)}
 
 
 def main() -> None:
@@ -138,7 +170,30 @@ def main() -> None:
             finally:
                 server.terminate()
                 server.join(10)
-    print_table(["reply", "server CPU us/call", "us/item", "calls/s"], rows)
+        ready = context.Queue()
+        server = context.Process(target=_serve_via_front, args=(Path(tmp) / "joaderd.sock", ready), daemon=True)
+        server.start()
+        try:
+            pid, front_pid, front_address = ready.get(timeout=60)
+            for items in BATCHES:
+                reps = [one_case(front_address, pid, items, args.calls, args.threads, front_pid)
+                        for _ in range(args.reps)]
+                name = f"through a front, {items} items"
+                cases[name] = {"wake": False, "items": items, "reps": reps, "front": True,
+                               "us_per_call": median([r["us_per_call"] for r in reps]),
+                               "us_per_item": median([r["us_per_item"] for r in reps]),
+                               "front_us_per_call": median([r["front_us_per_call"] for r in reps]),
+                               "calls_per_s": median([r["calls_per_s"] for r in reps])}
+                case = cases[name]
+                rows.append([name, case["us_per_call"], case["us_per_item"], case["calls_per_s"],
+                             case["front_us_per_call"]])
+                print(f"  {name}: {case['us_per_call']} us per call in joaderd's process, "
+                      f"{case['front_us_per_call']} in the front", flush=True)
+        finally:
+            server.terminate()
+            server.join(10)
+    print_table(["reply", "server CPU us/call", "us/item", "calls/s", "front CPU us/call"],
+                [row + [""] * (5 - len(row)) for row in rows])
     path = write_json("grpc-floor", {
         "question": "grpc.aio's own CPU per Next call in the serving process (issue 37's floor)",
         "command": " ".join(["python -m bench.micro.grpc_floor", *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d %H:%M"),

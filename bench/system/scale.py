@@ -92,11 +92,12 @@ PHASES = ("startup", "epochs", "decoding", "status", "attach", "rates", "halves"
 
 # ----------------------------------------------------------------------------- joaderd's process
 
-def start_joaderd(root: Path, cache_bytes: int, workers: str, log: Path) -> tuple[JoaderdProcess, float]:
+def start_joaderd(root: Path, cache_bytes: int, workers: str, log: Path,
+                  fronts: str = "auto") -> tuple[JoaderdProcess, float]:
     """joaderd serving `root` as `imagenet` at S=16; returns it and its launch-to-ready seconds."""
     sock = Path(tempfile.mkdtemp(prefix="jsc-", dir="/tmp")) / "j.sock"
     args = ["--listen", f"unix:{sock}", "--source", f"{SOURCE}={root}", "--image-size", str(IMAGE_SIZE),
-            "--cache-size", str(cache_bytes), "--workers", workers, "--log-level", "INFO"]
+            "--cache-size", str(cache_bytes), "--workers", workers, "--fronts", fronts, "--log-level", "INFO"]
     started = time.perf_counter()
     proc = JoaderdProcess.start(args, env=bench_env(), stdout=log, ready_timeout_s=600)
     return proc, time.perf_counter() - started
@@ -188,7 +189,7 @@ def warm_page_cache(root: Path, layout: Layout) -> float:
 def run_server(root: Path, cache_bytes: int, args: argparse.Namespace, phases: Sequence[str],
                log: Path) -> dict[str, Any]:
     """One joaderd: start-up, then each client phase against it; stopped at the end."""
-    joaderd, ready_s = start_joaderd(root, cache_bytes, args.workers, log)
+    joaderd, ready_s = start_joaderd(root, cache_bytes, args.workers, log, args.fronts)
     try:
         out: dict[str, Any] = {"startup": {"ready_s": round(ready_s, 2), **memory(joaderd.pid),
                                            "main_cpu_s": round(main_cpu_s(joaderd.pid), 2)}}
@@ -229,6 +230,13 @@ def one_rep(root: Path, layout: Layout, args: argparse.Namespace, phases: Sequen
     return out
 
 
+def _per_decode(epoch: dict[str, Any], per_delivery: str) -> float | None:
+    """A per-delivery figure of an epoch, per decode instead."""
+    if epoch.get(per_delivery) is None or not epoch["decodes"]:
+        return None
+    return float(epoch[per_delivery] * epoch["deliveries"] / epoch["decodes"])
+
+
 def summarize(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The issue's headline figures, medians over reps."""
     def med(get: Any) -> float | None:
@@ -246,6 +254,8 @@ def summarize(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
             epoch1_main_us_per_delivery=med(lambda r: r["epochs"]["epochs"][0]["main_us_per_delivery"]),
             epoch1_workers_cores=med(lambda r: r["epochs"]["epochs"][0]["workers_cores"]),
             epoch1_main_cores=med(lambda r: r["epochs"]["epochs"][0]["main_cores"]),
+            epoch1_fronts_cores=med(lambda r: r["epochs"]["epochs"][0].get("fronts_cores")),
+            epoch1_fronts_us_per_decode=med(lambda r: _per_decode(r["epochs"]["epochs"][0], "fronts_us_per_delivery")),
             epoch1_worker_private_mib=med(lambda r: max(r["epochs"]["epochs"][0].get("workers_private_mib") or [0])),
             bytes_per_cached_item=med(lambda r: r["epochs"]["epochs"][0]["rss_anon_per_cached_item"]),
             oracle_failures=sum(e["oracle_failures"] for r in reps for e in r["epochs"]["epochs"]),
@@ -255,6 +265,7 @@ def summarize(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out.update(
             warm_main_us_per_delivery=med(lambda r: median([e["main_us_per_delivery"] for e in warm(r)])),
             warm_deliveries_per_main_cpu_s=med(lambda r: 1e6 / median([e["main_us_per_delivery"] for e in warm(r)])),
+            warm_fronts_us_per_delivery=med(lambda r: median([e.get("fronts_us_per_delivery", 0) for e in warm(r)])),
             first_batch_wait_max_s=med(lambda r: max(max(e["first_batch_wait_s"]) for e in warm(r))),
             longest_batch_wait_s=med(lambda r: max(max(e["max_batch_wait_s"]) for e in warm(r))),
             longest_wait_at_batch=med(lambda r: max(max(e["max_wait_at_batch"]) for e in warm(r))),
@@ -282,6 +293,7 @@ def summarize(reps: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for k, count in enumerate(RATE_JOBS):
             out[f"rate_{count}_jobs_per_s"] = med(lambda r, k=k: r["rates"]["cases"][k]["deliveries_per_s"])
             out[f"rate_{count}_jobs_main_us"] = med(lambda r, k=k: r["rates"]["cases"][k]["main_us_per_delivery"])
+            out[f"rate_{count}_jobs_fronts_us"] = med(lambda r, k=k: r["rates"]["cases"][k].get("fronts_us_per_delivery"))
     from_phase("halves", halves_per_s="deliveries_per_s", halves_main_us_per_delivery="main_us_per_delivery",
                halves_pair_rate="pair_rate_median", halves_pair_bound="pair_bound_median",
                halves_deliveries_per_decode="deliveries_per_decode",
@@ -356,6 +368,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--window-s", type=float, default=20.0, help="seconds of each rates/halves case")
     parser.add_argument("--workers", default="auto", help="joaderd --workers")
+    parser.add_argument("--fronts", default="auto", help="joaderd --fronts (Next fronts: server/fronts/)")
     parser.add_argument("--phases", default=",".join(p for p in PHASES if p != "decoding"),
                         help="startup is always measured; decoding (a windowed cold run of --jobs jobs) is for "
                              "trees whose whole epoch takes too long")

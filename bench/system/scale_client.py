@@ -32,14 +32,30 @@ def main_cpu_s(pid: int) -> float:
     return times.user + times.system
 
 
-def children_cpu_s(pid: int) -> float:
-    """CPU of `pid`'s live descendants (the decode workers)."""
+def children_cpu_s(pid: int, leave_out: Sequence[int] = ()) -> float:
+    """CPU of `pid`'s live descendants (the decode workers) but `leave_out` (its Next fronts)."""
     import psutil
 
     total = 0.0
     for child in psutil.Process(pid).children(recursive=True):
+        if child.pid in leave_out:
+            continue
         try:
             times = child.cpu_times()
+            total += times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def processes_cpu_s(pids: Sequence[int]) -> float:
+    """CPU of the live processes `pids` (joaderd's Next fronts)."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            times = psutil.Process(pid).cpu_times()
             total += times.user + times.system
         except psutil.NoSuchProcess:
             pass
@@ -79,14 +95,21 @@ class Probe:
 
         return fetch_status(self.address, timeout_s=120)
 
+    def front_pids(self) -> list[int]:
+        """joaderd's Next fronts (`--fronts`), known once: they live as long as joaderd."""
+        if not hasattr(self, "_fronts"):
+            self._fronts = [f["pid"] for f in self.status().get("fronts", []) if f.get("pid")]
+        return self._fronts
+
     def sample(self, before: bool) -> dict[str, Any]:
         """joaderd's CPU, memory and counts at the start (`before`) or the end of an interval:
         the status call comes first at a start, last at an end, so its own cost (O(cached
         items) today) stays outside the interval."""
         status = self.status() if before else None
+        fronts = self.front_pids()
         out: dict[str, Any] = {"t": time.perf_counter(), "main_cpu_s": main_cpu_s(self.pid),
-                               "client_cpu_s": time.process_time(),
-                               "workers_cpu_s": children_cpu_s(self.pid), **memory(self.pid)}
+                               "client_cpu_s": time.process_time(), "fronts_cpu_s": processes_cpu_s(fronts),
+                               "workers_cpu_s": children_cpu_s(self.pid, fronts), **memory(self.pid)}
         status = status or self.status()
         out.update(decoded=status["items_decoded"], delivered=status["items_delivered"],
                    cached=status["cache"]["items"], workers=status["workers"]["alive"],
@@ -185,6 +208,15 @@ def phase_epochs(probe: Probe, layout: Layout, jobs_n: int, epochs: int) -> dict
             "rss_anon_per_cached_item_after_close": round(anon_per_item, 1)}
 
 
+def _front_figures(before: dict[str, Any], after: dict[str, Any], wall: float, delivered: int,
+                   main_cpu: float) -> dict[str, Any]:
+    """The Next fronts' CPU (`--fronts`) beside the main process's, and the two together."""
+    fronts = after["fronts_cpu_s"] - before["fronts_cpu_s"]
+    return {"fronts_cores": round(fronts / wall, 3),
+            "fronts_us_per_delivery": round(fronts / max(1, delivered) * 1e6, 2),
+            "main_and_fronts_us_per_delivery": round((fronts + main_cpu) / max(1, delivered) * 1e6, 2)}
+
+
 def _epoch_figures(epoch: int, before: dict[str, Any], after: dict[str, Any], jobs: Sequence[Job],
                    start_mem: dict[str, int]) -> dict[str, Any]:
     wall = after["t"] - before["t"]
@@ -198,6 +230,7 @@ def _epoch_figures(epoch: int, before: dict[str, Any], after: dict[str, Any], jo
         "main_us_per_delivery": round(cpu / max(1, delivered) * 1e6, 2),
         "main_cores": round(cpu / wall, 3),
         "workers_cores": round((after["workers_cpu_s"] - before["workers_cpu_s"]) / wall, 3),
+        **_front_figures(before, after, wall, delivered, cpu),
         "workers_alive": after["workers"],
         "client_us_per_delivery": round((after["client_cpu_s"] - before["client_cpu_s"]) / max(1, delivered) * 1e6, 2),
         "deliveries_per_s": round(delivered / wall, 1),
@@ -289,6 +322,7 @@ def windowed(probe: Probe, jobs: Sequence[Job], window_s: float) -> dict[str, An
             "deliveries_per_main_cpu_s": round(delivered / cpu) if cpu else None,
             "main_cores": round(cpu / wall, 3),
             "workers_cores": round((after["workers_cpu_s"] - before["workers_cpu_s"]) / wall, 3),
+            **_front_figures(before, after, wall, delivered, cpu),
             "client_us_per_delivery": round((after["client_cpu_s"] - before["client_cpu_s"])
                                             / max(1, delivered) * 1e6, 2),
             "oracle_failures": sum(e["oracle_failures"] for job in jobs for e in job.epochs),

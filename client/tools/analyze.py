@@ -45,27 +45,29 @@ def _host_busy() -> float:
     return sum(times) - times.idle - getattr(times, "iowait", 0.0)
 
 
-def _pids(status: dict[str, Any]) -> tuple[int, list[int], list[int]]:
+def _pids(status: dict[str, Any]) -> tuple[list[int], list[int], list[int]]:
+    """joaderd's own processes (its main one and its Next fronts), its decode workers, the jobs'."""
     workers = list(status.get("workers", {}).get("pids", []))
     jobs = sorted({pid for job in status["jobs"] for pid in job.get("pids", [])})
-    return int(status.get("pid", 0)), workers, jobs
+    fronts = [f["pid"] for f in status.get("fronts", []) if f.get("pid")]
+    return [int(status.get("pid", 0)), *fronts], workers, jobs
 
 
 def measure(address: str | None, interval_s: float) -> tuple[list[JobWindow], HostWindow, dict[str, Any]]:
     """Watches joaderd for `interval_s`; the jobs' and the host's figures over that window."""
     before = fetch_status(address)
-    server_pid, worker_pids, job_pids = _pids(before)
-    cpu_before = _cpu_seconds([server_pid, *worker_pids, *job_pids])
+    server_pids, worker_pids, job_pids = _pids(before)
+    cpu_before = _cpu_seconds([*server_pids, *worker_pids, *job_pids])
     busy_before, started = _host_busy(), time.monotonic()
     time.sleep(interval_s)
     after = fetch_status(address)
-    cpu_after = _cpu_seconds([server_pid, *worker_pids, *job_pids])
+    cpu_after = _cpu_seconds([*server_pids, *worker_pids, *job_pids])
     busy_after, elapsed = _host_busy(), time.monotonic() - started
 
     def used(pids: list[int]) -> float:
         return sum(cpu_after[p] - cpu_before[p] for p in pids if p in cpu_before and p in cpu_after)
 
-    workers_cpu, server_cpu, jobs_cpu = used(worker_pids), used([server_pid]), used(job_pids)
+    workers_cpu, server_cpu, jobs_cpu = used(worker_pids), used(server_pids), used(job_pids)
     decoded = after["items_decoded"] - before["items_decoded"]
     delivered = after["items_delivered"] - before["items_delivered"]
     reused = after["sharing"]["items_reused"] - before["sharing"]["items_reused"]

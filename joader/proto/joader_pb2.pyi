@@ -47,7 +47,7 @@ class AttachRequest(_message.Message):
     def __init__(self, source: _Optional[str] = ..., indices: _Optional[bytes] = ..., name: _Optional[str] = ..., batch_size: _Optional[int] = ..., heartbeat: _Optional[bool] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., drop_last: _Optional[bool] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., closing: _Optional[bool] = ..., describe: _Optional[bool] = ..., resume_epoch: _Optional[int] = ..., resume_consumed: _Optional[bytes] = ..., order: _Optional[str] = ..., resume_rest: _Optional[bool] = ..., resume_share: _Optional[int] = ..., resume_base: _Optional[int] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("job_id", "source", "classes", "num_source_items", "num_items", "image_size", "item_nbytes", "arena_path", "lease_s", "job_secret", "server_pid", "world_size", "rank", "num_rank_items", "seed", "targets", "stage", "item_shape", "item_dtype", "fingerprint", "class_labels", "notice")
+    __slots__ = ("job_id", "source", "classes", "num_source_items", "num_items", "image_size", "item_nbytes", "arena_path", "lease_s", "job_secret", "server_pid", "world_size", "rank", "num_rank_items", "seed", "targets", "stage", "item_shape", "item_dtype", "fingerprint", "class_labels", "notice", "next_address")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     CLASSES_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class AttachResponse(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CLASS_LABELS_FIELD_NUMBER: _ClassVar[int]
     NOTICE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     source: str
     classes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -92,7 +93,8 @@ class AttachResponse(_message.Message):
     fingerprint: str
     class_labels: _containers.RepeatedScalarFieldContainer[int]
     notice: str
-    def __init__(self, job_id: _Optional[str] = ..., source: _Optional[str] = ..., classes: _Optional[_Iterable[bytes]] = ..., num_source_items: _Optional[int] = ..., num_items: _Optional[int] = ..., image_size: _Optional[int] = ..., item_nbytes: _Optional[int] = ..., arena_path: _Optional[str] = ..., lease_s: _Optional[float] = ..., job_secret: _Optional[bytes] = ..., server_pid: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., num_rank_items: _Optional[int] = ..., seed: _Optional[int] = ..., targets: _Optional[bytes] = ..., stage: _Optional[str] = ..., item_shape: _Optional[_Iterable[int]] = ..., item_dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ..., class_labels: _Optional[_Iterable[int]] = ..., notice: _Optional[str] = ...) -> None: ...
+    next_address: str
+    def __init__(self, job_id: _Optional[str] = ..., source: _Optional[str] = ..., classes: _Optional[_Iterable[bytes]] = ..., num_source_items: _Optional[int] = ..., num_items: _Optional[int] = ..., image_size: _Optional[int] = ..., item_nbytes: _Optional[int] = ..., arena_path: _Optional[str] = ..., lease_s: _Optional[float] = ..., job_secret: _Optional[bytes] = ..., server_pid: _Optional[int] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., num_rank_items: _Optional[int] = ..., seed: _Optional[int] = ..., targets: _Optional[bytes] = ..., stage: _Optional[str] = ..., item_shape: _Optional[_Iterable[int]] = ..., item_dtype: _Optional[str] = ..., fingerprint: _Optional[str] = ..., class_labels: _Optional[_Iterable[int]] = ..., notice: _Optional[str] = ..., next_address: _Optional[str] = ...) -> None: ...
 
 class NextRequest(_message.Message):
     __slots__ = ("job_id", "token", "max_items", "acks", "job_secret", "worker_id", "pid", "rank", "resume_epoch", "resume_consumed", "resume_parts", "max_batches", "stall_epoch", "stall_wait_s", "stall_step_s", "stall_items", "num_workers", "continue_epoch", "resume_rest", "resume_share", "resume_base")

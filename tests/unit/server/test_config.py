@@ -238,6 +238,27 @@ def test_workers_auto_is_the_default_and_adapts_up_to_the_cpus(tmp_path: Path, m
     assert load_config(["--config", path, *source]).autoscale
 
 
+@pytest.mark.parametrize(("cpus", "fronts"), [(1, 0), (2, 0), (3, 0), (4, 1), (15, 1), (16, 2), (32, 3),
+                                               (64, 4), (256, 4)])
+def test_fronts_auto_none_below_four_cpus_then_one_per_sixteen(cpus: int, fronts: int) -> None:
+    assert config_module.auto_fronts(cpus) == fronts
+
+
+def test_fronts_from_flags_and_toml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config_module.os, "sched_getaffinity", lambda pid: set(range(32)))
+    source = ["--source", f"a={tmp_path}"]
+    assert load_config(source).num_fronts == 3  # auto, by the CPUs this process may use
+    assert load_config([*source, "--fronts", "0"]).num_fronts == 0
+    assert load_config([*source, "--fronts", "auto"]).num_fronts == 3
+    path = write_toml(tmp_path, "fronts = 2\n")
+    assert load_config(["--config", path, *source]).num_fronts == 2
+    with pytest.raises(InvalidArgumentError, match=r"--fronts: expected \"auto\" or a count \(0: joaderd serves Next "
+                       r"itself\), got -1; write e.g. --fronts auto"):
+        load_config([*source, "--fronts", "-1"])
+    with pytest.raises(InvalidArgumentError, match=r"fronts in .*got 'many'"):
+        load_config(["--config", write_toml(tmp_path, 'fronts = "many"\n'), *source])
+
+
 def test_idle_exit_from_flags_and_toml(tmp_path: Path) -> None:
     config = load_config(["--source", f"a={tmp_path}", "--idle-exit-s", "600"])
     assert config.idle_exit_s == 600.0
