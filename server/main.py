@@ -104,7 +104,7 @@ class Supervisor:
     called once, from the dying thread, to make the rest of the server stop.
     """
 
-    def __init__(self, on_failure: Callable[[str], None]) -> None:
+    def __init__(self, on_failure: Callable[[str, bool], None]) -> None:
         self._on_failure = on_failure
         self._lock = threading.Lock()
         self.failure: str | None = None
@@ -126,19 +126,21 @@ class Supervisor:
             )
             self._record(f"thread {name} died: {type(error).__name__}: {error}")
 
-    def fail(self, reason: str) -> None:
-        """A part that is not a thread failed (a Next front that died): the same as a death."""
+    def stop_failed(self, reason: str) -> None:
+        """A part that is not a thread died (a Next front): joaderd exits 70, but its requests
+        are not answered `ServerFailedError` meanwhile. The books are sound; the jobs only lost
+        their way in, so they wait for a restart as after a kill (NOTE [ Next fronts ])."""
         logger.critical("%s", reason)
-        self._record(reason)
+        self._record(reason, refuse=False)
 
-    def _record(self, reason: str) -> None:
+    def _record(self, reason: str, refuse: bool = True) -> None:
         """The first failure stops the server; later ones only add to the log."""
         with self._lock:
             first = self.failure is None
             if first:
                 self.failure = reason
         if first:
-            self._on_failure(reason)
+            self._on_failure(reason, refuse)
 
     def join(self, timeout_s: float) -> None:
         for thread in self.threads:
@@ -271,8 +273,9 @@ async def _serve(
     stop = asyncio.Event()
     stopping = threading.Event()  # the same, for the threads
 
-    def fail(reason: str) -> None:
-        registry.fail(reason)
+    def fail(reason: str, refuse: bool) -> None:
+        if refuse:  # every request answers ServerFailedError until the exit
+            registry.fail(reason)
         stopping.set()
         loop.call_soon_threadsafe(stop.set)
 
@@ -301,7 +304,7 @@ async def _serve(
     server, port = await start_server(servicer, bind_address, receive_limit)
     registry.serving()  # --idle-exit-s counts from here
     metrics_server = None
-    fronts = Fronts(config.num_fronts, socket_path(address), receive_limit, servicer, supervisor.fail)
+    fronts = Fronts(config.num_fronts, socket_path(address), receive_limit, servicer, supervisor.stop_failed)
     status.fronts = fronts
     try:
         await fronts.start()

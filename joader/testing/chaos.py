@@ -15,7 +15,7 @@ the episode's configuration, drawn from the seeded RNG and printed):
 - the cache: one batch per job, a few batches per job, half the prepared data, or more than
   all of it (items reused across epochs: the sweep that crashed joaderd, issue 27);
 - 1 to 8 job slots of the modes above, each slot's first job joining up to `--join-late-s` late;
-- `--epoch-align` first (the default, most episodes), off or always;
+- `--epoch-align` first (the default, most episodes), off or always; `--fronts` 0, 1 or 2;
 - each job runs 1 to 3 epochs; half of them attach and build "a model" for up to 3 s before
   their first read (a job attached and not reading while another starts is what crashed the
   sweep); one in four ends early, mid-epoch (a trial a scheduler stopped: it closes its dataset
@@ -27,7 +27,9 @@ Each job slot runs job after job for its episode. Meanwhile, at random times fro
 - a job is killed -9 and started again from its checkpoint (num_workers=0 jobs, which save
   `ds.state_dict()` after every batch; what they received after it is dropped from their
   records, as a lost training step would be);
-- a decode worker is killed -9.
+- a decode worker is killed -9;
+- in episodes with Next fronts (`--fronts` 0, 1 or 2, drawn per episode), a front is killed -9:
+  joaderd must exit 70 on its own, and is started again as after a crash.
 
 Every job records, per sample, its epoch, index, label and the crc32 of its pixels; the checker
 compares each with a decode of that file made here, outside joaderd, and each epoch of each job
@@ -150,11 +152,12 @@ class Episode:
     slots: tuple[str, ...]
     epoch_align: str
     join_late_s: float
+    fronts: int = 0  # joaderd's --fronts (Next fronts, server/fronts/)
 
     def describe(self) -> str:
         return (f"cache {self.cache} ({self.cache_bytes / 2**20:.1f} MiB), {len(self.slots)} slot(s) "
-                f"[{', '.join(self.slots)}], --epoch-align {self.epoch_align}, joins up to "
-                f"{self.join_late_s:g} s late")
+                f"[{', '.join(self.slots)}], --epoch-align {self.epoch_align}, --fronts {self.fronts}, "
+                f"joins up to {self.join_late_s:g} s late")
 
 
 @dataclass
@@ -172,6 +175,7 @@ class Summary:
     restarts_at_epoch_end: int = 0
     client_kills: int = 0
     worker_kills: int = 0
+    front_kills: int = 0  # a Next front killed -9: joaderd exits 70, and is started again
     attach_retries: int = 0  # jobs started in a restart's window, refused at once, started again
     jobs_ended_early: int = 0
     server_crashes: int = 0  # joaderd exited without being killed or stopped
@@ -189,7 +193,7 @@ class Summary:
                 f"{self.wrong_labels}, duplicated {self.duplicated}, missing {self.missing}; jobs {self.jobs_run} "
                 f"(failed {self.jobs_failed}); joaderd restarts {self.joaderd_restarts} "
                 f"({self.restarts_at_epoch_end} at an epoch's end), client kills {self.client_kills}, "
-                f"worker kills {self.worker_kills}; jobs ended early {self.jobs_ended_early}; server "
+                f"worker kills {self.worker_kills}, front kills {self.front_kills}; jobs ended early {self.jobs_ended_early}; server "
                 f"crashes {self.server_crashes}, internal errors {self.internal_errors}; episodes "
                 f"{len(self.episodes)}")
 
@@ -232,7 +236,8 @@ class Soak:
         assert episode is not None
         args = ["--listen", self.address, "--cache-size", str(episode.cache_bytes), "--image-size",
                 str(self.args.image_size), "--workers", "2", "--lease-s", "3", "--source", f"demo={self.data}",
-                "--source", f"sized={self.data}", "--stage", "sized=resize", "--epoch-align", episode.epoch_align]
+                "--source", f"sized={self.data}", "--stage", "sized=resize", "--epoch-align", episode.epoch_align,
+                "--fronts", str(episode.fronts)]
         self.server = JoaderdProcess.start(args, stdout=log, ready_timeout_s=120, env=self.env)
         self.server_log = log
 
@@ -387,7 +392,32 @@ class Soak:
         else:
             cache_bytes = int(share * self.data_bytes)
         return Episode(cache, cache_bytes, slots, rng.choice(ALIGNS),
-                       rng.choice([0.0, self.args.join_late_s / 2, self.args.join_late_s]))
+                       rng.choice([0.0, self.args.join_late_s / 2, self.args.join_late_s]), rng.choice((0, 1, 2)))
+
+    def kill_front(self) -> bool:
+        """A Next front killed -9: joaderd must exit 70 on its own (its lost replies' items are
+        dealt again only by a restart), and is started again, as after a crash."""
+        assert self.server is not None and self.episode is not None
+        fronts = [f["pid"] for f in self.status().get("fronts", []) if f.get("ready")]  # type: ignore[union-attr]
+        if not fronts:
+            return False
+        try:
+            os.kill(self.rng.choice(fronts), signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        try:
+            code = self.server.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            code = None
+        if code != 70:
+            self.summary.problems.append(f"joaderd did not exit 70 within 30 s of a front's kill (it gave {code})")
+            self.summary.server_crashes += 1
+        self.server.kill()
+        time.sleep(self.rng.uniform(0.1, 1.0))
+        self.start_server()
+        self.summary.front_kills += 1
+        self.summary.joaderd_restarts += 1
+        return True
 
     def status(self) -> dict[str, object]:
         try:
@@ -433,9 +463,12 @@ class Soak:
             if now >= next_fault and self.runs:
                 # Every kind once first (a short soak must see each), then at random.
                 kind = faults.pop(0) if faults else \
-                    self.rng.choices(["restart", "epoch_end", "client", "worker"], [4, 2, 3, 2])[0]
+                    self.rng.choices(["restart", "epoch_end", "client", "worker", "front"],
+                                     [4, 2, 3, 2, 1 if episode.fronts else 0])[0]
                 if kind == "restart":
                     self.restart_server()
+                elif kind == "front":
+                    self.kill_front()
                 elif kind == "epoch_end":
                     if not self.restart_at_epoch_end():
                         faults.append(kind)
