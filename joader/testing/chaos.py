@@ -398,7 +398,8 @@ class Soak:
         """A Next front killed -9: joaderd must exit 70 on its own (its lost replies' items are
         dealt again only by a restart), and is started again, as after a crash."""
         assert self.server is not None and self.episode is not None
-        fronts = [f["pid"] for f in self.status().get("fronts", []) if f.get("ready")]  # type: ignore[union-attr]
+        listed = self.status().get("fronts")
+        fronts = [f["pid"] for f in listed if f.get("ready")] if isinstance(listed, list) else []
         if not fronts:
             return False
         try:

@@ -111,11 +111,10 @@ async def serve(link_fd: int, path: Path, receive_limit: int) -> int:
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     link.send((READY, f"unix:{path}", os.getpid()))
-    closed = asyncio.ensure_future(link.closed)
     stopped = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({closed, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    for task in (closed, stopped):
-        task.cancel()
+    ends: list[asyncio.Future[Any]] = [link.closed, stopped]
+    await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
     await server.stop(grace=0.2)  # removes the socket it bound
     return 0
 

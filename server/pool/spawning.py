@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING, Literal
 from joader.server.pool.forker import forker_main, log_exit
 from joader.server.pool.records import SourceSpec, Worker
 from joader.server.pool.roster import Roster
-from joader.server.wire import send_message
 from joader.server.pool.worker import MAX_MESSAGE, WorkerContext
+from joader.server.wire import send_message
 
 if TYPE_CHECKING:
     from joader.server.pool.faults import FaultHandling

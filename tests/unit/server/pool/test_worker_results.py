@@ -20,8 +20,8 @@ from joader.server.pool.records import (
     ProbeSizes,
     Worker,
 )
-from joader.server.wire import send_message
 from joader.server.pool.worker import Staging, run_probe, run_task
+from joader.server.wire import send_message
 from tests.unit.server.pool.test_decode_pool_batches import _bare_pool
 
 pytestmark = pytest.mark.timeout(30)
