@@ -4,15 +4,15 @@
 NOTE [ Next fronts ]
 ~~~~~~~~~~~~~~~~~~~~
 joaderd's books (the registry, the scheduler, the cache) are one Python process under one lock;
-that is what keeps every epoch exactly once. Issue 37 measured where that process's time goes
-once the per-item books were arrays: a `Next` reply costs grpc.aio about 0.3-1 ms of the main
-process (HTTP/2 framing, the completion queue, the asyncio glue), more than the books spend on
-the reply's 64-256 items. A front is a process that runs a grpc.aio server for `Next` alone and
-hands each call to joaderd as the request's bytes on a socket pair (`server/wire.py` framing);
-joaderd answers with the reply's bytes. joaderd then spends on a call what parsing the request,
-the books and serializing the reply cost (a few microseconds a call beyond the items), and the
-fronts, one core each at most, carry the gRPC part. More fronts, more cores: the ceiling becomes
-joaderd's books alone (bench/README.md, "scale").
+that is what keeps every epoch exactly once. A `Next` call costs grpc.aio about 270 us of that
+process's CPU whatever the reply's size (HTTP/2, the completion queue, the asyncio glue:
+`bench/micro/grpc_floor.py`), 4 us per item at a batch of 64. A front is a process that runs a
+grpc.aio server for `Next` alone and hands each call to joaderd as the request's bytes on a
+socket pair (`server/wire.py` framing); joaderd answers with the reply's bytes. joaderd then
+spends about 45 us a call beyond its books (parsing the request, serializing the reply, the
+link), and the front about 330. The fronts, one core each at most, carry the gRPC part; more
+fronts, more cores, and joaderd's ceiling is its books alone (bench/README.md, "scale": at
+64-256 items a reply the books' per-item work, not gRPC, is most of what is left).
 
 - A job learns its front from its Attach reply (`next_address`); its lease stream, `Attach`,
   `Status` and every call of an older client stay on joaderd's own socket, which serves `Next`
