@@ -207,6 +207,9 @@ class Soak:
         self.args = args
         self.work = work
         self.rng = random.Random(args.seed)
+        # Next fronts are drawn from a stream of their own: a seed's episodes and faults stay
+        # what they were before fronts were part of the soak (its short form's seed among them).
+        self.fronts_rng = random.Random(f"fronts-{args.seed}")
         self.summary = Summary(seed=args.seed)
         data = work / "images"
         make_demo_data(data, args.items, num_classes=5, seed=args.seed, progress=False)
@@ -392,7 +395,8 @@ class Soak:
         else:
             cache_bytes = int(share * self.data_bytes)
         return Episode(cache, cache_bytes, slots, rng.choice(ALIGNS),
-                       rng.choice([0.0, self.args.join_late_s / 2, self.args.join_late_s]), rng.choice((0, 1, 2)))
+                       rng.choice([0.0, self.args.join_late_s / 2, self.args.join_late_s]),
+                       self.fronts_rng.choice((0, 1, 2)))
 
     def kill_front(self) -> bool:
         """A Next front killed -9: joaderd must exit 70 on its own (its lost replies' items are
@@ -403,7 +407,7 @@ class Soak:
         if not fronts:
             return False
         try:
-            os.kill(self.rng.choice(fronts), signal.SIGKILL)
+            os.kill(self.fronts_rng.choice(fronts), signal.SIGKILL)
         except ProcessLookupError:
             return False
         try:
@@ -414,7 +418,7 @@ class Soak:
             self.summary.problems.append(f"joaderd did not exit 70 within 30 s of a front's kill (it gave {code})")
             self.summary.server_crashes += 1
         self.server.kill()
-        time.sleep(self.rng.uniform(0.1, 1.0))
+        time.sleep(self.fronts_rng.uniform(0.1, 1.0))
         self.start_server()
         self.summary.front_kills += 1
         self.summary.joaderd_restarts += 1
@@ -463,9 +467,11 @@ class Soak:
             self.reap()
             if now >= next_fault and self.runs:
                 # Every kind once first (a short soak must see each), then at random.
-                kind = faults.pop(0) if faults else \
-                    self.rng.choices(["restart", "epoch_end", "client", "worker", "front"],
-                                     [4, 2, 3, 2, 1 if episode.fronts else 0])[0]
+                if not faults and episode.fronts and self.fronts_rng.random() < 1 / 12:
+                    kind = "front"  # as often as a weight of 1 beside the others' 11
+                else:
+                    kind = faults.pop(0) if faults else \
+                        self.rng.choices(["restart", "epoch_end", "client", "worker"], [4, 2, 3, 2])[0]
                 if kind == "restart":
                     self.restart_server()
                 elif kind == "front":

@@ -1,5 +1,6 @@
 """joaderd's glue (server/main.py) that needs no server: the idle thread stops serving once the
-registry says so, and the arena's size is `--cache-size` as given or chosen and logged (auto).
+registry says so, the arena's size is `--cache-size` as given or chosen and logged (auto), and
+the supervisor's two kinds of failure (a dead thread, a dead Next front).
 A real joaderd runs in tests/integration/test_unattended.py."""
 
 from __future__ import annotations
@@ -76,3 +77,26 @@ def test_auto_without_a_dev_shm_names_the_fix(tmp_path: Path, monkeypatch: pytes
     config = ServerConfig(sources=(SourceConfig("demo", tmp_path),), cache_size_bytes=None)
     with pytest.raises(CacheSpaceError, match="cannot read the free space of /dev/shm.*give --cache-size a size"):
         main_module._cache_size(config, _sources(160), 12288)  # type: ignore[arg-type]
+
+
+def test_a_dead_thread_makes_every_request_fail_but_a_dead_front_only_stops_joaderd(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A thread's death leaves the books in doubt: every request answers ServerFailedError until
+    the exit. A Next front's death does not (NOTE [ Next fronts ]): its jobs must wait for a
+    restart as after a kill (the chaos soak's first front kill ended a job with
+    ServerFailedError). Both exit 70 (`failure` is set), the first failure wins."""
+    calls: list[tuple[str, bool]] = []
+    supervisor = main_module.Supervisor(lambda reason, refuse: calls.append((reason, refuse)))
+    supervisor.stop_failed("Next front 0 (pid 1) exited")
+    assert calls == [("Next front 0 (pid 1) exited", False)]
+    assert supervisor.failure == "Next front 0 (pid 1) exited"
+    assert "Next front 0 (pid 1) exited" in caplog.text
+
+    calls.clear()
+    threads = main_module.Supervisor(lambda reason, refuse: calls.append((reason, refuse)))
+    threads.spawn("joaderd-test", lambda: 1 / 0)
+    threads.join(timeout_s=5)
+    assert calls == [("thread joaderd-test died: ZeroDivisionError: division by zero", True)]
+    threads.stop_failed("later")  # the first failure stands
+    assert threads.failure == "thread joaderd-test died: ZeroDivisionError: division by zero"
+    assert len(calls) == 1
