@@ -1,5 +1,5 @@
-"""Next fronts (NOTE [ Next fronts ] in server/fronts/__init__.py): jobs in every client mode
-read through `--fronts 2` and get the right samples (pixels and label against a decode made
+"""Next fronts (NOTE [ Next fronts ] in server/fronts/__init__.py): jobs on every route a call
+takes to a front read through `--fronts 2` and get the right samples (pixels and label against a decode made
 here, every epoch exactly once); a front killed -9 under running jobs stops joaderd (exit 70,
 its log naming the front), and the jobs resume exactly on a restarted one; nothing is left."""
 
@@ -30,13 +30,19 @@ def _gone(fronts: list[dict[str, Any]]) -> bool:
         os.path.exists(f["address"].removeprefix("unix:")) for f in fronts)
 
 
-def test_every_mode_reads_the_right_samples_through_fronts(demo_root: Path, start_joaderd: Any,
-                                                           expected: dict[int, Any]) -> None:
+# The client paths that reach a front differently: the training process's own calls (plain, and
+# batched replies), DataLoader workers each with a channel of their own, and hand-off workers.
+# (The other modes differ only in what the client does with a reply: test_restart_integrity.)
+ROUTES = {name: MODES[name] for name in ("plain", "batched", "workers", "handoff")}
+
+
+def test_every_route_reads_the_right_samples_through_fronts(demo_root: Path, start_joaderd: Any,
+                                                            expected: dict[int, Any]) -> None:
     server = start_joaderd({"demo": demo_root}, cache_items=48, extra=["--fronts", "2"])
     fronts = _fronts(server)
     assert len(fronts) == 2
-    jobs = {name: _start(server, name, indices, options, 2, 0.02) for name, (indices, options) in MODES.items()}
-    findings = _check(server.dir, jobs, {n: _subset(i) for n, (i, _) in MODES.items()}, dict.fromkeys(jobs, 2), expected)
+    jobs = {name: _start(server, name, indices, options, 2, 0.02) for name, (indices, options) in ROUTES.items()}
+    findings = _check(server.dir, jobs, {n: _subset(i) for n, (i, _) in ROUTES.items()}, dict.fromkeys(jobs, 2), expected)
     print(findings.summary())
     calls = [f["calls"] for f in server.status()["fronts"]]
     assert all(c > 0 for c in calls), f"each front relays some job's calls: {calls}"
@@ -51,7 +57,7 @@ def test_a_front_killed_under_jobs_stops_joaderd_and_the_jobs_resume_exactly(
     server = start_joaderd({"demo": demo_root}, cache_items=48, extra=["--fronts", "2"])
     home = server.dir
     fronts = _fronts(server)
-    chosen = {n: MODES[n] for n in ("plain", "workers", "handoff")}
+    chosen = {n: MODES[n] for n in ("plain", "handoff")}
     jobs = {name: _start(server, name, indices, options, 2, 0.05) for name, (indices, options) in chosen.items()}
     wait_for(lambda: all(_samples(home, name) >= 24 for name in jobs), 90, "every job's first batches")
     server.expected_exit_code = 70
