@@ -49,7 +49,7 @@ from joader.proto import (
     joader_pb2_grpc,
 )
 from joader.server.books.records import RestShare
-from joader.server.registry.next_call import Batch, NextArgs
+from joader.server.registry.next_call import Batch, NextArgs, NextCall
 from joader.server.registry.registry import Registry, max_indices_bytes
 from joader.sources.safe_open import display_path
 
@@ -188,7 +188,7 @@ class _Waker:
 class WaitingNext:
     """A Next call that waits for its batch: the registry's call, and how it is woken."""
 
-    call: Any  # the registry's NextCall
+    call: NextCall
     waker: _Waker
     future: asyncio.Future[None]
 

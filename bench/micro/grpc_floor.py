@@ -86,13 +86,18 @@ class _FrontServicer:
         return self._replies[request.max_items]
 
 
+def _front_failed(why: str) -> None:
+    print(f"grpc_floor: the front failed: {why}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
 def _serve_via_front(sock: Path, ready: Any) -> None:
     """joaderd's side of one Next front (server/fronts/) with a servicer that does nothing:
     the relay's cost in the main process, the front's in its own."""
     from joader.server.fronts.fronts import Fronts
 
     async def main() -> None:
-        fronts = Fronts(1, sock, 1 << 20, _FrontServicer(), lambda why: os._exit(f"front failed: {why}"))  # type: ignore[arg-type, func-returns-value]
+        fronts = Fronts(1, sock, 1 << 20, _FrontServicer(), _front_failed)  # type: ignore[arg-type]
         await fronts.start()
         while not fronts.next_address():
             await asyncio.sleep(0.01)

@@ -16,11 +16,12 @@ import logging
 import os
 import re
 import socket
+import stat
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,8 @@ def remove_stale_sockets(directory: Path) -> list[Path]:
     with contextlib.suppress(OSError):
         for entry in directory.iterdir():
             match = _SOCKET_NAME.fullmatch(entry.name)
-            if match and not pid_alive(int(match.group(1))) and entry.is_socket():
+            # lstat: a link named like a front's socket is not followed (nor removed)
+            if match and not pid_alive(int(match.group(1))) and stat.S_ISSOCK(entry.lstat().st_mode):
                 with contextlib.suppress(OSError):
                     entry.unlink()
                     removed.append(entry)
@@ -65,7 +67,6 @@ class Front:
     pid: int = 0
     attempts: int = 0
     failed: str = ""  # why it was given up on (it never listened)
-    started_at: float = field(default_factory=time.monotonic)
 
 
 class Fronts:
@@ -113,7 +114,6 @@ class Fronts:
 
     async def _spawn(self, front: Front) -> None:
         front.attempts += 1
-        front.started_at = time.monotonic()
         with contextlib.suppress(OSError):
             front.path.unlink()  # this joaderd's own name: a front of it that was killed
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -31,5 +31,11 @@ def test_only_the_sockets_of_joaderds_that_are_gone_are_removed(tmp_path: Path) 
     for path in (stale, live, other):
         _dead_socket(path)
     not_a_socket.write_text("")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    _dead_socket(elsewhere / "x.sock")
+    link = socket_for(tmp_path / "j.sock", 2, dead_pid)
+    link.symlink_to(elsewhere / "x.sock")  # named as a front's socket: not followed, not removed
     assert remove_stale_sockets(tmp_path) == [stale]
     assert not stale.exists() and live.exists() and not_a_socket.exists() and other.exists()
+    assert link.is_symlink() and (elsewhere / "x.sock").exists()
