@@ -273,6 +273,33 @@ class RefCntPolicy:
         self._pins[key] = pins + 1
         self._num_pins += 1
 
+    def pin_many(self, keys: list[int]) -> None:
+        """`pin` for each key (a key given twice is pinned twice), in a few numpy and bitmap
+        operations: the keys pinned for the first time leave their buckets. All or nothing:
+        an untracked key pins none (KeyError)."""
+        if not keys:
+            return
+        ids, counts = np.unique(np.fromiter(keys, np.int64, len(keys)), return_counts=True)
+        untracked = self._untracked(ids)
+        if untracked is not None:
+            raise KeyError(f"cache policy: item {untracked} is not tracked")
+        pins = _view(self._pins)
+        before = pins[ids]
+        pins[ids] = before + counts
+        del pins
+        self._num_pins += len(keys)
+        first = ids[before == 0]
+        if not len(first):
+            return
+        self._num_pinned += len(first)
+        stamps = _view(self._stamp)[first]
+        refcounts = _view(self._refcount)[first]
+        for refcount in np.unique(refcounts).tolist():
+            bucket = self._buckets[refcount]
+            bucket.difference_update(_bitmap(stamps[refcounts == refcount]))
+            if not bucket:
+                del self._buckets[refcount]
+
     def unpin(self, key: int) -> None:
         """Drop one pin; the last unpin makes the item evictable again, as the youngest."""
         self._require(key)

@@ -244,6 +244,25 @@ class ItemCache:
         if item.state is ItemState.READY:
             self.policy.pin(item.key)
 
+    def want_ready(self, items: list[Item], ahead: int) -> None:
+        """`want(..., consumed=False)` for queue entries whose items are all READY (cache hits;
+        `ahead` of them for a later epoch than their job reads): their pins, the policy's in
+        bulk (`RefCntPolicy.pin_many`). All or nothing: the policy's check comes first.
+
+        NOTE: a rank pins its queue's head in runs of tens to hundreds of entries (after a batch
+        of rounds, or acknowledgements), nearly all hits in a warm epoch; `want` and `pin` per
+        entry were a tenth of joaderd's main-process CPU per warm delivery (issue 37)."""
+        self.policy.pin_many([item.key for item in items])
+        self.lookahead.hits += ahead
+        self.lookups.hits += len(items) - ahead
+        first = 0
+        for item in items:
+            if not item.pins:
+                first += 1
+            item.pins += 1
+        self.num_pinned += first
+        self.num_pins += len(items)
+
     def release(self, key: int) -> None:
         """Drops one pin of `key` (a queue entry or a handed-out copy)."""
         item = self.items.get(key)
@@ -265,17 +284,25 @@ class ItemCache:
         """`release` for each key, in order: the items' pins one by one, the policy's in bulk
         (`RefCntPolicy.unpin_many`: the keys whose last pin goes become evictable, youngest
         last, as one by one)."""
-        items, ready, drop_pin = self.items, ItemState.READY, self._drop_pin
+        items, ready = self.items, ItemState.READY
         unpinned: list[int] = []
+        dropped = emptied = 0  # `_drop_pin`'s counts, inline (it ran once per acknowledged copy)
         try:
             for key in keys:
                 item = items.get(key)
                 if item is None:
                     continue
-                drop_pin(item)
+                pins = item.pins
+                if pins <= 0:
+                    raise InvariantError(f"item {item.item_id}: released more often than pinned")
+                item.pins = pins - 1
+                dropped += 1
+                emptied += pins == 1
                 if item.state is ready:
                     unpinned.append(key)
         finally:
+            self.num_pins -= dropped
+            self.num_pinned -= emptied
             self.policy.unpin_many(unpinned)
 
     @property

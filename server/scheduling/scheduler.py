@@ -43,7 +43,16 @@ from joader.errors import InvariantError
 from joader.server.books.containment import is_bookkeeping_error
 from joader.server.books.item_cache import ItemCache
 from joader.server.books.pacing import UNKNOWN_RATE, due_time
-from joader.server.books.records import Entry, EpochShare, Job, Rank, RestShare, Source
+from joader.server.books.records import (
+    Entry,
+    EpochShare,
+    Item,
+    ItemState,
+    Job,
+    Rank,
+    RestShare,
+    Source,
+)
 from joader.server.scheduling import in_step
 
 logger = logging.getLogger(__name__)
@@ -254,10 +263,26 @@ class Scheduler:
         pinned, end = rank.pinned, min(allowance, len(queue))
         claimed = rank.claimed_epoch
         source, want_seq, want = job.source, self._want_seq, cache.want
+        get, ready = cache.items.get, ItemState.READY
         settled = False
+        # A run of READY entries (cache hits) is pinned in bulk (`ItemCache.want_ready`), all
+        # or nothing: `run_start` is where the run not yet pinned began.
+        hits: list[Item] = []
+        ahead = run_start = 0
         try:
             while pinned < end:
                 entry = queue[pinned]
+                item = get(entry.key)
+                if item is not None and item.state is ready:
+                    if not hits:
+                        run_start = pinned
+                    hits.append(item)
+                    ahead += entry.epoch > claimed
+                    pinned += 1
+                    continue
+                if hits:
+                    cache.want_ready(hits, ahead)
+                    hits, ahead, settled = [], 0, True
                 due_s = due_time(now, pinned, rate) if deadlines else 0.0
                 # The sequence breaks ties among equal due times: decodes in the order wanted.
                 want_seq += 1
@@ -268,8 +293,11 @@ class Scheduler:
                     settled = True
                 else:
                     item.waiters.append(job)  # woken when it settles
+            if hits:
+                cache.want_ready(hits, ahead)
+                hits, settled = [], True
         finally:
-            rank.pinned = pinned
+            rank.pinned = run_start if hits else pinned  # a run that raised pinned nothing
             self._want_seq = want_seq
         return settled
 
@@ -323,11 +351,12 @@ class Scheduler:
             others_short = any(length < _fill(job, warm) for job, length in queued
                                if job.job_id not in plan.participants)
         self._deferred_pins = {} if batch else None
+        pairs = _sharing_pairs(source, participants, jobs)
         done = 0
         try:
             while True:
                 done += 1
-                if self._one_round(source, jobs, participants, empty if done == 1 else ()):
+                if self._one_round(source, jobs, participants, empty if done == 1 else (), pairs):
                     break  # an epoch ended, or a job's books broke: the next batch decides anew
                 if not batch or done >= max_rounds or not _goes_on(taking, others_short, warm):
                     break
@@ -357,7 +386,7 @@ class Scheduler:
     # queues no slots for their next batch (test_next_protocol's `stops_reading` hung).
 
     def _one_round(self, source: Source, jobs: dict[str, Job], participants: list[str],
-                   empty: set[str] | tuple[()]) -> bool:
+                   empty: set[str] | tuple[()], pairs: list[tuple[str, str, list[int]]]) -> bool:
         """One round: sample, count, start the participants' new epochs, deal. Returns whether
         a batch of rounds must stop after it (a sampler epoch ended, or a job broke)."""
         sampler = source.sampler
@@ -367,7 +396,10 @@ class Scheduler:
             # A pick for a job sitting out refills it silently: then a refcount below zero or
             # an item twice in an epoch. Loud and contained instead (a sampler bug did that).
             raise InvariantError(f"a round for {sorted(participants)} gave picks to {sorted(picks)}")
-        self._count_sharing(source, picks, jobs)
+        for a, b, counts in pairs:  # the round's pair counts (`_sharing_pairs`)
+            counts[0] += 1
+            if picks[a] == picks[b]:
+                counts[1] += 1
         for job_id in starting:
             job = jobs[job_id]
             job.sampler_epoch += 1
@@ -415,18 +447,6 @@ class Scheduler:
             source.held_s += now - source.held_since_s
             source.held_since_s = None
         return plan
-
-    @staticmethod
-    def _count_sharing(source: Source, picks: dict[str, int], jobs: dict[str, Job]) -> None:
-        """Pair counts of the round: among the jobs that shared it. NOTE [ Independent jobs
-        share no round ]: a job with order="independent" draws alone (its own stream, outside
-        the chain; joader.sampling.dependent, "Independent jobs"), so it took part in no round
-        with anyone, even when its pick happens to equal another job's (it then shares that
-        decode, which the cache counts, not a round)."""
-        if any(jobs[job_id].order == "independent" for job_id in picks):  # _alone, inline
-            picks = {job_id: item for job_id, item in picks.items() if not _alone(jobs[job_id])}
-        if 2 <= len(picks) <= MAX_PAIR_COUNTED_JOBS:
-            _count_pairs(source.pair_rounds, picks)
 
     def _deal(self, job: Job, item_id: int) -> bool:
         """Deals this round's pick of `job` to its receiving rank (or drops it: drop_last).
@@ -497,16 +517,18 @@ def _alone(job: Job) -> bool:
     return job.order == "independent"
 
 
-def _count_pairs(counts: dict[tuple[str, str], list[int]], picks: dict[str, int]) -> None:
-    """Every pair of this round's participants took part in one more round; the pairs that got
-    the same item shared it (the figure Theorem 1 bounds: |D1 ∩ D2| / max(|D1|, |D2|))."""
-    ids = sorted(picks)
-    for i, a in enumerate(ids):
-        item = picks[a]
-        for b in ids[i + 1:]:
-            entry = counts.get((a, b))
-            if entry is None:
-                entry = counts[(a, b)] = [0, 0]
-            entry[0] += 1
-            if picks[b] == item:
-                entry[1] += 1
+def _sharing_pairs(source: Source, participants: list[str], jobs: dict[str, Job]) -> list[tuple[str, str, list[int]]]:
+    """The pairs a round of `participants` counts, each with its counts in `source.pair_rounds`
+    ([rounds both took part in, rounds that gave both one item]: the figure Theorem 1 bounds,
+    |D1 ∩ D2| / max(|D1|, |D2|)); made once per batch of rounds, which all have the same
+    participants. At most MAX_PAIR_COUNTED_JOBS jobs are counted (the pairs are quadratic).
+
+    NOTE [ Independent jobs share no round ]: a job with order="independent" draws alone (its
+    own stream, outside the chain; joader.sampling.dependent, "Independent jobs"), so it took
+    part in no round with anyone, even when its pick happens to equal another job's (it then
+    shares that decode, which the cache counts, not a round)."""
+    ids = sorted(job_id for job_id in participants if not _alone(jobs[job_id]))
+    if not 2 <= len(ids) <= MAX_PAIR_COUNTED_JOBS:
+        return []
+    counts = source.pair_rounds
+    return [(a, b, counts.setdefault((a, b), [0, 0])) for i, a in enumerate(ids) for b in ids[i + 1:]]

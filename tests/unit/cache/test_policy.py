@@ -180,6 +180,22 @@ def _unpin_many_step(policy: RefCntPolicy, model: _Model, rng: random.Random, ke
             model.touch(key)
 
 
+def _pin_many_step(policy: RefCntPolicy, model: _Model, rng: random.Random, keys: list[int]) -> None:
+    """`pin_many` (a rank pinning its queue's head): every key pinned, a key twice as often
+    as given (padding copies, an item queued for two epochs); an untracked key pins none."""
+    batch = rng.sample(keys, rng.randrange(1, len(keys) + 1))
+    if rng.random() < 0.3:
+        batch += rng.choices(batch, k=rng.randrange(1, 4))
+    if rng.random() < 0.05:
+        batch.insert(rng.randrange(len(batch) + 1), 200 + rng.randrange(50))
+        with pytest.raises(KeyError, match="not tracked"):
+            policy.pin_many(batch)
+        return
+    policy.pin_many(batch)
+    for key in batch:
+        model.pins[key] += 1
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_randomized_against_brute_force(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     rng = random.Random(seed)
@@ -212,10 +228,12 @@ def test_randomized_against_brute_force(seed: int, monkeypatch: pytest.MonkeyPat
             else:
                 policy.add_refcount(key, delta)
                 model.refcount[key] += delta
-        elif op < 0.7:
+        elif op < 0.65:
             key = rng.choice(keys)
             policy.pin(key)
             model.pins[key] += 1
+        elif op < 0.7:
+            _pin_many_step(policy, model, rng, keys)
         elif op < 0.8:
             _unpin_many_step(policy, model, rng, keys)
         elif op < 0.85:
