@@ -55,6 +55,9 @@ __all__ = ["PolicyStats", "RefCntPolicy"]
 # (plus slack): `_key_of` stays O(tracked keys), stamps below 2**32, renumbering amortized O(1).
 _RENUMBER_FACTOR = 2
 _RENUMBER_SLACK = 1 << 16
+# Fewer keys than this are pinned one by one: a bulk call's numpy operations cost about as
+# much as this many single pins.
+_BULK_PINS = 48
 _MAX_KEY = 1 << 31  # keys and stamps are int32 (the items of all sources: 2 billion)
 
 
@@ -277,9 +280,17 @@ class RefCntPolicy:
         """`pin` for each key (a key given twice is pinned twice), in a few numpy and bitmap
         operations: the keys pinned for the first time leave their buckets. All or nothing:
         an untracked key pins none (KeyError)."""
-        if not keys:
+        if len(keys) < _BULK_PINS:
+            for key in keys:
+                self._require(key)  # all or nothing: every key checked first
+            for key in keys:
+                self.pin(key)
             return
-        ids, counts = np.unique(np.fromiter(keys, np.int64, len(keys)), return_counts=True)
+        ids = np.fromiter(keys, np.int64, len(keys))
+        if len(set(keys)) == len(keys):
+            counts: np.ndarray | int = 1
+        else:
+            ids, counts = np.unique(ids, return_counts=True)
         untracked = self._untracked(ids)
         if untracked is not None:
             raise KeyError(f"cache policy: item {untracked} is not tracked")
