@@ -351,16 +351,17 @@ class Scheduler:
             others_short = any(length < _fill(job, warm) for job, length in queued
                                if job.job_id not in plan.participants)
         self._deferred_pins = {} if batch else None
-        pairs = _sharing_pairs(source, participants, jobs)
+        books = _BatchBooks(participants, _sharing_pairs(source, participants, jobs))
         done = 0
         try:
             while True:
                 done += 1
-                if self._one_round(source, jobs, participants, empty if done == 1 else (), pairs):
+                if self._one_round(source, jobs, participants, empty if done == 1 else (), books):
                     break  # an epoch ended, or a job's books broke: the next batch decides anew
                 if not batch or done >= max_rounds or not _goes_on(taking, others_short, warm):
                     break
         finally:
+            books.flush()
             deferred, self._deferred_pins = self._deferred_pins, None
             for job, rank in (deferred or {}).values():
                 self.pin_ahead(job, rank, now)
@@ -386,20 +387,17 @@ class Scheduler:
     # queues no slots for their next batch (test_next_protocol's `stops_reading` hung).
 
     def _one_round(self, source: Source, jobs: dict[str, Job], participants: list[str],
-                   empty: set[str] | tuple[()], pairs: list[tuple[str, str, list[int]]]) -> bool:
+                   empty: set[str] | tuple[()], books: _BatchBooks) -> bool:
         """One round: sample, count, start the participants' new epochs, deal. Returns whether
         a batch of rounds must stop after it (a sampler epoch ended, or a job broke)."""
         sampler = source.sampler
         starting = [j for j in participants if j in empty] if empty else []
         picks = sampler.sample(participants)
-        if len(picks) != len(participants) or not all(job_id in picks for job_id in participants):
+        if picks.keys() != books.participants:
             # A pick for a job sitting out refills it silently: then a refcount below zero or
             # an item twice in an epoch. Loud and contained instead (a sampler bug did that).
             raise InvariantError(f"a round for {sorted(participants)} gave picks to {sorted(picks)}")
-        for a, b, counts in pairs:  # the round's pair counts (`_sharing_pairs`)
-            counts[0] += 1
-            if picks[a] == picks[b]:
-                counts[1] += 1
+        books.count(picks)
         for job_id in starting:
             job = jobs[job_id]
             job.sampler_epoch += 1
@@ -412,7 +410,7 @@ class Scheduler:
             # remaining sets (a round stopped half way loses them: an item short, a padding
             # copy twice). See NOTE [ One job's books, one job's loss ] in containment.py.
             try:
-                stop |= self._deal(jobs[job_id], item_id)
+                stop |= self._deal(jobs[job_id], item_id, books.left)
             except Exception as error:
                 if not is_bookkeeping_error(error):
                     raise
@@ -448,9 +446,10 @@ class Scheduler:
             source.held_since_s = None
         return plan
 
-    def _deal(self, job: Job, item_id: int) -> bool:
+    def _deal(self, job: Job, item_id: int, left: dict[str, int]) -> bool:
         """Deals this round's pick of `job` to its receiving rank (or drops it: drop_last).
-        Returns whether that ended the job's sampler epoch."""
+        Returns whether that ended the job's sampler epoch. `left`: the job's picks left in
+        its sampler epoch after its previous pick of this batch (`_BatchBooks.left`)."""
         source = job.source
         share = job.shares[job.sampler_epoch]
         receiver = share.receiver()
@@ -460,7 +459,12 @@ class Scheduler:
             self._enqueue(job, job.ranks[receiver], share, item_id, consumed=True)
             if len(share.head) < job.world_size:
                 share.head.append(item_id)
-        if source.sampler.num_remaining(job.job_id) == 0:
+        # Each pick of a round leaves its job's remaining set: one fewer than after the
+        # previous one (the sampler is asked once per batch, after the job's first pick).
+        job_id = job.job_id
+        remaining = left.get(job_id)
+        remaining = left[job_id] = source.sampler.num_remaining(job_id) if remaining is None else remaining - 1
+        if remaining == 0:
             self._complete(job, share)
             return True
         return False
@@ -489,6 +493,39 @@ class Scheduler:
             self.pin_ahead(job, rank, self._now)
         else:
             deferred[id(rank)] = (job, rank)  # pinned once the batch of rounds is over
+
+
+class _BatchBooks:
+    """What a batch of rounds with the same participants keeps as it goes (NOTE [ Rounds in
+    batches ]): the participants (every round's picks are for exactly them), their pairs'
+    counts (`_sharing_pairs`), added once the batch is over (`flush`), and each job's picks
+    left in its sampler epoch (`Scheduler._deal`)."""
+
+    __slots__ = ("all_shared", "left", "pairs", "participants", "rounds")
+
+    def __init__(self, participants: list[str], pairs: list[tuple[str, str, list[int]]]) -> None:
+        self.participants = frozenset(participants)
+        self.pairs = pairs
+        self.rounds = 0
+        self.all_shared = 0  # rounds that gave every participant the same item
+        self.left: dict[str, int] = {}
+
+    def count(self, picks: dict[str, int]) -> None:
+        """A round's picks: the pairs that got the same item shared it."""
+        self.rounds += 1
+        if len(set(picks.values())) == 1:  # in-step jobs, the usual round: every pair shared
+            self.all_shared += 1
+            return
+        for a, b, counts in self.pairs:
+            if picks[a] == picks[b]:
+                counts[1] += 1
+
+    def flush(self) -> None:
+        """Every pair took part in each round counted."""
+        for _, _, counts in self.pairs:
+            counts[0] += self.rounds
+            counts[1] += self.all_shared
+        self.rounds = self.all_shared = 0
 
 
 def _fill(job: Job, warm: bool) -> int:
