@@ -47,7 +47,7 @@ from joader.cache.arena import Arena, format_size, remove_stale_arenas
 from joader.errors import CacheSpaceError, JoaderError
 from joader.launch import read_ready_file, write_ready_file
 from joader.process_ref import ProcessRef
-from joader.server import cpu_meter, fault_hooks, log_limits
+from joader.server import cpu_meter, fault_hooks, heap, log_limits
 from joader.server.autoscale import AutoscaleConfig, Autoscaler, PeriodMeter
 from joader.server.books.item_sizes import bound_is_nominal
 from joader.server.books.source_watch import SourceChecker
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:  # at DEBUG, every line
         log_limits.install(logging.getLogger())  # a client cannot flood the log (server/log_limits.py)
         logging.getLogger("grpc._cython.cygrpc").addFilter(log_limits.PeerGoneFilter())
+    heap.one_arena()  # before any thread (NOTE in server/heap.py)
     try:
         return run(config)
     except JoaderError as error:

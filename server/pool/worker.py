@@ -51,6 +51,7 @@ import numpy as np
 
 from joader.errors import DecodeError
 from joader.proto import DTYPE_CODES
+from joader.server.heap import keep_heap
 from joader.server.pool.records import MAX_MESSAGE, PROBE, DecodeResult, NeedsBytes, ProbeSizes
 from joader.server.wire import READ_BYTES, Inbox, send_message
 from joader.sources.safe_open import display_path
@@ -259,33 +260,6 @@ def close_inherited(keep: set[int]) -> None:
                 os.close(fd)
             except OSError:
                 pass
-
-
-# glibc's mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-HEAP_MMAP_THRESHOLD = 32 << 20  # allocations below this come from the heap (a 2000x1500 RGB image is 9 MB)
-HEAP_TRIM_THRESHOLD = 64 << 20  # free heap kept for the next decode, at most
-
-
-def keep_heap() -> None:
-    """Keeps a worker's freed decode buffers in its heap for the next decode.
-
-    A decode allocates a few arrays of hundreds of KB (the decoded image, the filtered and the
-    resized one) and frees them all when the task returns. With glibc's default, adaptive
-    thresholds the heap's top was then above the trim threshold (twice the largest array freed),
-    so it went back to the kernel after every task, and the next decode faulted it in again: 270
-    page faults per 500x375 decode, 2.2 ms of CPU per task against 1.6 ms for the same stage in a
-    loop that keeps its last arrays alive (`bench/micro/stage.py`). Fixed thresholds (which also turn
-    the adaptation off) cut that to about 10 faults and 1.8 ms. The cost: each worker may keep
-    up to `HEAP_TRIM_THRESHOLD` of freed memory. Not glibc (no `mallopt`): nothing changes."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
-    mallopt(_M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD)
 
 
 def die_with_parent(parent: int) -> None:

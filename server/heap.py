@@ -1,0 +1,53 @@
+"""glibc's heap settings for joaderd's processes (`mallopt`): decode workers that keep their
+buffers, and one heap for the main process's threads. Elsewhere than glibc (no `mallopt`),
+nothing changes."""
+
+from __future__ import annotations
+
+import ctypes
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+HEAP_MMAP_THRESHOLD = 32 << 20  # allocations below this come from the heap (a 2000x1500 RGB image is 9 MB)
+HEAP_TRIM_THRESHOLD = 64 << 20  # free heap kept for the next decode, at most
+
+
+def _mallopt(*settings: tuple[int, int]) -> bool:
+    """Sets glibc's malloc parameters; False where there is no `mallopt`."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    for parameter, value in settings:
+        mallopt(parameter, value)
+    return True
+
+
+def keep_heap() -> None:
+    """Keeps a worker's freed decode buffers in its heap for the next decode.
+
+    A decode allocates a few arrays of hundreds of KB (the decoded image, the filtered and the
+    resized one) and frees them all when the task returns. With glibc's default, adaptive
+    thresholds the heap's top was then above the trim threshold (twice the largest array freed),
+    so it went back to the kernel after every task, and the next decode faulted it in again: 270
+    page faults per 500x375 decode, 2.2 ms of CPU per task against 1.6 ms for the same stage in a
+    loop that keeps its last arrays alive (`bench/micro/stage.py`). Fixed thresholds (which also turn
+    the adaptation off) cut that to about 10 faults and 1.8 ms. The cost: each worker may keep
+    up to `HEAP_TRIM_THRESHOLD` of freed memory."""
+    _mallopt((_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD))
+
+
+def one_arena() -> None:
+    """The threads created from now on allocate from the main thread's heap: call before any.
+
+    NOTE: glibc gives each thread that allocates its own arena (up to 8 per core). joaderd's
+    scheduler thread pins a rank's queue in bulk with numpy (`RefCntPolicy.pin_many`), many
+    short-lived arrays between the long-lived blocks of the queues it fills; in an arena of its
+    own the freed holes were not reused by the event loop's allocations, and joaderd's private
+    memory after 3 warm epochs of 128k items grew by 475 bytes per cached item, against 429 with
+    one arena (the issue-37 figure is <= 400 after the first epoch: 425 against 406). Python
+    allocates under its GIL anyway, so one arena adds no contention among Python's threads."""
+    _mallopt((_M_ARENA_MAX, 1))
