@@ -224,13 +224,18 @@ class Entry:
     that fails at once cannot loop).
     """
 
-    __slots__ = ("epoch", "item_id", "key", "rechecked")
+    __slots__ = ("epoch", "item", "item_id", "key", "rechecked")
 
     def __init__(self, epoch: int, item_id: int, key: int) -> None:
         self.epoch = epoch
         self.item_id = item_id
         self.key = key
         self.rechecked = False
+        # Its item while the entry is pinned (`Scheduler.pin_ahead`), when it is the cache's
+        # `items[key]`: a pinned item never leaves the cache (NOTE [ A rank's ready head, kept
+        # as items settle ]). The Next protocol reads it without a lookup in a dict of every
+        # cached item. None, or stale, while unpinned: read only within `Rank.pinned`.
+        self.item: Item | None = None
 
 
 @dataclass

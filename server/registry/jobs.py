@@ -57,7 +57,7 @@ from pyroaring import BitMap
 from joader.errors import InvalidArgumentError, TooManyJobsError, UnknownJobError
 from joader.sampling import check_order
 from joader.server.books.item_cache import ItemCache
-from joader.server.books.records import Job, Rank, Source
+from joader.server.books.records import Item, Job, Rank, Source
 from joader.server.registry.passes import release_outstanding
 from joader.server.registry.resumes import resume_waiting
 from joader.server.scheduling.scheduler import Scheduler
@@ -362,6 +362,17 @@ class JobTable:
                     f"job {job.job_id} rank {rank.index}: {rank.pinned} entries pinned and {handed_out} "
                     f"copies out, over its share of {job.cache_share}")
         return pins
+
+    def check_pinned_items(self, items: dict[int, Item]) -> None:
+        """Asserts that every pinned queue entry's `Entry.item` is the cache's item of its key."""
+        for job in self.jobs.values():
+            for rank in job.ranks:
+                for position, entry in enumerate(rank.queue):
+                    if position >= rank.pinned:
+                        break
+                    assert entry.item is items.get(entry.key), (
+                        f"job {job.job_id} rank {rank.index}: pinned entry {position} (item {entry.item_id}) "
+                        "holds another item than the cache's")
 
 
 def _ranks(indices: list[int]) -> str:

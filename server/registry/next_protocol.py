@@ -341,7 +341,7 @@ class NextProtocol(RegistryState):
         source_labels = source.listing.labels
         # The per-item loop, with its lookups hoisted (issue 37: it runs once per delivery).
         cache = self.cache
-        items, unplan = cache.items, cache.unplan
+        unplan = cache.unplan
         delivered: list[int] = []  # the READY keys handed out: delivered and unplanned together
         ready, failed_state = ItemState.READY, ItemState.FAILED
         job_id, outstanding = job.job_id, pass_.outstanding
@@ -355,7 +355,7 @@ class NextProtocol(RegistryState):
                 if entry.epoch != epoch:
                     break
                 key = entry.key
-                item = items[key]
+                item = entry.item  # pinned: the cache's items[key] (`Entry.item`)
                 state = item.state
                 if state is ready:
                     delivered.append(key)

@@ -118,7 +118,7 @@ class HeadBook:
                 if entry.epoch < epoch:
                     pos += 1
                     continue
-                if entry.epoch != epoch or not items[entry.key].state.settled:
+                if entry.epoch != epoch or not entry.item.state.settled:  # type: ignore[union-attr]
                     break
                 pos += 1
                 count += 1

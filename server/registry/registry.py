@@ -373,6 +373,7 @@ class Registry(NextProtocol, SchedulerThread, ResultFiling):
         """Raises AssertionError when the cache's pins or refcounts disagree with the jobs."""
         with self._cond:
             self.cache.check_invariants(self.jobs.expected_pins(), self._needed, self.jobs.expected_planned())
+            self.jobs.check_pinned_items(self.cache.items)
 
     # ----------------------------------------------------------------------------- lifecycle
 

@@ -272,7 +272,7 @@ class Scheduler:
         try:
             while pinned < end:
                 entry = queue[pinned]
-                item = get(entry.key)
+                item = entry.item = get(entry.key)
                 if item is not None and item.state is ready:
                     if not hits:
                         run_start = pinned
@@ -286,8 +286,8 @@ class Scheduler:
                 due_s = due_time(now, pinned, rate) if deadlines else 0.0
                 # The sequence breaks ties among equal due times: decodes in the order wanted.
                 want_seq += 1
-                item = want(source, entry.item_id, want_seq, consumed=False, due_s=due_s,
-                            ahead=entry.epoch > claimed)
+                item = entry.item = want(source, entry.item_id, want_seq, consumed=False, due_s=due_s,
+                                         ahead=entry.epoch > claimed)
                 pinned += 1
                 if item.state.settled:
                     settled = True

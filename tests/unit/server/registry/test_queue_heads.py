@@ -143,7 +143,8 @@ class World:
             rank.queue.extend(Entry(epoch, key, key) for key in keys)
         elif kind == "pin":
             for _ in range(min(args[0], len(rank.queue) - rank.pinned)):
-                item = self.item(rank.queue[rank.pinned].key)
+                entry = rank.queue[rank.pinned]
+                item = entry.item = self.item(entry.key)  # `Scheduler.pin_ahead` sets `Entry.item`
                 if item.state is ItemState.FAILED and self.now - item.failed_s >= RETRY_S:
                     item.move(ItemState.WAITING)  # `ItemCache.want` retries it
                     cache.items_retried += 1
