@@ -136,6 +136,11 @@ class Sampler(abc.ABC):
         Returns {job_id: item}. Jobs not listed sit out. An empty list returns {}.
         """
 
+    def sample_rounds(self, job_ids: Sequence[str], rounds: int) -> list[dict[str, int]]:
+        """`rounds` rounds with the same participants: what as many calls of `sample` give.
+        How many must be chosen from the past, never from a draw (a subclass may save work)."""
+        return [self.sample(job_ids) for _ in range(rounds)]
+
     # ----------------------------------------------------------------------------- helpers
     def _known(self, job_id: str, action: str) -> str:
         if job_id not in self._datasets:

@@ -367,11 +367,45 @@ class DependentSampler(Sampler):
             rsizes = self._rsizes
             active = [pos[job_id] for job_id in job_ids]
         active.sort()
+        return self._walk(active)
+
+    def sample_rounds(self, job_ids: Sequence[str], rounds: int) -> list[dict[str, int]]:
+        """`rounds` rounds with the same participants, in order: the picks as many calls of
+        `sample` give, from the same draws (each round is the same walk), with the work of a
+        call (its checks, the participants' positions) done once while the chain is unchanged.
+
+        A caller that draws several rounds at once must have chosen how many from the past
+        (queue lengths, what is left of epochs), never from a draw: the condition the module
+        docstring's claim needs of participant lists."""
+        picks = [self.sample(job_ids)]
+        solo = self._solo
+        if solo and any(job_id in solo for job_id in job_ids):
+            picks.extend(self.sample(job_ids) for _ in range(rounds - 1))
+            return picks
+        rsizes = self._rsizes  # a rebuilt chain has new lists
+        active = sorted(self._pos[job_id] for job_id in job_ids)
+        left = min(rsizes[p] for p in active)  # rounds before a participant's epoch is over:
+        for _ in range(rounds - 1):  # each round takes one item from each participant's set
+            if left and self._rsizes is rsizes:
+                picks.append(self._walk(active.copy()))
+                left -= 1
+                continue
+            # The chain was rebuilt, or a participant's epoch is over: the whole of `sample`.
+            picks.append(self.sample(job_ids))
+            rsizes = self._rsizes
+            active = sorted(self._pos[job_id] for job_id in job_ids)
+            left = min(rsizes[p] for p in active)
+        return picks
+
+    def _walk(self, active: list[int]) -> dict[str, int]:
+        """One round's walk down the chain for the participants at positions `active`
+        (ascending, distinct, every remaining set non-empty; consumed), and its update."""
         rand = self._rands[active[0]]  # the root-most participant's stream, for the whole round
         if len(active) == 1:
             return self._sample_alone(active[0], rand)
 
         order = self._order
+        rsizes = self._rsizes
         inner = self._inner
         isizes = self._isizes
         leaves = self._leaves

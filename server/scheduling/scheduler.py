@@ -40,6 +40,7 @@ from collections.abc import Callable
 from pyroaring import BitMap
 
 from joader.errors import InvariantError
+from joader.sampling import DependentSampler
 from joader.server.books.containment import is_bookkeeping_error
 from joader.server.books.item_cache import ItemCache
 from joader.server.books.pacing import UNKNOWN_RATE, due_time
@@ -352,9 +353,13 @@ class Scheduler:
                                if job.job_id not in plan.participants)
         self._deferred_pins = {} if batch else None
         books = _BatchBooks(participants, _sharing_pairs(source, participants, jobs))
+        ahead = _rounds_ahead(taking, others_short, warm, max_rounds, source.sampler) \
+            if batch and not empty else None
         done = 0
         try:
-            while True:
+            if ahead is not None:
+                done = self._drawn_rounds(source, jobs, participants, ahead, books)
+            while ahead is None:
                 done += 1
                 if self._one_round(source, jobs, participants, empty if done == 1 else (), books):
                     break  # an epoch ended, or a job's books broke: the next batch decides anew
@@ -381,7 +386,13 @@ class Scheduler:
     # sampler epoch, so the next one starts the new epoch as a single round does. Nothing
     # here looks at which items were drawn, so the participant lists still come from the past
     # (the condition DSA's uniformity needs: joader/sampling/dependent.py); a unit test checks
-    # that batches leave every queue, pin and remaining set as single rounds do. Filling
+    # that batches leave every queue, pin and remaining set as single rounds do. Where every
+    # participant is of world size 1 (`_rounds_ahead`), a batch's length is known before its
+    # first round, from the queue lengths and what is left of the epochs (still the past): its
+    # rounds are drawn in one sampler call (`DependentSampler.sample_rounds`, the same draws as
+    # one call a round; a unit test checks that on twin samplers) and dealt in order, and
+    # `_goes_on` is not asked. In warm epochs a third of the rounds had one participant (jobs
+    # reading at different speeds sit rounds out), so a round's fixed cost was paid per pick. Filling
     # queues further (to twice their capacity, for fewer calls per item) was tried: in a tight
     # cache, a job that stops reading with its copies out then leaves the other jobs' fuller
     # queues no slots for their next batch (test_next_protocol's `stops_reading` hung).
@@ -417,6 +428,39 @@ class Scheduler:
                 self.broken.append((job_id, error))
                 stop = True
         return stop
+
+    def _drawn_rounds(self, source: Source, jobs: dict[str, Job], participants: list[str], rounds: int,
+                      books: _BatchBooks) -> int:
+        """A batch whose length was known before its first round (`_rounds_ahead`): its rounds
+        drawn in one call (`DependentSampler.sample_rounds`), then dealt in order as
+        `_one_round` deals. A job whose books break is reported and dealt nothing more; the
+        others' picks of the later rounds, drawn already, are still dealt (left undealt, they
+        would be lost to their epochs). Returns the rounds run."""
+        sampler = source.sampler
+        drawn = sampler.sample_rounds(participants, rounds)
+        for job_id in participants:  # what `_deal` counts down from: before this batch's draws
+            books.left[job_id] = sampler.num_remaining(job_id) + len(drawn)
+        broken: set[str] = set()
+        last = len(drawn) - 1
+        for index, picks in enumerate(drawn):
+            if picks.keys() != books.participants:  # as in `_one_round`
+                raise InvariantError(f"a round for {sorted(participants)} gave picks to {sorted(picks)}")
+            books.count(picks)
+            for job_id, item_id in picks.items():
+                if job_id in broken:
+                    continue
+                try:
+                    if self._deal(jobs[job_id], item_id, books.left) and index < last:
+                        # `_rounds_ahead` ends a batch with the round that ends an epoch: the
+                        # job's next picks, drawn from a new epoch, were not opened for it.
+                        raise InvariantError(f"job {job_id}: its sampler epoch ended in round {index + 1} "
+                                             f"of a batch of {len(drawn)}")
+                except Exception as error:
+                    if not is_bookkeeping_error(error):
+                        raise
+                    self.broken.append((job_id, error))
+                    broken.add(job_id)
+        return len(drawn)
 
     def _plan(self, source: Source, queued: list[tuple[Job, int]], now: float) -> in_step.Plan:
         """Who takes part in this round, or whether it waits (server/scheduling/in_step.py)."""
@@ -532,6 +576,27 @@ def _fill(job: Job, warm: bool) -> int:
     """How far a round fills the job's receiving rank: its fill where the cache has room and
     nothing is being decoded, else its capacity (`Job.queue_fill`)."""
     return job.queue_fill if warm and job.queue_fill else job.queue_capacity
+
+
+def _rounds_ahead(taking: list[Job], others_short: bool, warm: bool, max_rounds: int,
+                  sampler: DependentSampler) -> int | None:
+    """The rounds a batch runs, known before its first (NOTE [ Rounds in batches ]), when every
+    participant is of world size 1, its rank not closed and its share not dealt out: each round
+    then adds one entry to each participant's queue, so what `_goes_on` answers after each round
+    follows from the lengths now; and a batch ends with the round that ends a participant's
+    sampler epoch. None otherwise: the batch asks `_goes_on` after each round."""
+    rounds = max_rounds
+    short = max_rounds if others_short else 0  # rounds until no job is below its fill
+    for job in taking:
+        rank = job.ranks[0]
+        share = job.shares[job.sampler_epoch]
+        undealt = share.target[0] - share.assigned[0]
+        if job.world_size != 1 or rank.closed or undealt <= 0:
+            return None
+        length = len(rank.queue)
+        rounds = min(rounds, 2 * job.queue_capacity - length, undealt, sampler.num_remaining(job.job_id))
+        short = max(short, _fill(job, warm) - length)
+    return max(1, min(rounds, short))
 
 
 def _goes_on(taking: list[Job], others_short: bool, warm: bool) -> bool:

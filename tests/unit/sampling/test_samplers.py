@@ -613,3 +613,46 @@ def test_every_round_serves_exactly_its_participants(align: str, seed: int) -> N
         for start in range(0, len(items) - size + 1, size):
             epoch = items[start:start + size]
             assert len(set(epoch)) == size, f"{job_id}: an epoch repeats an item"
+
+
+@pytest.mark.parametrize("align", ["off", "first", "always"])
+@pytest.mark.parametrize("seed", range(8))
+def test_rounds_drawn_together_are_the_rounds_drawn_one_by_one(align: str, seed: int) -> None:
+    """`sample_rounds` (the scheduler's batches of rounds) gives exactly the picks of as many
+    `sample` calls: twin samplers, random joins (some independent, some resumed), leaves,
+    resets and sit-outs on identical, overlapping and nested datasets, batches of 1 to 30
+    rounds that cross epochs and their refills."""
+    rng = random.Random(seed)
+    twins = [DependentSampler(rng=random.Random(seed), align=align) for _ in range(2)]
+    datasets = [BitMap(range(40)), BitMap(range(40)), BitMap(range(20, 60)), BitMap(range(10))]
+    jobs: list[str] = []
+    for step in range(300):
+        if len(jobs) < 5 and rng.random() < 0.1:
+            job_id, dataset = f"j{step}", rng.choice(datasets)
+            remaining = BitMap(rng.sample(list(dataset), rng.randrange(1, len(dataset)))) \
+                if rng.random() < 0.2 else None
+            independent = rng.random() < 0.15
+            stream = rng.random()
+            for sampler in twins:
+                sampler.add_job(job_id, dataset, remaining=remaining, rng=random.Random(stream),
+                                independent=independent)
+            jobs.append(job_id)
+        if len(jobs) > 1 and rng.random() < 0.03:
+            gone = jobs.pop(rng.randrange(len(jobs)))
+            for sampler in twins:
+                sampler.remove_job(gone)
+        if jobs and rng.random() < 0.03:
+            reset = rng.choice(jobs)
+            for sampler in twins:
+                sampler.reset_epoch(reset)
+        participants = [j for j in jobs if rng.random() < 0.7]
+        if not participants:
+            continue
+        rounds = rng.randrange(1, 31)
+        one_by_one = [twins[0].sample(participants) for _ in range(rounds)]
+        assert twins[1].sample_rounds(participants, rounds) == one_by_one, (step, participants, rounds)
+        for job_id in jobs:
+            assert twins[0].remaining(job_id) == twins[1].remaining(job_id), (step, job_id)
+            assert twins[0].epoch(job_id) == twins[1].epoch(job_id), (step, job_id)
+        if align == "off":  # (an aligned epoch's second phase is in `remaining`, not in the chain)
+            check_chain(twins[1])

@@ -240,16 +240,16 @@ def test_a_lagging_job_sits_out_beyond_what_the_cache_keeps_or_with_rates_unknow
     assert len(rb.queue) == before
 
 
-def _world(seed: int, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    """Three jobs (two datasets overlapping by half, one job of two ranks) with ids that do
-    not depend on the run, so two worlds built alike sample alike."""
+def _world(seed: int, monkeypatch: pytest.MonkeyPatch, ranks_of_c: int = 2):  # type: ignore[no-untyped-def]
+    """Three jobs (two datasets overlapping by half, the third of `ranks_of_c` ranks) with ids
+    that do not depend on the run, so two worlds built alike sample alike."""
     counter = iter(range(1000))
     monkeypatch.setattr("joader.server.registry.jobs.secrets.token_hex", lambda n: f"{next(counter):08x}")
     table, scheduler, source, clock = books(num_items=90, slots=400, max_jobs=8)
     jobs = [
         table.attach(source, BitMap(range(0, 60)), "a", 4, seed=seed)[0],
         table.attach(source, BitMap(range(30, 90)), "b", 4, seed=seed + 1)[0],
-        table.attach(source, BitMap(range(0, 90, 2)), "c", 4, world_size=2, seed=seed + 2)[0],
+        table.attach(source, BitMap(range(0, 90, 2)), "c", 4, world_size=ranks_of_c, seed=seed + 2)[0],
     ]
     for capacity, job in zip((6, 9, 4), jobs, strict=True):
         _reading(job, capacity=capacity, share=12)
@@ -264,13 +264,17 @@ def _snapshot(jobs: list[Job], source) -> list[object]:  # type: ignore[no-untyp
     ]
 
 
+@pytest.mark.parametrize("ranks_of_c", [2, 1])
 @pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
-def test_rounds_in_batches_deal_what_single_rounds_deal(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rounds_in_batches_deal_what_single_rounds_deal(seed: int, ranks_of_c: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """NOTE [ Rounds in batches ]: a turn's batches (`max_rounds`) leave every queue, pin,
     remaining set and epoch as the same turn of single rounds does, through epoch ends,
-    padding and reads of random sizes, for 3 jobs on overlapping datasets (one of 2 ranks)."""
-    single = _world(seed, monkeypatch)
-    batched = _world(seed, monkeypatch)
+    padding and reads of random sizes, for 3 jobs on overlapping datasets (the third of 2
+    ranks: batches that ask `_goes_on` after each round; or of 1: batches drawn at once,
+    `_rounds_ahead`)."""
+    single = _world(seed, monkeypatch, ranks_of_c)
+    batched = _world(seed, monkeypatch, ranks_of_c)
     reads = __import__("random").Random(seed)
     batches_larger_than_one = 0
     for _turn in range(300):
