@@ -218,9 +218,16 @@ async def _many_jobs(args: argparse.Namespace) -> None:
             if attached == args.jobs:
                 all_attached.set()
             await all_attached.wait()  # every job is attached at once before any reads
-            response = await stub.Next(joader_pb2.NextRequest(
-                job_id=reply.job_id, job_secret=reply.job_secret, token=index + 1,
-                max_items=args.batch_size, pid=os.getpid()), timeout=120)
+            # A Next waits at most joaderd's next_wait_s (1 s) and then answers empty, for the
+            # client to ask again, as JoaderDataset does: 256 first batches from 2 decode workers
+            # on a loaded machine took longer than one wait (a job then read 0 items here).
+            deadline = time.monotonic() + 120
+            while True:
+                response = await stub.Next(joader_pb2.NextRequest(
+                    job_id=reply.job_id, job_secret=reply.job_secret, token=index + 1,
+                    max_items=args.batch_size, pid=os.getpid()), timeout=120)
+                if response.item_ids or response.end_of_epoch or time.monotonic() > deadline:
+                    break
             await stub.Next(joader_pb2.NextRequest(
                 job_id=reply.job_id, job_secret=reply.job_secret, token=index + 1, max_items=0,
                 acks=list(response.item_ids), pid=os.getpid()), timeout=60)
