@@ -22,7 +22,7 @@ from pyroaring import BitMap
 
 from joader.errors import InvalidArgumentError, UnknownJobError
 from joader.server.books.containment import contained
-from joader.server.books.records import ItemState, Job, PassBook, Rank, RestShare
+from joader.server.books.records import Item, ItemState, Job, PassBook, Rank, RestShare
 from joader.server.books.source_watch import stopped_error
 from joader.server.registry.next_call import Batch, NextArgs, NextCall
 from joader.server.registry.queue_heads import heads
@@ -355,7 +355,7 @@ class NextProtocol(RegistryState):
                 if entry.epoch != epoch:
                     break
                 key = entry.key
-                item = entry.item  # pinned: the cache's items[key] (`Entry.item`)
+                item: Item = entry.item  # type: ignore[assignment]  # pinned: the cache's items[key] (`Entry.item`)
                 state = item.state
                 if state is ready:
                     delivered.append(key)
