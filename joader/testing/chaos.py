@@ -457,8 +457,18 @@ class Soak:
         started = time.monotonic()
         joins = {name: started + self.rng.uniform(0, episode.join_late_s) for name in episode.slots}
         next_fault = started + self.rng.expovariate(1 / self.args.fault_every_s)
+        # A client or worker kill that found nothing to kill is tried again every half second
+        # (it costs nothing), not after the faults queued behind it: those include epoch-end
+        # restarts that wait up to 20 s each, and a short soak on a loaded machine saw no
+        # client kill in its minute (test_chaos asks one).
+        retry: str | None = None
+        retry_at = 0.0
         while time.monotonic() < until:
             now = time.monotonic()
+            if retry is not None and now >= retry_at and self.runs:
+                if (self.kill_client() if retry == "client" else self.kill_worker()):
+                    retry = None
+                retry_at = now + 0.5
             for name, at in list(joins.items()):
                 if now >= at:
                     del joins[name]
@@ -479,16 +489,19 @@ class Soak:
                 elif kind == "epoch_end":
                     if not self.restart_at_epoch_end():
                         faults.append(kind)
-                elif kind == "client":
-                    if not self.kill_client():
-                        faults.append(kind)  # nothing to kill yet: again at the next fault
-                elif not self.kill_worker():
-                    faults.append(kind)
+                elif kind == "client" or kind == "worker":
+                    if not (self.kill_client() if kind == "client" else self.kill_worker()):
+                        if retry is None:  # nothing to kill yet: again soon
+                            retry, retry_at = kind, now + 0.5
+                        else:
+                            faults.append(kind)
                 next_fault = time.monotonic() + self.rng.expovariate(1 / self.args.fault_every_s)
             if now >= self.next_progress:
                 print(f"chaos: {now - self.started:5.0f} s  {self.summary.line()}", flush=True)
                 self.next_progress = now + 30
             time.sleep(0.05)
+        if retry is not None:  # still to be seen: the next episode tries it at its next fault
+            faults.append(retry)
         deadline = time.monotonic() + 300
         while self.runs and time.monotonic() < deadline:
             self.check_server()
