@@ -428,19 +428,20 @@ class JoaderServicer(joader_pb2_grpc.JoaderServicer):
 
 
 def _response(batch: Batch, arena: str) -> joader_pb2.NextResponse:
-    shapes, dtypes = batch.shapes, batch.dtypes
-    # A batch's items mostly share one shape and dtype (the same objects: the cache shares
-    # them): then the repeated fields are one list repeated, not a loop per item.
-    if shapes and shapes.count(shapes[0]) == len(shapes):
-        dims = list(shapes[0]) * len(shapes)
-        ndims = [len(shapes[0])] * len(shapes)
+    forms = batch.forms
+    # A batch's items mostly share one form (size, shape and dtype: the same object, the cache
+    # shares them): then the repeated fields are one list repeated, not a loop per item.
+    if forms and forms.count(forms[0]) == len(forms):
+        nbytes, shape, dtype = forms[0]
+        lengths = [nbytes] * len(forms)
+        dims = list(shape) * len(forms)
+        ndims = [len(shape)] * len(forms)
+        codes = [DTYPE_CODES[dtype]] * len(forms)
     else:
-        dims = [dim for shape in shapes for dim in shape]
-        ndims = [len(shape) for shape in shapes]
-    if dtypes and dtypes.count(dtypes[0]) == len(dtypes):
-        codes = [DTYPE_CODES[dtypes[0]]] * len(dtypes)
-    else:
-        codes = [DTYPE_CODES[d] for d in dtypes]
+        lengths = [form[0] for form in forms]
+        dims = [dim for form in forms for dim in form[1]]
+        ndims = [len(form[1]) for form in forms]
+        codes = [DTYPE_CODES[form[2]] for form in forms]
     return joader_pb2.NextResponse(
         epoch=batch.epoch,
         end_of_epoch=batch.end_of_epoch,
@@ -451,7 +452,7 @@ def _response(batch: Batch, arena: str) -> joader_pb2.NextResponse:
             joader_pb2.FailedItem(item_id=i, path=os.fsencode(p), reason=display_path(r))
             for i, p, r in batch.failed
         ],
-        lengths=batch.lengths,
+        lengths=lengths,
         ndims=ndims,
         dims=dims,
         dtypes=codes,

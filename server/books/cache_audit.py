@@ -98,6 +98,10 @@ def check(cache: ItemCache, expected_pins: dict[int, int] | None = None,
     assert cache.ready_bytes == sum(i.nbytes for i in items if i.state is ItemState.READY), "ready bytes"
     assert cache.decodes_in_flight() == sum(1 for i in items if not i.state.settled), "items not settled"
     assert cache.num_failed == sum(1 for i in items if i.state is ItemState.FAILED), "failed items"
+    failed = {key for key, item in cache.items.items() if item.state is ItemState.FAILED}
+    assert set(cache.failed_at) == failed, "`failed_at` is not the FAILED items"
+    awaited = {key for key, item in cache.items.items() if not item.state.settled}
+    assert set(cache.waiters) <= awaited, f"waiters of settled or dropped items: {set(cache.waiters) - awaited}"
     assert cache.num_pins == sum(i.pins for i in items), "pins"
     assert cache.num_pinned == sum(1 for i in items if i.pins), "pinned items"
     if expected_pins is not None:

@@ -43,7 +43,7 @@ import heapq
 import logging
 from array import array
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 from pyroaring import AbstractBitMap, BitMap
@@ -113,6 +113,10 @@ class ItemCache:
         self.num_pins = 0
         # which jobs received each cached copy (NOTE [ Who received a copy ] in recipients.py)
         self.recipients = CopyRecipients()
+        # key -> the jobs waiting for the item to settle (woken then: `take_waiters`); key -> when
+        # a FAILED item last failed. A few items at a time: dicts, not a slot of every `Item`.
+        self.waiters: dict[int, list[Any]] = {}
+        self.failed_at: dict[int, float] = {}
         # Shapes, dtypes and sizes of cached items, one object per distinct value (NOTE [ An item's
         # footprint ] in records.py); at most _MAX_SHARED of them.
         self._shared_values = Interner(_MAX_SHARED)
@@ -187,7 +191,7 @@ class ItemCache:
         """Whether a FAILED item may be decoded again now: `retry_failed_s` has passed since it
         failed, and its file is not quarantined (it hung or crashed a decode worker twice and
         has not changed on disk since: joader.server.pool.quarantine)."""
-        return self._clock() - item.failed_s >= self.retry_failed_s and not self.quarantined(item)
+        return self._clock() - self.failed_at[item.key] >= self.retry_failed_s and not self.quarantined(item)
 
     def quarantined(self, item: Item) -> bool:
         """Whether the decode pool holds the item's file in quarantine (a pool without
@@ -230,11 +234,25 @@ class ItemCache:
             self.policy.add_refcount(key, -1)
 
     def _move(self, item: Item, state: ItemState) -> None:
-        """`item.move`, keeping the count of items not settled."""
+        """`item.move`, keeping the count of items not settled (and `failed_at` to FAILED items)."""
         settled = item.state.settled
+        if item.state is ItemState.FAILED:
+            del self.failed_at[item.key]
         self.num_failed += (state is ItemState.FAILED) - (item.state is ItemState.FAILED)
         item.move(state)
         self._unsettled += settled - state.settled
+
+    def add_waiter(self, item: Item, job: Any) -> None:
+        """`job` waits for the (unsettled) item: woken when it settles (`take_waiters`)."""
+        waiting = self.waiters.get(item.key)
+        if waiting is None:
+            self.waiters[item.key] = [job]
+        else:
+            waiting.append(job)
+
+    def take_waiters(self, key: int) -> list[Any]:
+        """The jobs waiting for `key`, no longer waiting."""
+        return self.waiters.pop(key, None) or []
 
     def pin(self, item: Item) -> None:
         if not item.pins:
@@ -388,6 +406,7 @@ class ItemCache:
                 if item.pins == 0:  # every job that wanted it left before it was decoded
                     heapq.heappop(demand)
                     del self.items[key]
+                    self.waiters.pop(key, None)
                     self._unsettled -= 1
                     self.sizes.fitted(key)
                     self.decodes_cancelled += 1
@@ -491,8 +510,7 @@ class ItemCache:
             item_id = key - source.key_base
             item.state = ItemState.READY  # DECODING -> READY: one item less not settled
             self._unsettled -= 1
-            shared = self._shared_values.get
-            item.shape, item.dtype, item.nbytes = shared(tuple(shape)), shared(dtype), shared(nbytes)
+            item.form = self._shared_values.get((nbytes, tuple(shape), dtype))
             item.due_s = NEVER_DUE
             checksums = source.checksums
             if checksums is None:
@@ -510,7 +528,7 @@ class ItemCache:
         else:
             self.decode_failures += 1
             self._move(item, ItemState.FAILED)
-            item.failed_s = self._clock()
+            self.failed_at[key] = self._clock()  # (after `_move`, which keeps `failed_at` to FAILED items)
             if capacity:
                 self.allocator.free(item.offset)
             item.offset = -1

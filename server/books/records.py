@@ -136,8 +136,7 @@ class Item:
     of shared or small values (NOTE [ An item's footprint ]).
     """
 
-    __slots__ = ("_waiters", "dtype", "due_s", "failed_s", "key", "nbytes", "pins", "shape", "source",
-                 "state")
+    __slots__ = ("due_s", "form", "key", "pins", "source", "state")
 
     def __init__(self, source: Source, item_id: int, key: int | None = None) -> None:
         self.source = source
@@ -145,21 +144,35 @@ class Item:
         # `item_id` is computed from it
         self.key = source.key_base + item_id if key is None else key
         self.state = ItemState.WAITING
-        self.nbytes = 0  # once READY: its size, shape and dtype
-        self.shape: tuple[int, ...] = ()
-        self.dtype = ""
+        # Once READY: (size in bytes, shape, dtype), one tuple shared by every item of that form
+        # (`ItemCache` interns them): a reply reads it once per item (`nbytes`, `shape`, `dtype`).
+        self.form: Form = NO_FORM
         # Queue entries and handed-out, unacknowledged copies, for the item's whole life (the
         # cache policy mirrors them while it is READY, so that it never evicts a pinned item).
         self.pins = 0
-        self.failed_s = 0.0  # when it last failed (clock of the registry)
-        self._waiters: list[Job] | None = None  # see `waiters`
         self.due_s = NEVER_DUE  # while WAITING: when the first job queueing it will read it
-        # Which jobs received this copy: `ItemCache.deliver` (per job, not per item).
+        # Which jobs received this copy: `ItemCache.deliver` (per job, not per item); which jobs
+        # wait for it to settle, and when it failed: `ItemCache.waiters`, `ItemCache.failed_at`.
 
     @property
     def item_id(self) -> int:
         """Its index in its source (`key` less the source's `key_base`)."""
         return self.key - self.source.key_base
+
+    @property
+    def nbytes(self) -> int:
+        """Its size once READY (0 before)."""
+        return self.form[0]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Its shape once READY (() before)."""
+        return self.form[1]
+
+    @property
+    def dtype(self) -> str:
+        """Its dtype's name once READY ("" before)."""
+        return self.form[2]
 
     @property
     def offset(self) -> int:
@@ -182,19 +195,6 @@ class Item:
         checksums = self.source.checksums
         return int(checksums[self.key - self.source.key_base]) if checksums is not None else 0
 
-    @property
-    def waiters(self) -> list[Job]:
-        """Jobs with this item queued, to wake when it settles. The list exists only while some
-        job waits (an empty list per cached item was 56 bytes): assigning an empty one drops it."""
-        waiters = self._waiters
-        if waiters is None:
-            waiters = self._waiters = []
-        return waiters
-
-    @waiters.setter
-    def waiters(self, waiters: list[Job]) -> None:
-        self._waiters = waiters or None
-
     def move(self, state: ItemState) -> None:
         if state not in _TRANSITIONS[self.state]:
             raise AssertionError(f"item {self.item_id}: no transition {self.state.name} -> {state.name}")
@@ -206,12 +206,17 @@ class Item:
 # a set of the jobs its copy was delivered to (216 bytes empty, growing with every job that
 # ever read it, and never shrinking), an empty waiters list, its own float for `due_s`, and a
 # key int apart from the cache's dict key. Now: who received a copy is a bitmap per job in the
-# cache (`ItemCache.deliver`, dropped with the job); the waiters list exists only while someone
-# waits; `due_s` is the shared NEVER_DUE once the item settled; the key is the dict's own int,
-# and the item id is computed from it; shapes, dtypes and sizes are shared between items
-# (`ItemCache` interns them); its offset and checksum are entries of arrays of its source (an
-# int object per offset was 32 bytes and a slot, and a reply gathers them in one call).
+# cache (`ItemCache.deliver`, dropped with the job); the jobs waiting for it and when it failed
+# are entries of the cache's dicts while they exist (`ItemCache.waiters`, `failed_at`: a few
+# items at a time, not a slot each); `due_s` is the shared NEVER_DUE once the item settled; the
+# key is the dict's own int, and the item id is computed from it; its size, shape and dtype are
+# one tuple shared by the items of that form (`ItemCache` interns them); its offset and checksum
+# are entries of arrays of its source (an int object per offset was 32 bytes and a slot, and a
+# reply gathers them in one call). Six slots: 80 bytes an item with its object and GC headers
+# (ten were 112).
 NEVER_DUE = float("inf")
+Form = tuple[int, tuple[int, ...], str]  # an item's (size in bytes, shape, dtype name)
+NO_FORM: Form = (0, (), "")
 
 
 class Entry:

@@ -132,14 +132,13 @@ class ResultFiling(RegistryState):
             return False
         if ok:
             self._note_size(item)
-        waiters = item.waiters
+        waiters = self.cache.take_waiters(key)
         if woken is None:
             for job in waiters:
                 self.item_settled(job)  # wakes its Next only when its batch may be ready (next_protocol.py)
         else:
             for job in waiters:
                 woken[id(job)] = job
-        item.waiters = []
         return True
 
     def _follow(self, filed: Filed) -> None:
@@ -187,6 +186,5 @@ class ResultFiling(RegistryState):
 
     def waiting_for(self, key: int) -> list[str]:
         """The jobs waiting for the decode of `key` (to end if filing it breaks)."""
-        item = self.cache.items.get(key)
-        return [job.job_id for job in item.waiters] if item is not None else []
+        return [job.job_id for job in self.cache.waiters.get(key, ())]
 

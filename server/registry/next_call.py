@@ -25,9 +25,8 @@ class Batch:
     labels: list[int]
     offsets: list[int]
     failed: list[tuple[int, str, str]]  # (item id, relative path, reason)
-    lengths: list[int] = field(default_factory=list)  # bytes of each item
-    shapes: list[tuple[int, ...]] = field(default_factory=list)
-    dtypes: list[str] = field(default_factory=list)
+    # each item's (bytes, shape, dtype name): `Item.form`, shared by the items of one form
+    forms: list[tuple[int, tuple[int, ...], str]] = field(default_factory=list)
     checksums: list[int] = field(default_factory=list)  # zlib.crc32 of each item's bytes
     # The rank holds more handed-out, unacknowledged copies than its share allows: its reader
     # must copy these items out and acknowledge them at once, not hand them on (NextResponse).
@@ -37,6 +36,11 @@ class Batch:
     waiting: str = ""
     rank_never_read: bool = False
     waiting_s: float = 0.0
+
+    @property
+    def lengths(self) -> list[int]:
+        """Each item's size in bytes."""
+        return [form[0] for form in self.forms]
 
 
 @dataclass(frozen=True)

@@ -306,14 +306,15 @@ class NextProtocol(RegistryState):
         for position, entry in candidates:
             item = cache.items[entry.key]
             if (entry.epoch != epoch or item.state is not ItemState.FAILED
-                    or now - item.failed_s < cache.retry_failed_s or cache.quarantined(item)
+                    or now - cache.failed_at[entry.key] < cache.retry_failed_s or cache.quarantined(item)
                     or not _within(rank, epoch, position, limit)):
                 continue  # (not due: `retry_due` would refuse it, so the walk is spared)
+            failed_s = cache.failed_at[entry.key]
             if cache.retry_due(item, now):
                 entry.rechecked = True
-                item.waiters.append(job)
+                cache.add_waiter(item, job)
                 logger.info("source %s: item %d failed %.1f s ago; decoding it again for job %s",
-                            job.source.name, entry.item_id, now - item.failed_s, job.job_id)
+                            job.source.name, entry.item_id, now - failed_s, job.job_id)
 
     def _count_ready(self, rank: Rank, epoch: int, limit: int) -> int:
         """How many items at the head of the queue (of `epoch`, up to `limit`) can be taken:
@@ -346,7 +347,7 @@ class NextProtocol(RegistryState):
         ready, failed_state = ItemState.READY, ItemState.FAILED
         job_id, outstanding = job.job_id, pass_.outstanding
         item_ids, labels, offsets = batch.item_ids, batch.labels, batch.offsets
-        lengths, shapes, dtypes, checksums = batch.lengths, batch.shapes, batch.dtypes, batch.checksums
+        forms, checksums = batch.forms, batch.checksums
         taken = 0  # items and failures in the batch
         pinned = rank.pinned  # a property (it keeps a low-water mark): set once, after the loop
         try:
@@ -359,12 +360,8 @@ class NextProtocol(RegistryState):
                 state = item.state
                 if state is ready:
                     delivered.append(key)
-                    item_id = entry.item_id
-                    item_ids.append(item_id)
-                    lengths.append(item.nbytes)
-                    shapes.append(item.shape)
-                    dtypes.append(item.dtype)
-                    outstanding[key] = outstanding.get(key, 0) + 1  # the queue's pin now covers the handed-out copy
+                    item_ids.append(entry.item_id)
+                    forms.append(item.form)
                 elif state is failed_state:
                     batch.failed.append((entry.item_id, source.listing.paths[entry.item_id], source.failed[entry.item_id]))
                     cache.release(key)
@@ -378,6 +375,7 @@ class NextProtocol(RegistryState):
             rank.pinned = pinned
             rank.handed_out += len(delivered)
             book.popped_many(taken, epoch)
+            outstanding.update(delivered)  # the queue's pins now cover the handed-out copies (a C loop)
             reused, shared = cache.deliver_ready(job_id, delivered)  # shared: another job's decode
         if isinstance(source_labels, np.ndarray):  # one gather, not an indexing and int() per item
             labels.extend(source_labels[item_ids].tolist())

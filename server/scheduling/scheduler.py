@@ -293,7 +293,7 @@ class Scheduler:
                 if item.state.settled:
                     settled = True
                 else:
-                    item.waiters.append(job)  # woken when it settles
+                    cache.add_waiter(item, job)  # woken when it settles
             if hits:
                 cache.want_ready(hits, ahead)
                 hits, settled = [], True
@@ -527,7 +527,10 @@ class Scheduler:
             if consumed:  # the pick left the job's remaining set: a cached copy has one reference less
                 self._cache.consume_unqueued(job.source, item_id)
             return
-        key = job.source.key_base + item_id
+        base = job.source.key_base
+        # NOTE: with base 0 (the first source) the key is the item id's own int object: an int
+        # is 32 bytes, and a warm queue holds tens of thousands of entries.
+        key = base + item_id if base else item_id
         rank.queue.append(Entry(share.epoch, item_id, key))
         # A pick that left the remaining set for the queue keeps its reference (NOTE [ Planned
         # reads ]); a padding copy adds one.

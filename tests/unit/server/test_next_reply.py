@@ -13,9 +13,9 @@ from joader.server.service import _response
 
 def _model(batch: Batch) -> tuple[list[int], list[int], list[int]]:
     dims: list[int] = []
-    for shape in batch.shapes:
+    for _, shape, _ in batch.forms:
         dims.extend(shape)
-    return dims, [len(shape) for shape in batch.shapes], [DTYPE_CODES[d] for d in batch.dtypes]
+    return dims, [len(shape) for _, shape, _ in batch.forms], [DTYPE_CODES[d] for _, _, d in batch.forms]
 
 
 def test_repeated_fields_match_the_per_item_loop() -> None:
@@ -27,9 +27,9 @@ def test_repeated_fields_match_the_per_item_loop() -> None:
         shape, dtype = rng.choice(shapes), rng.choice(list(DTYPE_CODES))
         batch = Batch(
             rng.randrange(1, 4), False, list(range(n)), [0] * n, list(range(0, 64 * n, 64)), [],
-            lengths=[64] * n,
-            shapes=[shape if uniform else rng.choice(shapes) for _ in range(n)],
-            dtypes=[dtype if uniform or rng.random() < 0.5 else rng.choice(list(DTYPE_CODES)) for _ in range(n)],
+            forms=[(64 if uniform else rng.choice([64, 48]),
+                    shape if uniform else rng.choice(shapes),
+                    dtype if uniform or rng.random() < 0.5 else rng.choice(list(DTYPE_CODES))) for _ in range(n)],
             checksums=[7] * n,
         )
         reply = _response(batch, "arena")
@@ -37,3 +37,4 @@ def test_repeated_fields_match_the_per_item_loop() -> None:
         assert isinstance(reply, joader_pb2.NextResponse)
         assert (list(reply.dims), list(reply.ndims), list(reply.dtypes)) == (dims, ndims, codes)
         assert list(reply.item_ids) == batch.item_ids and list(reply.offsets) == batch.offsets
+        assert list(reply.lengths) == [form[0] for form in batch.forms]

@@ -4,6 +4,7 @@ item's footprint ] in records.py)."""
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -120,23 +121,33 @@ def test_what_a_job_received_goes_with_the_job() -> None:
     assert cache.deliver("later", source.key_base) == (False, True)
 
 
-def test_cached_items_share_their_shape_dtype_and_due_time() -> None:
+def test_cached_items_share_their_form_and_due_time() -> None:
     cache, source = _cached(range(3))
     first, second = (cache.items[source.key_base + i] for i in range(2))
-    assert first.shape == (1, 1, NBYTES) and first.dtype == "uint8"
-    assert first.shape is second.shape and first.dtype is second.dtype
+    assert first.shape == (1, 1, NBYTES) and first.dtype == "uint8" and first.nbytes == NBYTES
+    assert first.form is second.form
     assert first.due_s is NEVER_DUE and second.due_s is NEVER_DUE
     assert first.key is next(key for key in cache.items if key == first.key)  # the dict's own int
 
 
-def test_an_items_waiters_list_exists_only_while_someone_waits() -> None:
-    item = Item(Source("s", SimpleNamespace(paths=["x"], labels=[0]), None, 7, seed=1), 0)
-    assert item.key == 7 and item._waiters is None
-    job = object()
-    item.waiters.append(job)  # type: ignore[arg-type]
-    assert item.waiters == [job]
-    item.waiters = []
-    assert item._waiters is None and item.waiters == []
+def test_an_items_waiters_exist_only_while_someone_waits() -> None:
+    """Who waits for an item is an entry of the cache's `waiters` from the first waiter until it
+    settles, or until it is dropped unwanted: not a slot of every item (NOTE [ An item's footprint ])."""
+    cache = ItemCache(4 * NBYTES, retry_failed_s=60.0, clock=lambda: 0.0)
+    listing = SimpleNamespace(paths=[f"{i}.jpg" for i in range(4)], labels=[0] * 4)
+    source = Source("s", listing, SimpleNamespace(name="fixed", spec=ItemSpec.fixed((1, 1, NBYTES), "uint8")), 7, seed=1)
+    first = cache.want(source, 0, 1, consumed=False)
+    second = cache.want(source, 1, 2, consumed=False)
+    job, other = object(), object()
+    cache.add_waiter(first, job)
+    cache.add_waiter(first, other)
+    cache.add_waiter(second, job)
+    assert cache.waiters == {7: [job, other], 8: [job]}
+    assert cache.take_waiters(7) == [job, other] and cache.take_waiters(7) == []
+    cache.release(8)  # every job that wanted it left: dropped at the next dispatch, its waiters with it
+    cache.dispatch(_Pool(), 1 << 20, lambda source: 0)
+    assert 8 not in cache.items and cache.waiters == {}
+    assert sys.getsizeof(first) <= 80  # six slots with the object's and the GC's headers
 
 
 class _NoWalk(dict):  # type: ignore[type-arg]

@@ -70,7 +70,7 @@ def _books(registry: Registry) -> tuple[Any, ...]:
     registry.check_invariants()
     cache = registry.cache
     items = {key: (item.state.name, item.pins, item.shape, item.dtype, item.nbytes, item.checksum,
-                   sorted(job.name for job in item.waiters), cache.policy.refcount(key) if key in cache.policy else None)
+                   sorted(job.name for job in cache.waiters.get(key, ())), cache.policy.refcount(key) if key in cache.policy else None)
              for key, item in cache.items.items()}
     text = json.dumps(registry.status(), sort_keys=True, default=str)
     for job in registry.jobs.jobs.values():

@@ -34,6 +34,11 @@ class FakeCache:
         self.items_retried = 0
         self.decode_failures = 0
         self.quarantine: set[int] = set()
+        self.failed_at: dict[int, float] = {}  # `ItemCache.failed_at`: FAILED items only
+        self.waiters: dict[int, list[Any]] = {}
+
+    def add_waiter(self, item: Item, job: Any) -> None:
+        self.waiters.setdefault(item.key, []).append(job)
 
     @property
     def num_failed(self) -> int:
@@ -43,10 +48,11 @@ class FakeCache:
         return item.key in self.quarantine
 
     def retry_due(self, item: Item, due_s: float) -> bool:
-        if (item.state is not ItemState.FAILED or self._clock() - item.failed_s < self.retry_failed_s
+        if (item.state is not ItemState.FAILED or self._clock() - self.failed_at[item.key] < self.retry_failed_s
                 or self.quarantined(item)):
             return False
         item.move(ItemState.WAITING)
+        del self.failed_at[item.key]
         self.items_retried += 1
         return True
 
@@ -112,7 +118,7 @@ def reference_recheck_failures(protocol: NextProtocol, job: Any, rank: Rank, epo
         item = items[entry.key]
         if item.state is ItemState.FAILED and not entry.rechecked and protocol.cache.retry_due(item, now):
             entry.rechecked = True
-            item.waiters.append(job)
+            protocol.cache.add_waiter(item, job)
 
 
 class World:
@@ -145,8 +151,9 @@ class World:
             for _ in range(min(args[0], len(rank.queue) - rank.pinned)):
                 entry = rank.queue[rank.pinned]
                 item = entry.item = self.item(entry.key)  # `Scheduler.pin_ahead` sets `Entry.item`
-                if item.state is ItemState.FAILED and self.now - item.failed_s >= RETRY_S:
+                if item.state is ItemState.FAILED and self.now - cache.failed_at[item.key] >= RETRY_S:
                     item.move(ItemState.WAITING)  # `ItemCache.want` retries it
+                    del cache.failed_at[item.key]
                     cache.items_retried += 1
                 rank.pinned += 1
         elif kind == "unpin":
@@ -167,12 +174,13 @@ class World:
                 item.move(ItemState.READY)
             else:
                 item.move(ItemState.FAILED)
-                item.failed_s = self.now
+                cache.failed_at[key] = self.now
                 cache.decode_failures += 1
         elif kind == "retry":  # another job's round picked a failed item again
             item = cache.items.get(args[0])
             if item is not None and item.state is ItemState.FAILED:
                 item.move(ItemState.WAITING)
+                del cache.failed_at[item.key]
                 cache.items_retried += 1
         elif kind == "clock":
             self.now += args[0]
@@ -201,7 +209,8 @@ class World:
     def state(self) -> tuple[Any, ...]:
         return (
             [(e.epoch, e.key, e.rechecked) for e in self.rank.queue], self.rank.pinned,
-            sorted((k, i.state.name, i.failed_s, len(i.waiters)) for k, i in self.cache.items.items()),
+            sorted((k, i.state.name, self.cache.failed_at.get(k), len(self.cache.waiters.get(k, ())))
+                   for k, i in self.cache.items.items()),
             self.cache.items_retried,
         )
 
