@@ -12,6 +12,10 @@ _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 HEAP_MMAP_THRESHOLD = 32 << 20  # allocations below this come from the heap (a 2000x1500 RGB image is 9 MB)
 HEAP_TRIM_THRESHOLD = 64 << 20  # free heap kept for the next decode, at most
+# joaderd's main process: arrays of 256 KiB and more (an epoch start's arrays of every cached
+# item) are mapped and unmapped, and free heap above 1 MiB goes back (`one_arena`)
+MAIN_MMAP_THRESHOLD = 256 << 10
+MAIN_TRIM_THRESHOLD = 1 << 20
 
 
 def _mallopt(*settings: tuple[int, int]) -> bool:
@@ -41,7 +45,8 @@ def keep_heap() -> None:
 
 
 def one_arena() -> None:
-    """The threads created from now on allocate from the main thread's heap: call before any.
+    """The threads created from now on allocate from the main thread's heap, whose thresholds are
+    fixed: call before any thread starts.
 
     NOTE: glibc gives each thread that allocates its own arena (up to 8 per core). joaderd's
     scheduler thread pins a rank's queue in bulk with numpy (`RefCntPolicy.pin_many`), many
@@ -50,5 +55,14 @@ def one_arena() -> None:
     memory after 3 warm epochs of 128k items was 475 bytes per cached item, 429 with one arena
     (after the first epoch, issue 37's figure: 425 and 406). The cost is contention on one
     arena's lock; gRPC's own threads allocate outside the GIL. Measured once, 128k items warm:
-    10.4 us of main CPU per delivery with one arena, 10.0 without (within the host's noise)."""
-    _mallopt((_M_ARENA_MAX, 1))
+    10.4 us of main CPU per delivery with one arena, 10.0 without (within the host's noise).
+
+    NOTE: glibc's thresholds adapt: once an array above the mmap threshold (128 KiB at first) is
+    freed, the threshold rises to its size and the trim threshold to twice that. An epoch start
+    (`RefCntPolicy.add_refcounts` over every cached item) makes arrays of a few MB; after the
+    first, such arrays came from the heap, and what they left free stayed with the process: at
+    the end of warm epochs of 128k items, 376 to 409 bytes per cached item, changing from one
+    epoch to the next. Fixed thresholds (which turn the adaptation off) map them and give them
+    back: 355 to 360 at every epoch's end (348 after the first). They cost a map and its page
+    faults for each such array: a few per epoch start."""
+    _mallopt((_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, MAIN_MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, MAIN_TRIM_THRESHOLD))
