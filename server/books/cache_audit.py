@@ -8,6 +8,7 @@ jobs' queues and samplers, which are the truth. Both read the cache whole: O(ite
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -24,7 +25,7 @@ def resync(cache: ItemCache, expected_pins: dict[int, int], planned: dict[int, i
     it plus its planned reads). After a job whose bookkeeping broke was ended
     (`Registry._contain`), the counts it left behind are wrong; the jobs' queues and
     samplers are the truth. Returns how many items were corrected."""
-    cache.planned = {key: count for key, count in planned.items() if count}
+    cache.planned = Counter({key: count for key, count in planned.items() if count})
     corrected = 0
     policy = cache.policy
     for key, item in cache.items.items():

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+from collections import Counter
 from array import array
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -82,7 +83,7 @@ class ItemCache:
         # epochs (lookahead); and what became of every requested decode.
         # key -> the queue entries that hold it (pinned or not): its planned reads. A READY item's
         # refcount counts them beside the jobs that still need it (NOTE [ Planned reads ]).
-        self.planned: dict[int, int] = {}
+        self.planned: Counter[int] = Counter()  # (a Counter: `plan_many` adds in one C loop)
         self.lookups = Lookups()
         self.lookahead = Lookups()
         self.evictions = 0
@@ -219,6 +220,11 @@ class ItemCache:
         item = self.items.get(key)
         if item is not None and item.state is ItemState.READY:
             self.policy.add_refcount(key, 1)
+
+    def plan_many(self, keys: list[int]) -> None:
+        """`plan(key, moved=True)` for each of `keys`: picks that left their jobs' remaining sets
+        for their queues (a batch's drawn rounds: `Scheduler._deal_drawn`)."""
+        self.planned.update(keys)
 
     def unplan(self, key: int) -> None:
         """A queue entry of `key` left its queue (handed out, skipped or dropped)."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import deque
+from itertools import repeat
 from collections.abc import Callable
 
 from pyroaring import BitMap
@@ -432,35 +433,52 @@ class Scheduler:
     def _drawn_rounds(self, source: Source, jobs: dict[str, Job], participants: list[str], rounds: int,
                       books: _BatchBooks) -> int:
         """A batch whose length was known before its first round (`_rounds_ahead`): its rounds
-        drawn in one call (`DependentSampler.sample_rounds`), then dealt in order as
-        `_one_round` deals. A job whose books break is reported and dealt nothing more; the
-        others' picks of the later rounds, drawn already, are still dealt (left undealt, they
-        would be lost to their epochs). Returns the rounds run."""
+        drawn in one call (`DependentSampler.sample_rounds`), then each job's picks dealt in
+        round order at once (`_deal_drawn`). A job whose books break is reported and dealt
+        nothing; the others' picks are still dealt (left undealt, they would be lost to their
+        epochs). Returns the rounds run."""
         sampler = source.sampler
+        left = {job_id: sampler.num_remaining(job_id) for job_id in participants}  # before the draws
         drawn = sampler.sample_rounds(participants, rounds)
-        for job_id in participants:  # what `_deal` counts down from: before this batch's draws
-            books.left[job_id] = sampler.num_remaining(job_id) + len(drawn)
-        broken: set[str] = set()
-        last = len(drawn) - 1
-        for index, picks in enumerate(drawn):
+        for picks in drawn:
             if picks.keys() != books.participants:  # as in `_one_round`
                 raise InvariantError(f"a round for {sorted(participants)} gave picks to {sorted(picks)}")
             books.count(picks)
-            for job_id, item_id in picks.items():
-                if job_id in broken:
-                    continue
-                try:
-                    if self._deal(jobs[job_id], item_id, books.left) and index < last:
-                        # `_rounds_ahead` ends a batch with the round that ends an epoch: the
-                        # job's next picks, drawn from a new epoch, were not opened for it.
-                        raise InvariantError(f"job {job_id}: its sampler epoch ended in round {index + 1} "
-                                             f"of a batch of {len(drawn)}")
-                except Exception as error:
-                    if not is_bookkeeping_error(error):
-                        raise
-                    self.broken.append((job_id, error))
-                    broken.add(job_id)
+        for job_id in participants:
+            try:
+                self._deal_drawn(jobs[job_id], [picks[job_id] for picks in drawn], left[job_id])
+            except Exception as error:
+                if not is_bookkeeping_error(error):
+                    raise
+                self.broken.append((job_id, error))
         return len(drawn)
+
+    def _deal_drawn(self, job: Job, item_ids: list[int], left: int) -> None:
+        """`_deal` for each of a drawn batch's picks of `job`, in round order, at once: what
+        `_rounds_ahead` made sure of (world size 1, the rank open, its share not dealt out,
+        the epoch not over before the batch's last round) makes every pick an entry of the
+        rank's queue and a planned read, and no pick a drop. `left`: the job's picks left in its
+        sampler epoch before the batch."""
+        share = job.shares[job.sampler_epoch]
+        rank = job.ranks[0]
+        count = len(item_ids)
+        if job.world_size != 1 or rank.closed or share.target[0] - share.assigned[0] < count or left < count:
+            raise InvariantError(
+                f"job {job.job_id}: a drawn batch of {count} rounds for world size {job.world_size}, rank "
+                f"{'closed' if rank.closed else 'open'}, {share.target[0] - share.assigned[0]} undealt, {left} left")
+        share.assigned[0] += count
+        if not share.head:
+            share.head.append(item_ids[0])
+        base = job.source.key_base
+        keys = [base + item_id for item_id in item_ids] if base else item_ids  # (NOTE in `_enqueue`)
+        rank.queue.extend(map(Entry, repeat(share.epoch, count), item_ids, keys))
+        self._cache.plan_many(keys)  # each pick moved from the remaining set to the queue (`_enqueue`)
+        if self._deferred_pins is None:
+            self.pin_ahead(job, rank, self._now)
+        else:
+            self._deferred_pins[id(rank)] = (job, rank)
+        if left == count:  # the batch's last round ended the job's sampler epoch
+            self._complete(job, share)
 
     def _plan(self, source: Source, queued: list[tuple[Job, int]], now: float) -> in_step.Plan:
         """Who takes part in this round, or whether it waits (server/scheduling/in_step.py)."""

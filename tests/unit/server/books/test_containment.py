@@ -26,17 +26,26 @@ def _two_jobs():  # type: ignore[no-untyped-def]
 def test_a_round_that_breaks_for_one_job_ends_that_job_and_the_others_read_on(
         monkeypatch: pytest.MonkeyPatch) -> None:
     registry, pool, a, b = _two_jobs()
-    enqueue = Scheduler._enqueue
+    enqueue, deal_drawn = Scheduler._enqueue, Scheduler._deal_drawn
     dealt = {"n": 0}
 
-    def broken(self, job, rank, share, item_id, *, consumed):  # type: ignore[no-untyped-def]
+    def count(job, picks: int) -> None:  # type: ignore[no-untyped-def]
         if job.name == "b":
-            dealt["n"] += 1
-            if dealt["n"] == 10:
+            before = dealt["n"]
+            dealt["n"] += picks
+            if before < 10 <= dealt["n"]:
                 raise InvariantError("cache policy: refcount of 7 would drop to -1 (injected)")
+
+    def broken(self, job, rank, share, item_id, *, consumed):  # type: ignore[no-untyped-def]
+        count(job, 1)
         enqueue(self, job, rank, share, item_id, consumed=consumed)
 
+    def broken_drawn(self, job, item_ids, left):  # type: ignore[no-untyped-def]
+        count(job, len(item_ids))  # (a batch of drawn rounds deals a job's picks at once)
+        deal_drawn(self, job, item_ids, left)
+
     monkeypatch.setattr(Scheduler, "_enqueue", broken)
+    monkeypatch.setattr(Scheduler, "_deal_drawn", broken_drawn)
     assert nxt(registry, b.job_id, 1, 4, []).item_ids == []  # b starts reading
     orders = [read_epoch(registry, pool, a.job_id, token=t) for t in (1, 2)]
     assert [sorted(order) for order in orders] == [list(range(30))] * 2
