@@ -228,12 +228,10 @@ class ItemCache:
 
     def unplan(self, key: int) -> None:
         """A queue entry of `key` left its queue (handed out, skipped or dropped)."""
-        count = self.planned.get(key, 0)
+        count = self.planned.pop(key, 0)  # (dict's own: a Counter's `del` is Python code)
         if count <= 0:
             raise InvariantError(f"item key {key}: a planned read ended that was never planned")
-        if count == 1:
-            del self.planned[key]
-        else:
+        if count > 1:
             self.planned[key] = count - 1
         item = self.items.get(key)
         if item is not None and item.state is ItemState.READY:
@@ -355,13 +353,12 @@ class ItemCache:
             return reused, shared
         reused, shared = self.recipients.deliver_many(job_id, got)
         planned = self.planned
+        pop = planned.pop  # dict's own methods: a Counter's `del` is Python code
         for key in keys:  # `unplan`'s count, inline (each key was planned: it was queued)
-            count = planned.get(key, 0)
+            count = pop(key, 0)
             if count <= 0:
                 raise InvariantError(f"item key {key}: a planned read ended that was never planned")
-            if count == 1:
-                del planned[key]
-            else:
+            if count > 1:
                 planned[key] = count - 1
         self.policy.add_refcounts(np.fromiter(keys, np.int64, len(keys)), -1)  # all READY
         return reused, shared
