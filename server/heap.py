@@ -12,9 +12,9 @@ _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 HEAP_MMAP_THRESHOLD = 32 << 20  # allocations below this come from the heap (a 2000x1500 RGB image is 9 MB)
 HEAP_TRIM_THRESHOLD = 64 << 20  # free heap kept for the next decode, at most
-# joaderd's main process: arrays up to 32 MiB come from the heap (glibc's own adaptive ceiling),
-# and free heap above 1 MiB at its top goes back to the kernel (`one_arena`)
-MAIN_MMAP_THRESHOLD = 32 << 20
+# joaderd's main process: arrays of 256 KiB and more (an epoch start's arrays of every cached
+# item) are mapped and unmapped, and free heap above 1 MiB at its top goes back (`one_arena`)
+MAIN_MMAP_THRESHOLD = 256 << 10
 MAIN_TRIM_THRESHOLD = 1 << 20
 
 
@@ -58,15 +58,14 @@ def one_arena() -> None:
     10.4 us of main CPU per delivery with one arena, 10.0 without (within the host's noise).
 
     NOTE: glibc's thresholds adapt: once an array above the mmap threshold (128 KiB at first) is
-    freed, the threshold rises to its size and the trim threshold to twice that, so free heap at
-    the top was kept up to twice the largest array ever freed. An epoch start
-    (`RefCntPolicy.add_refcounts` over every cached item) makes arrays of a few MB, and what they
-    left stayed with the process: at the end of warm epochs of 128k items, 85.0 to 88.9 MiB of
-    private memory (376 to 409 bytes per cached item), changing from one epoch to the next.
-    Fixed thresholds (which turn the adaptation off) keep such arrays in the heap, reused within
-    an operation, and give back what is free at its top beyond 1 MiB: 85.1 to 85.8 MiB at every
-    epoch's end. Mapping them instead (a 256 KiB mmap threshold) kept 81.6 to 83.1 MiB, but paid
-    a page fault for every page of every array: an attach and a close of a 640k-item job at
-    1.28M items cached cost the policy 55 ms of CPU against 35 (`RefCntPolicy.add_refcounts`
-    alone, half the items added and taken back)."""
+    freed, the threshold rises to its size and the trim threshold to twice that. An epoch start
+    (`RefCntPolicy.add_refcounts` over every cached item) makes arrays of a few MB; after the
+    first, such arrays came from the heap, and the holes they left stayed with the process: at
+    the end of warm epochs of 128k items, 84.3 to 88.9 MiB of private memory, changing from one
+    epoch to the next. Fixed thresholds (which turn the adaptation off) map such arrays and give
+    them back: 81.6 to 83.1 MiB. Keeping them in the heap with a fixed 1 MiB trim threshold
+    (the top trimmed, the holes not) measured 83.9 to 89.0 MiB, as with no setting. The cost of
+    mapping is a page fault for each page of each such array: a few per epoch start, and at an
+    attach and a close: for a 640k-item job with 1.28M items cached, 55 ms of the policy's CPU
+    against 35 (`RefCntPolicy.add_refcounts` alone, half the items added and taken back)."""
     _mallopt((_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, MAIN_MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, MAIN_TRIM_THRESHOLD))
