@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections import Counter
 from array import array
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 

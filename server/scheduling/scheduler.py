@@ -3,7 +3,7 @@
 A round runs, per source, whenever some job's next receiving rank has fewer queued items than
 its capacity (or its fill, beyond it where the cache has room: NOTE [ Filling for replies of
 several batches ] in registry.py); a turn runs such rounds in batches (NOTE [ Rounds in
-batches ]); every job whose receiving rank is below twice its capacity takes part, and, with
+batches ] in batches.py); every job whose receiving rank is below twice its capacity takes part, and, with
 `--plan-horizon`, so does a job that lags the others by no more than the cache can bridge (NOTE
 [ Planning a lagging job ahead ]), so jobs reading at about the same speed share nearly every round, and a slow job sits
 rounds out (it loses sharing, not speed). A job takes part once all its ranks attached and one
@@ -35,13 +35,12 @@ from __future__ import annotations
 import logging
 import random
 from collections import deque
-from itertools import repeat
 from collections.abc import Callable
+from itertools import repeat
 
 from pyroaring import BitMap
 
 from joader.errors import InvariantError
-from joader.sampling import DependentSampler
 from joader.server.books.containment import is_bookkeeping_error
 from joader.server.books.item_cache import ItemCache
 from joader.server.books.pacing import UNKNOWN_RATE, due_time
@@ -56,13 +55,20 @@ from joader.server.books.records import (
     Source,
 )
 from joader.server.scheduling import in_step
+from joader.server.scheduling.batches import (
+    BatchBooks,
+    alone,
+    fill,
+    goes_on,
+    rounds_ahead,
+    sharing_pairs,
+)
 
 logger = logging.getLogger(__name__)
 
 _SHARES_KEPT = 4  # epochs of a job whose split is remembered (the oldest pass still reading)
 # Per-pair sharing is counted in rounds of at most this many jobs: the count is quadratic in
 # the participants, and a round is a few microseconds of Python.
-MAX_PAIR_COUNTED_JOBS = 16
 PAIR_HISTORY = 256  # pairs of removed jobs whose counts status still shows
 READING_WITHIN_S = 0.5  # a job that asked for items within this long is reading (a hold waits for it)
 
@@ -93,7 +99,7 @@ class Scheduler:
 
     def add(self, job: Job) -> None:
         """A new job: its first epoch, `job.sampler_epoch`, covers its whole dataset."""
-        job.source.sampler.add_job(job.job_id, job.dataset, rng=job.rng, independent=_alone(job))
+        job.source.sampler.add_job(job.job_id, job.dataset, rng=job.rng, independent=alone(job))
         job.source.job_ids.append(job.job_id)
         self._cache.add_refcount(job.source, job.dataset, 1)
         self._open(job, job.sampler_epoch)
@@ -198,12 +204,12 @@ class Scheduler:
             targets.append(mine.target(count) if mine is not None else max(0, per - count))
         if remaining:
             sampler.add_job(job.job_id, job.dataset, remaining=remaining, rng=job.rng,
-                            independent=_alone(job))
+                            independent=alone(job))
             self._cache.add_refcount(source, remaining, 1)
             job.sampler_epoch = epoch
             self._open(job, epoch, targets)
         else:  # the checkpoint came after the epoch's last item: only padding may be owed
-            sampler.add_job(job.job_id, job.dataset, rng=job.rng, independent=_alone(job))
+            sampler.add_job(job.job_id, job.dataset, rng=job.rng, independent=alone(job))
             self._cache.add_refcount(source, job.dataset, 1)
             share = self._open(job, epoch, targets)
             self._now = self._clock()
@@ -307,7 +313,7 @@ class Scheduler:
 
     def run_round(self, source: Source, jobs: dict[str, Job], max_rounds: int = 1) -> int:
         """DSA rounds over the jobs of `source`, if some job's receiving rank runs low: up to
-        `max_rounds` of them with the same participants (NOTE [ Rounds in batches ]).
+        `max_rounds` of them with the same participants (NOTE [ Rounds in batches ] in batches.py).
         Returns how many ran (0: none was due)."""
         self.acting = ()
         now = self._now = self._clock()
@@ -338,7 +344,7 @@ class Scheduler:
         # Beyond its capacity only while nothing is being decoded (NOTE [ Filling for replies of
         # several batches ] in registry.py): a decoding reply takes no extra batch anyway.
         warm = not self._cache.decodes_in_flight()
-        if not any(length < _fill(job, warm) for job, length in queued):
+        if not any(length < fill(job, warm) for job, length in queued):
             return 0
         plan = self._plan(source, queued, now)
         if plan.hold:
@@ -350,11 +356,11 @@ class Scheduler:
             taking = [job for job, _ in queued if job.job_id in plan.participants]
             # A job sitting out below its capacity keeps single rounds going (its queue does
             # not change during the batch).
-            others_short = any(length < _fill(job, warm) for job, length in queued
+            others_short = any(length < fill(job, warm) for job, length in queued
                                if job.job_id not in plan.participants)
         self._deferred_pins = {} if batch else None
-        books = _BatchBooks(participants, _sharing_pairs(source, participants, jobs))
-        ahead = _rounds_ahead(taking, others_short, warm, max_rounds, source.sampler) \
+        books = BatchBooks(participants, sharing_pairs(source, participants, jobs))
+        ahead = rounds_ahead(taking, others_short, warm, max_rounds, source.sampler) \
             if batch and not empty else None
         done = 0
         try:
@@ -364,7 +370,7 @@ class Scheduler:
                 done += 1
                 if self._one_round(source, jobs, participants, empty if done == 1 else (), books):
                     break  # an epoch ended, or a job's books broke: the next batch decides anew
-                if not batch or done >= max_rounds or not _goes_on(taking, others_short, warm):
+                if not batch or done >= max_rounds or not goes_on(taking, others_short, warm):
                     break
         finally:
             books.flush()
@@ -374,32 +380,8 @@ class Scheduler:
         self.acting = ()
         return done
 
-    # NOTE [ Rounds in batches ]
-    # A round is one pick per participant, and its fixed costs (who takes part, the plan, the
-    # sampler's call, pinning each receiving rank's head) were most of the scheduler's main-
-    # process CPU per item (issue 37). A turn holds the lock for up to `rounds_per_lock`
-    # rounds, and no queue changes between them but by the rounds themselves. So, with the
-    # default plan (in_step's plans are made round by round), the rounds single ones would run
-    # in a row run as one batch with the first round's participants: `_goes_on` checks the
-    # rule after each (some job below its capacity, no participant at twice its capacity) at
-    # the cost of a length per participant; each rank that received picks pins its head once,
-    # after the batch, in pick order. A batch stops after a round that ends a participant's
-    # sampler epoch, so the next one starts the new epoch as a single round does. Nothing
-    # here looks at which items were drawn, so the participant lists still come from the past
-    # (the condition DSA's uniformity needs: joader/sampling/dependent.py); a unit test checks
-    # that batches leave every queue, pin and remaining set as single rounds do. Where every
-    # participant is of world size 1 (`_rounds_ahead`), a batch's length is known before its
-    # first round, from the queue lengths and what is left of the epochs (still the past): its
-    # rounds are drawn in one sampler call (`DependentSampler.sample_rounds`, the same draws as
-    # one call a round; a unit test checks that on twin samplers) and dealt in order, and
-    # `_goes_on` is not asked. In warm epochs a third of the rounds had one participant (jobs
-    # reading at different speeds sit rounds out), so a round's fixed cost was paid per pick. Filling
-    # queues further (to twice their capacity, for fewer calls per item) was tried: in a tight
-    # cache, a job that stops reading with its copies out then leaves the other jobs' fuller
-    # queues no slots for their next batch (test_next_protocol's `stops_reading` hung).
-
     def _one_round(self, source: Source, jobs: dict[str, Job], participants: list[str],
-                   empty: set[str] | tuple[()], books: _BatchBooks) -> bool:
+                   empty: set[str] | tuple[()], books: BatchBooks) -> bool:
         """One round: sample, count, start the participants' new epochs, deal. Returns whether
         a batch of rounds must stop after it (a sampler epoch ended, or a job broke)."""
         sampler = source.sampler
@@ -431,8 +413,8 @@ class Scheduler:
         return stop
 
     def _drawn_rounds(self, source: Source, jobs: dict[str, Job], participants: list[str], rounds: int,
-                      books: _BatchBooks) -> int:
-        """A batch whose length was known before its first round (`_rounds_ahead`): its rounds
+                      books: BatchBooks) -> int:
+        """A batch whose length was known before its first round (`rounds_ahead`): its rounds
         drawn in one call (`DependentSampler.sample_rounds`), then each job's picks dealt in
         round order at once (`_deal_drawn`). A job whose books break is reported and dealt
         nothing; the others' picks are still dealt (left undealt, they would be lost to their
@@ -455,7 +437,7 @@ class Scheduler:
 
     def _deal_drawn(self, job: Job, item_ids: list[int], left: int) -> None:
         """`_deal` for each of a drawn batch's picks of `job`, in round order, at once: what
-        `_rounds_ahead` made sure of (world size 1, the rank open, its share not dealt out,
+        `rounds_ahead` made sure of (world size 1, the rank open, its share not dealt out,
         the epoch not over before the batch's last round) makes every pick an entry of the
         rank's queue and a planned read, and no pick a drop. `left`: the job's picks left in its
         sampler epoch before the batch."""
@@ -511,7 +493,7 @@ class Scheduler:
     def _deal(self, job: Job, item_id: int, left: dict[str, int]) -> bool:
         """Deals this round's pick of `job` to its receiving rank (or drops it: drop_last).
         Returns whether that ended the job's sampler epoch. `left`: the job's picks left in
-        its sampler epoch after its previous pick of this batch (`_BatchBooks.left`)."""
+        its sampler epoch after its previous pick of this batch (`BatchBooks.left`)."""
         source = job.source
         share = job.shares[job.sampler_epoch]
         receiver = share.receiver()
@@ -558,100 +540,3 @@ class Scheduler:
             self.pin_ahead(job, rank, self._now)
         else:
             deferred[id(rank)] = (job, rank)  # pinned once the batch of rounds is over
-
-
-class _BatchBooks:
-    """What a batch of rounds with the same participants keeps as it goes (NOTE [ Rounds in
-    batches ]): the participants (every round's picks are for exactly them), their pairs'
-    counts (`_sharing_pairs`), added once the batch is over (`flush`), and each job's picks
-    left in its sampler epoch (`Scheduler._deal`)."""
-
-    __slots__ = ("all_shared", "left", "pairs", "participants", "rounds")
-
-    def __init__(self, participants: list[str], pairs: list[tuple[str, str, list[int]]]) -> None:
-        self.participants = frozenset(participants)
-        self.pairs = pairs
-        self.rounds = 0
-        self.all_shared = 0  # rounds that gave every participant the same item
-        self.left: dict[str, int] = {}
-
-    def count(self, picks: dict[str, int]) -> None:
-        """A round's picks: the pairs that got the same item shared it."""
-        self.rounds += 1
-        if len(set(picks.values())) == 1:  # in-step jobs, the usual round: every pair shared
-            self.all_shared += 1
-            return
-        for a, b, counts in self.pairs:
-            if picks[a] == picks[b]:
-                counts[1] += 1
-
-    def flush(self) -> None:
-        """Every pair took part in each round counted."""
-        for _, _, counts in self.pairs:
-            counts[0] += self.rounds
-            counts[1] += self.all_shared
-        self.rounds = self.all_shared = 0
-
-
-def _fill(job: Job, warm: bool) -> int:
-    """How far a round fills the job's receiving rank: its fill where the cache has room and
-    nothing is being decoded, else its capacity (`Job.queue_fill`)."""
-    return job.queue_fill if warm and job.queue_fill else job.queue_capacity
-
-
-def _rounds_ahead(taking: list[Job], others_short: bool, warm: bool, max_rounds: int,
-                  sampler: DependentSampler) -> int | None:
-    """The rounds a batch runs, known before its first (NOTE [ Rounds in batches ]), when every
-    participant is of world size 1, its rank not closed and its share not dealt out: each round
-    then adds one entry to each participant's queue, so what `_goes_on` answers after each round
-    follows from the lengths now; and a batch ends with the round that ends a participant's
-    sampler epoch. None otherwise: the batch asks `_goes_on` after each round."""
-    rounds = max_rounds
-    short = max_rounds if others_short else 0  # rounds until no job is below its fill
-    for job in taking:
-        rank = job.ranks[0]
-        share = job.shares[job.sampler_epoch]
-        undealt = share.target[0] - share.assigned[0]
-        if job.world_size != 1 or rank.closed or undealt <= 0:
-            return None
-        length = len(rank.queue)
-        rounds = min(rounds, 2 * job.queue_capacity - length, undealt, sampler.num_remaining(job.job_id))
-        short = max(short, _fill(job, warm) - length)
-    return max(1, min(rounds, short))
-
-
-def _goes_on(taking: list[Job], others_short: bool, warm: bool) -> bool:
-    """Whether the next single round would run with the same participants (NOTE [ Rounds in
-    batches ]): some job's receiving rank is below its capacity (`others_short`: one sitting
-    out), and none of the participants' has reached twice its capacity (it would sit out)."""
-    short = others_short
-    for job in taking:
-        receiver = job.shares[job.sampler_epoch].receiver()
-        length = len(job.ranks[receiver].queue) if receiver is not None else 0
-        capacity = job.queue_capacity
-        if length >= 2 * capacity:
-            return False
-        short = short or length < _fill(job, warm)
-    return short
-
-
-def _alone(job: Job) -> bool:
-    """Whether the job opted out of correlated orders (`Job.order`)."""
-    return job.order == "independent"
-
-
-def _sharing_pairs(source: Source, participants: list[str], jobs: dict[str, Job]) -> list[tuple[str, str, list[int]]]:
-    """The pairs a round of `participants` counts, each with its counts in `source.pair_rounds`
-    ([rounds both took part in, rounds that gave both one item]: the figure Theorem 1 bounds,
-    |D1 ∩ D2| / max(|D1|, |D2|)); made once per batch of rounds, which all have the same
-    participants. At most MAX_PAIR_COUNTED_JOBS jobs are counted (the pairs are quadratic).
-
-    NOTE [ Independent jobs share no round ]: a job with order="independent" draws alone (its
-    own stream, outside the chain; joader.sampling.dependent, "Independent jobs"), so it took
-    part in no round with anyone, even when its pick happens to equal another job's (it then
-    shares that decode, which the cache counts, not a round)."""
-    ids = sorted(job_id for job_id in participants if not _alone(jobs[job_id]))
-    if not 2 <= len(ids) <= MAX_PAIR_COUNTED_JOBS:
-        return []
-    counts = source.pair_rounds
-    return [(a, b, counts.setdefault((a, b), [0, 0])) for i, a in enumerate(ids) for b in ids[i + 1:]]

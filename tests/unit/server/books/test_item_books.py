@@ -11,7 +11,7 @@ import pytest
 from pyroaring import BitMap
 
 from joader.server.books.item_cache import ItemCache
-from joader.server.books.records import NEVER_DUE, Item, Source
+from joader.server.books.records import NEVER_DUE, Source
 from joader.stages import ItemSpec
 
 pytestmark = pytest.mark.timeout(60)
