@@ -1,5 +1,5 @@
 """One object per distinct value, for values held per cached item (NOTE [ An item's footprint ]
-in server/books/records.py): a shape tuple, a dtype string or a size int repeated for hundreds of
+in server/books/records.py): an item's form (its size, shape and dtype, one tuple) repeated for hundreds of
 thousands of items costs an object each unless they share one."""
 
 from __future__ import annotations

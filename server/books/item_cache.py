@@ -44,7 +44,7 @@ import logging
 from array import array
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 from pyroaring import AbstractBitMap, BitMap
@@ -62,8 +62,7 @@ from joader.server.books.records import NEVER_DUE, Item, ItemState, Source
 
 logger = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
-_MAX_SHARED = 1 << 16  # distinct shapes, dtypes and sizes shared between items (beyond: each its own)
+_MAX_SHARED = 1 << 16  # distinct forms (size, shape, dtype) shared between items (beyond: each its own)
 
 class ItemCache:
     """Items, pins, arena bytes and the RefCnt policy of one joaderd (see the module docstring)."""
@@ -118,8 +117,8 @@ class ItemCache:
         # a FAILED item last failed. A few items at a time: dicts, not a slot of every `Item`.
         self.waiters: dict[int, list[Any]] = {}
         self.failed_at: dict[int, float] = {}
-        # Shapes, dtypes and sizes of cached items, one object per distinct value (NOTE [ An item's
-        # footprint ] in records.py); at most _MAX_SHARED of them.
+        # The forms (size, shape, dtype) of cached items, one tuple per distinct form (`Item.form`,
+        # NOTE [ An item's footprint ] in records.py); at most _MAX_SHARED of them.
         self._shared_values = Interner(_MAX_SHARED)
 
     # ----------------------------------------------------------------------------- wanting
@@ -367,11 +366,6 @@ class ItemCache:
         """A job ended: its record of the copies it received goes (nothing grows with jobs)."""
         self.recipients.forget_job(job_id)
 
-    def _shared(self, value: _T) -> _T:
-        """One object per distinct shape, dtype or size (a tuple, a str and an int per item
-        were 146 bytes)."""
-        return self._shared_values.get(value)
-
     def add_refcount(self, source: Source, ids: AbstractBitMap, delta: int) -> None:
         """Every cached item of `ids` gains (or loses) `delta` references: a few bitmap and
         numpy operations however many items (`RefCntPolicy.add_refcounts`)."""
@@ -509,7 +503,7 @@ class ItemCache:
             watch.settled(key, item.item_id, ok)
         if ok and not capacity:  # cannot happen: a worker writes nothing without a range
             ok, error = False, f"the decode of item {item.item_id} reported bytes written without a range"
-        if ok:  # once per decode (issue 37): `_move`, `_shared` and `item_id` inline
+        if ok:  # once per decode (issue 37): `_move` and `item_id` inline
             item_id = key - source.key_base
             item.state = ItemState.READY  # DECODING -> READY: one item less not settled
             self._unsettled -= 1
