@@ -305,11 +305,12 @@ class NextProtocol(RegistryState):
         now = self._clock()
         for position, entry in candidates:
             item = cache.items[entry.key]
-            if (entry.epoch != epoch or item.state is not ItemState.FAILED
-                    or now - cache.failed_at[entry.key] < cache.retry_failed_s or cache.quarantined(item)
+            if entry.epoch != epoch or item.state is not ItemState.FAILED:
+                continue
+            failed_s = cache.failed_at[entry.key]
+            if (now - failed_s < cache.retry_failed_s or cache.quarantined(item)
                     or not _within(rank, epoch, position, limit)):
                 continue  # (not due: `retry_due` would refuse it, so the walk is spared)
-            failed_s = cache.failed_at[entry.key]
             if cache.retry_due(item, now):
                 entry.rechecked = True
                 cache.add_waiter(item, job)

@@ -19,9 +19,9 @@ participant is of world size 1 (`rounds_ahead`), a batch's length is known befor
 first round, from the queue lengths and what is left of the epochs (still the past): its
 rounds are drawn in one sampler call (`DependentSampler.sample_rounds`, the same draws as
 one call a round; a unit test checks that on twin samplers), each job's picks are dealt at
-once (`Scheduler._deal_drawn`), and
-`goes_on` is not asked. In warm epochs a third of the rounds had one participant (jobs
-reading at different speeds sit rounds out), so a round's fixed cost was paid per pick. Filling
+once (`Scheduler._deal_drawn`), and `goes_on` is not asked. In warm epochs a third of the
+rounds had one participant (jobs reading at different speeds sit rounds out), so a round's
+fixed cost was paid per pick. Filling
 queues further (to twice their capacity, for fewer calls per item) was tried: in a tight
 cache, a job that stops reading with its copies out then leaves the other jobs' fuller
 queues no slots for their next batch (test_next_protocol's `stops_reading` hung).
@@ -32,6 +32,8 @@ from __future__ import annotations
 from joader.sampling import DependentSampler
 from joader.server.books.records import Job, Source
 
+# Per-pair sharing is counted in rounds of at most this many jobs: the count is quadratic in
+# the participants, and a round is a few microseconds of Python.
 MAX_PAIR_COUNTED_JOBS = 16
 
 

@@ -67,8 +67,6 @@ from joader.server.scheduling.batches import (
 logger = logging.getLogger(__name__)
 
 _SHARES_KEPT = 4  # epochs of a job whose split is remembered (the oldest pass still reading)
-# Per-pair sharing is counted in rounds of at most this many jobs: the count is quadratic in
-# the participants, and a round is a few microseconds of Python.
 PAIR_HISTORY = 256  # pairs of removed jobs whose counts status still shows
 READING_WITHIN_S = 0.5  # a job that asked for items within this long is reading (a hold waits for it)
 
@@ -455,10 +453,7 @@ class Scheduler:
         keys = [base + item_id for item_id in item_ids] if base else item_ids  # (NOTE in `_enqueue`)
         rank.queue.extend(map(Entry, repeat(share.epoch, count), item_ids, keys))
         self._cache.plan_many(keys)  # each pick moved from the remaining set to the queue (`_enqueue`)
-        if self._deferred_pins is None:
-            self.pin_ahead(job, rank, self._now)
-        else:
-            self._deferred_pins[id(rank)] = (job, rank)
+        self._pin_after(job, rank)
         if left == count:  # the batch's last round ended the job's sampler epoch
             self._complete(job, share)
 
@@ -535,8 +530,12 @@ class Scheduler:
         # A pick that left the remaining set for the queue keeps its reference (NOTE [ Planned
         # reads ]); a padding copy adds one.
         self._cache.plan(key, moved=consumed)
+        self._pin_after(job, rank)
+
+    def _pin_after(self, job: Job, rank: Rank) -> None:
+        """The rank received picks: it pins its head now, or once the batch of rounds is over."""
         deferred = self._deferred_pins
         if deferred is None:
             self.pin_ahead(job, rank, self._now)
         else:
-            deferred[id(rank)] = (job, rank)  # pinned once the batch of rounds is over
+            deferred[id(rank)] = (job, rank)
