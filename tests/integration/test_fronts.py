@@ -78,5 +78,5 @@ def test_fronts_exit_with_a_joaderd_killed_9(demo_root: Path, start_joaderd: Any
     server.proc.wait()
     wait_for(lambda: _gone(fronts), 10, "the fronts to see their links close, exit and remove their sockets")
     # A killed joaderd's arena is its successor's to remove (tested elsewhere); any joaderd of a
-    # parallel test may have removed it already (stale arenas are swept at start and every minute).
+    # parallel test may have removed it already (stale arenas are swept at start and a few times after).
     Path(server.arena_path).unlink(missing_ok=True)
